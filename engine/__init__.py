@@ -1,0 +1,21 @@
+"""Microstep: a config-first PyTorch training engine with exact gradient accumulation."""
+
+from engine.batch_plan import BatchConfigError, BatchPlan, plan_from_config, resolve_batch_plan
+from engine.build import initialize
+from engine.config import Config, ConfigError, load_config
+from engine.engine import Engine, EngineUsageError
+from engine.microbatch import BatchError
+
+__all__ = [
+    "initialize",
+    "Engine",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "BatchPlan",
+    "BatchConfigError",
+    "resolve_batch_plan",
+    "plan_from_config",
+    "EngineUsageError",
+    "BatchError",
+]

@@ -1,0 +1,4 @@
+"""``python -m engine ...``: see ``engine.cli``."""
+from engine.cli import main
+
+raise SystemExit(main())

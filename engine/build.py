@@ -1,0 +1,109 @@
+"""``engine.initialize``: config → process group → plan → strategy → Engine."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.batch_plan import plan_from_config
+from engine.config import ConfigError, load_config
+from engine.engine import Engine, LossFn
+from engine.optim import OptimizerArg, build_optimizer, build_scheduler
+from engine.strategies import make_strategy
+
+log = logging.getLogger("engine")
+
+# Layers whose forward computes statistics over the batch dimension: with accumulation
+# they see one micro-batch, not the global batch.
+_BATCH_STATISTICS_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)
+
+
+def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None,
+               lr_scheduler: Any = None, loss_fn: LossFn | None = None,
+               overrides=None) -> Engine:
+    """Build an :class:`Engine` for ``model`` from ``config`` (a path, a dict or a Config).
+
+    ``optimizer``: an optimizer instance built on ``model.parameters()``, a factory
+    ``callable(params) -> Optimizer``, or None to build the config's ``optimizer`` section.
+    ``lr_scheduler``: a scheduler instance built on that optimizer, a factory
+    ``callable(optimizer) -> scheduler``, or None for the config's ``scheduler`` section.
+    ``overrides``: dotted ``key=value`` strings applied on top of ``config``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
+    config = load_config(config, overrides)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    strategy, world_size, rank = make_strategy(config)
+    plan = plan_from_config(config, world_size, rank)
+    _check_batch_statistics(model, config, plan.gradient_accumulation_steps)
+    strategy.setup(model, _materialise_optimizer(optimizer, model, config))
+    return Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn,
+                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
+
+
+def _materialise_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, config) -> torch.optim.Optimizer:
+    """An optimizer instance on the model's original parameters (strategies re-point it)."""
+    if optimizer is None:
+        if config.optimizer is None:
+            raise ConfigError([
+                "optimizer: no optimizer given: add an `optimizer: {type: AdamW, params: {lr: ...}}` "
+                "section to the config, or pass optimizer= to engine.initialize"
+            ])
+        return build_optimizer(config.optimizer, model.parameters())
+    if config.optimizer is not None:
+        log.warning("an optimizer was passed to engine.initialize; the config's optimizer section is ignored")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, a callable(params) -> Optimizer, or None; "
+                f"got {type(optimizer).__name__}"
+            )
+        optimizer = optimizer(model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not an Optimizer")
+    model_params = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params)
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {foreign} parameter(s) that are not the model's: build it on "
+            "model.parameters() of the model passed to engine.initialize"
+        )
+    return optimizer
+
+
+def _materialise_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, config):
+    if lr_scheduler is None:
+        return build_scheduler(config.scheduler, optimizer) if config.scheduler is not None else None
+    if config.scheduler is not None:
+        log.warning("an lr_scheduler was passed to engine.initialize; the config's scheduler section is ignored")
+    if hasattr(lr_scheduler, "step"):
+        if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("lr_scheduler was built on a different optimizer than the engine's")
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError(f"lr_scheduler must be a scheduler, a callable(optimizer), or None; got {type(lr_scheduler).__name__}")
+
+
+def _check_batch_statistics(model: torch.nn.Module, config, accumulation: int) -> None:
+    if accumulation == 1 or config.batch_statistics == "ignore":
+        return
+    names = [name or type(model).__name__ for name, m in model.named_modules()
+             if isinstance(m, _BATCH_STATISTICS_LAYERS) and m.training]
+    if not names:
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    message = (
+        f"the model has layers that compute statistics over the batch ({shown}); with "
+        f"gradient_accumulation_steps={accumulation} they see one micro-batch at a time, not the "
+        "global batch, so training differs from a full-batch run. Alternatives: GroupNorm or "
+        "LayerNorm (no batch statistics), SyncBatchNorm (statistics across ranks, still per "
+        "micro-batch), or accumulation 1. Set batch_statistics: ignore to silence this, or "
+        "batch_statistics: error to refuse such models."
+    )
+    if config.batch_statistics == "error":
+        raise ConfigError([f"batch_statistics: {message}"])
+    log.warning(message)

@@ -1,0 +1,356 @@
+"""The config schema and ``load_config``.
+
+A config comes from YAML, DeepSpeed-style JSON, a Colossal-AI style Python file, a dict or
+an existing ``Config``, optionally with ``--set key.path=value`` overrides. Loading goes:
+read → aliases to canonical names → DeepSpeed-only keys into ``deepspeed_extras`` →
+overrides → unknown keys → pydantic types. Every problem found on the way is collected
+and raised together as one ``ConfigError``. Batch numbers are checked later, against a
+world size, by ``engine.batch_plan``.
+
+New sections (checkpointing, monitoring, ...) are added as a ``Section`` subclass and a
+field on ``Config``; unknown-key checks and error locations follow automatically.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+import warnings
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
+
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
+                      ValidationError, field_validator)
+
+from engine.config_loaders import ConfigError, KeyPath, RawConfig, parse_scalar, read_file
+
+__all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
+
+ALIASES = {
+    "gradient_accumulation": "gradient_accumulation_steps",  # Colossal-AI
+    "batch_size": "train_batch_size",  # Cerebras (global)
+    "micro_batch_size": "train_micro_batch_size_per_gpu",  # Cerebras
+    "per_device_train_batch_size": "train_micro_batch_size_per_gpu",  # Hugging Face
+    "bfloat16": "bf16",  # DeepSpeed's other spelling
+}
+
+# Top-level DeepSpeed keys Microstep itself does not use: kept for the DeepSpeed backend.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
+    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "seq_parallel_communication_data_type",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+    "checkpoint", "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
+    "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
+    "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
+    "sparse_attention", "pipeline", "tensor_parallel", "hybrid_engine", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
+    "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
+    "disable_python_gc", "expert_parallel",
+})
+
+# Keys DeepSpeed accepts under zero_optimization besides the ones modelled below.
+DEEPSPEED_ZERO_KEYS = frozenset({
+    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "overlap_comm", "use_multi_rank_bucket_allreduce",
+    "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
+    "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "round_robin_gradients", "ignore_unused_parameters",
+    "legacy_stage1", "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
+    "leaf_module", "mics_shard_size", "mics_hierarchical_params_gather",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+})
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+def _micro_batch_size(value):
+    if value in ("auto", "explore") or (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise ValueError(f"expected a positive integer, 'auto' or 'explore', got {value!r}")
+
+
+MicroBatchSize = Annotated[Union[int, Literal["auto", "explore"]],
+                           PlainValidator(_micro_batch_size)]
+
+
+class Section(BaseModel):
+    """A config section: strict types; keys outside the fields and ``deepspeed_keys`` are
+    errors. Sections with ``deepspeed_keys`` keep those keys as pydantic extras."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    deepspeed_keys: ClassVar[frozenset[str]] = frozenset()
+
+
+class _DeepSpeedSection(Section):
+    model_config = ConfigDict(extra="allow")
+
+
+class OptimizerConfig(Section):
+    type: str  # resolved to a class by the engine
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(Section):
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ZeroConfig(_DeepSpeedSection):
+    stage: Annotated[int, Field(ge=0, le=3)] = 0
+    # Reduce gradients after every micro-step (saves memory under ZeRO-2/3, costs traffic).
+    reduce_every_micro_step: bool = False
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_ZERO_KEYS
+
+
+class FP16Config(_DeepSpeedSection):
+    enabled: bool = False
+    loss_scale: Annotated[float, Field(ge=0)] = 0.0  # 0 = dynamic loss scaling
+    initial_scale_power: Annotated[int, Field(ge=0)] = 16
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    min_loss_scale: PositiveFloat = 1.0
+    deepspeed_keys: ClassVar[frozenset[str]] = frozenset(
+        {"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})
+
+
+class BF16Config(_DeepSpeedSection):
+    enabled: bool = False
+    deepspeed_keys: ClassVar[frozenset[str]] = frozenset(
+        {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+         "bf16_optimizer_states"})
+
+
+class DistributedConfig(Section):
+    timeout_seconds: PositiveFloat = 1800.0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class Config(BaseModel):
+    """A validated Microstep config. Build it with ``load_config``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    train_batch_size: Optional[PositiveInt] = None
+    train_micro_batch_size_per_gpu: Optional[MicroBatchSize] = None
+    gradient_accumulation_steps: Optional[PositiveInt] = None
+    batch_split: Literal["strict", "balanced"] = "strict"
+    auto_max: Optional[PositiveInt] = None  # largest micro size auto / explore may try
+    auto_memory_limit: Optional[PositiveFloat] = None  # bytes if > 1, else device fraction
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # max global norm; 0 = off
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    backend: Literal["torch", "deepspeed"] = "torch"
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
+    seed: Optional[Annotated[int, Field(ge=0)]] = None
+    batch_statistics: Literal["warn", "error", "ignore"] = "warn"
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    constants: dict[str, Any] = Field(default_factory=dict)
+    deepspeed_extras: dict[str, Any] = Field(default_factory=dict)
+
+    _source: str = PrivateAttr(default="<Config>")
+
+    @field_validator("bf16")
+    @classmethod
+    def _one_half_precision(cls, bf16: BF16Config, info):
+        fp16 = info.data.get("fp16")
+        if bf16.enabled and fp16 is not None and fp16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return bf16
+
+    @property
+    def source(self) -> str:
+        """Where this config came from (a path, ``<dict>``); not part of ``to_dict``."""
+        return self._source
+
+    def to_dict(self) -> dict:
+        """The canonical plain dict: every key, defaults included, aliases resolved."""
+        return self.model_dump()
+
+
+def load_config(source, overrides=None) -> Config:
+    """Load and validate a config.
+
+    `source`: a path (.yaml/.yml/.json/.py), a dict, or a ``Config`` (returned as-is
+    without overrides). `overrides`: ``["zero_optimization.stage=2", ...]`` (values read
+    as YAML scalars) or ``{"zero_optimization.stage": 2}``. Raises ``ConfigError``.
+    """
+    if isinstance(source, Config):
+        if not overrides:
+            return source
+        raw = RawConfig(source.to_dict(), source.source)
+    elif isinstance(source, dict):
+        raw = RawConfig(copy.deepcopy(source), "<dict>")
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_file(source)
+    else:
+        raise ConfigError(f"config must be a path, a dict or an engine.Config, "
+                          f"got {type(source).__name__}")
+
+    problems: list[str] = []
+    _resolve_aliases(raw, problems)
+    _collect_deepspeed_keys(raw)
+    _apply_overrides(raw, overrides, problems)
+    _drop_unknown_keys(raw, Config, (), raw.data, problems)
+    try:
+        config = Config.model_validate(raw.data)
+    except ValidationError as error:
+        problems += [_describe(raw, detail) for detail in error.errors()]
+    if problems:
+        raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
+    config._source = raw.source
+    if config.backend == "torch" and config.deepspeed_extras:
+        warnings.warn(
+            f"{config.source}: DeepSpeed setting(s) {', '.join(sorted(config.deepspeed_extras))}"
+            " are not used by the torch backend; they are kept in config.deepspeed_extras "
+            "(set backend: deepspeed to use them)", UserWarning, stacklevel=2)
+    return config
+
+
+# -- normalising ------------------------------------------------------------------------
+def _resolve_aliases(raw: RawConfig, problems: list[str]) -> None:
+    data = raw.data
+    for alias, canonical in ALIASES.items():
+        if alias not in data:
+            continue
+        value = data.pop(alias)
+        if canonical in data and data[canonical] != value:
+            problems.append(f"{raw.where((alias,))}: {alias}: {value!r} conflicts with "
+                            f"{canonical}: {data[canonical]!r} ({alias} is another name for "
+                            f"{canonical}; keep one)")
+            continue
+        data[canonical] = value
+        raw.move((alias,), (canonical,))
+
+
+def _collect_deepspeed_keys(raw: RawConfig) -> None:
+    extras = raw.data.setdefault("deepspeed_extras", {})
+    if not isinstance(extras, dict):
+        return  # reported as a type error by the schema
+    for key in [k for k in raw.data if k in DEEPSPEED_TOP_LEVEL_KEYS]:
+        extras[key] = raw.data.pop(key)
+        raw.move((key,), ("deepspeed_extras", key))
+
+
+def _canonical_path(path: KeyPath) -> KeyPath:
+    head = ALIASES.get(path[0], path[0])
+    if head in DEEPSPEED_TOP_LEVEL_KEYS:
+        return ("deepspeed_extras", head) + path[1:]
+    return (head,) + path[1:]
+
+
+def _parse_overrides(overrides, problems: list[str]) -> list[tuple[KeyPath, Any]]:
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for text in [overrides] if isinstance(overrides, str) else overrides:
+            key, equals, value = str(text).partition("=")
+            if not equals:
+                problems.append(f"--set: {text!r}: expected key.path=value")
+                continue
+            items.append((key, parse_scalar(value.strip())))
+    parsed = []
+    for key, value in items:
+        path = tuple(part.strip() for part in str(key).split("."))
+        if not all(path):
+            problems.append(f"--set: {key!r}: malformed key path")
+            continue
+        parsed.append((_canonical_path(path), value))
+    return parsed
+
+
+def _apply_overrides(raw: RawConfig, overrides, problems: list[str]) -> None:
+    for path, value in _parse_overrides(overrides or [], problems):
+        node = raw.data
+        for depth, key in enumerate(path[:-1]):
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+            if not isinstance(node, dict):
+                problems.append(f"--set: {'.'.join(path)}: {'.'.join(path[:depth + 1])} is "
+                                f"{type(node).__name__}, not a section with keys")
+                break
+        else:
+            node[path[-1]] = value
+            raw.forget(path)
+            raw.locations[path] = "--set"
+
+
+# -- checking ---------------------------------------------------------------------------
+def _section_model(annotation) -> Optional[type[BaseModel]]:
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, data,
+                       problems: list[str]) -> None:
+    """Report and remove unknown keys, so the schema reports only type problems."""
+    if not isinstance(data, dict):
+        return
+    extras = getattr(model, "deepspeed_keys", frozenset())
+    known = set(model.model_fields) | extras
+    suggestions = known | (set(ALIASES) | DEEPSPEED_TOP_LEVEL_KEYS if model is Config else set())
+    for key in list(data):
+        name = str(key)
+        if name in model.model_fields:
+            section = _section_model(model.model_fields[name].annotation)
+            if section is not None:
+                _drop_unknown_keys(raw, section, path + (name,), data[key], problems)
+        elif name not in extras:
+            match = difflib.get_close_matches(name, sorted(suggestions), n=1)
+            hint = f"; did you mean {match[0]}?" if match else ""
+            if not match and not extras and model is not Config:
+                hint = f"; expected one of: {', '.join(model.model_fields)}"
+            dotted = ".".join(path + (name,))
+            problems.append(f"{raw.where(path + (name,))}: {dotted}: unknown key{hint}")
+            del data[key]
+
+
+def _line_of(problem: str, source: str) -> float:
+    """The line a problem points at in `source` (reading order); inf for other sources."""
+    head = problem[len(source) + 1:].split(":", 1)[0] if problem.startswith(source + ":") else ""
+    return int(head) if head.isdigit() else float("inf")
+
+
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+             "string_type": "a string", "dict_type": "a mapping of keys",
+             "model_type": "a section (a mapping of keys)"}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+           "less_than_equal": "<="}
+
+
+def _describe(raw: RawConfig, detail: dict) -> str:
+    """One pydantic error as ``<where>: <key.path>: <problem>``."""
+    path = tuple(str(part) for part in detail["loc"])
+    kind, value, context = detail["type"], detail.get("input"), detail.get("ctx", {})
+    if kind == "missing":
+        problem = "required key is missing"
+    elif kind in _EXPECTED:
+        problem = f"expected {_EXPECTED[kind]}, got {value!r} ({type(value).__name__})"
+    elif kind in _BOUNDS:
+        bound = next(iter(context.values()))
+        problem = f"must be {_BOUNDS[kind]} {bound:g}, got {value!r}"
+    elif kind == "value_error":
+        problem = str(context["error"])
+    else:
+        problem = f"{detail['msg'][:1].lower()}{detail['msg'][1:]}, got {value!r}"
+    if isinstance(value, str) and value == "auto":
+        problem += ("; 'auto' (a Hugging Face Trainer placeholder) is only understood for "
+                    "train_micro_batch_size_per_gpu: give a value")
+    return f"{raw.where(path)}: {'.'.join(path)}: {problem}"

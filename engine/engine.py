@@ -1,0 +1,317 @@
+"""The engine: counts micro-steps, weights losses, and updates only at window boundaries.
+
+Weighting. The strategies leave the mean over ranks of each rank's accumulated gradient,
+so a micro-batch loss is multiplied by ``units · W / G`` before its backward, where
+``units`` is its number of samples (a mean loss) or 1 (a ``(sum, count)`` loss), W the
+world size and G the planned global batch. At the boundary the gradient is multiplied by
+``G / U``, U being the window's real total of units over every rank. For a full window of
+mean losses U = G and nothing is done; a short window, unequal batches or token counts get
+one in-place multiply of the gradient, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engine.batch_plan import BatchPlan, split_evenly
+from engine.microbatch import batch_size, split_batch
+from engine.strategies.base import StepResult, Strategy
+
+log = logging.getLogger("engine")
+
+LossFn = Callable[[Any, Any], Any]
+
+
+class EngineUsageError(RuntimeError):
+    """The engine was driven in an order it cannot honour (e.g. ``step`` without ``backward``)."""
+
+
+@dataclass
+class _Window:
+    """One accumulation window in progress on this rank."""
+
+    micro_steps: int = 0
+    samples: int = 0  # local samples seen (as planned in the manual loop, real in train_batch)
+    item_weighted: bool | None = None  # (sum, count) losses
+    units: torch.Tensor | int = 0  # local samples or items: what the window's mean divides by
+    loss_total: torch.Tensor | float = 0.0  # Σ loss × units (detached)
+    exact_counts: bool = False  # units must be summed over ranks at the boundary
+    backward_since_step: bool = False
+    forwarded: bool = False
+
+
+@dataclass
+class WindowReport:
+    """Statistics of the last closed window (for logging; the loss is read lazily)."""
+
+    loss: torch.Tensor | None = None
+    samples: int = 0
+    items: torch.Tensor | None = None
+    step: StepResult = field(default_factory=lambda: StepResult(applied=False))
+
+
+class Engine:
+    """Returned by :func:`engine.initialize`; see DESIGN.md for the contract."""
+
+    def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, lr_scheduler=None,
+                 loss_fn: LossFn | None = None):
+        self.config = config
+        self.plan = plan
+        self.strategy = strategy
+        self.lr_scheduler = lr_scheduler
+        self.loss_fn = loss_fn
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.last_window = WindowReport()
+        self._window = _Window()
+
+    # -- what the model is ------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.strategy.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    # -- the manual loop ----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Forward through the wrapped model. Tells the strategy whether the micro-step in
+        progress closes the window (DDP decides gradient sync in the forward)."""
+        window = self._window
+        self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
+        window.forwarded = True
+        return self.strategy.forward(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        """Backward of one micro-batch loss, weighted by its share of the global batch.
+
+        ``loss`` is the mean over the micro-batch's samples, or a pair ``(loss_sum,
+        num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
+        window is taken to hold ``plan.micro_batch_sizes[k]`` samples."""
+        k = self._window.micro_steps
+        if k >= self.plan.gradient_accumulation_steps:
+            raise EngineUsageError(
+                f"backward() called {k + 1} times in a window of {self.plan.gradient_accumulation_steps} "
+                "micro-steps: call step() after every backward()"
+            )
+        self._backward(loss, self.plan.micro_batch_sizes[k], exact_counts=False)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the micro-step in progress (or just back-propagated) is the last of its window."""
+        window = self._window
+        done = window.micro_steps if window.backward_since_step else window.micro_steps + 1
+        return done >= self.plan.gradient_accumulation_steps
+
+    def step(self, flush: bool = False) -> bool:
+        """Close the window if this micro-step is its last; otherwise change nothing.
+
+        ``flush=True`` closes a window that holds fewer micro-steps than planned (end of the
+        data in a manual loop); it is weighted by the samples it really holds. Returns True
+        when a window was closed (``skipped_steps`` tells whether fp16 overflow discarded it).
+        """
+        window = self._window
+        if flush:
+            if window.micro_steps == 0:
+                return False
+        elif not window.backward_since_step:
+            raise EngineUsageError(
+                "step() called without a backward() since the last step(): each micro-step is "
+                "forward, eng.backward(loss), eng.step()"
+            )
+        window.backward_since_step = False
+        if window.micro_steps < self.plan.gradient_accumulation_steps and not flush:
+            return False
+        self._close_window()
+        return True
+
+    def zero_grad(self) -> None:
+        """For Colossal-style loops: gradients are cleared at every boundary already, so this
+        never wipes a window in progress."""
+        if self._window.micro_steps == 0:
+            self.strategy.zero_grad()
+
+    # -- whole batches ------------------------------------------------------------------
+    def train_batch(self, batch, loss_fn: LossFn | None = None) -> float:
+        """Run this rank's per-device ``batch`` as one window: split into the plan's
+        micro-batches, backward each, take one optimizer step. Returns the window's loss over
+        all ranks, weighted exactly as the gradient was.
+
+        A batch smaller than the planned per-device batch (the end of an epoch) is run as a
+        short window of the same number of micro-steps, weighted by its real size."""
+        loss_fn = self._loss_fn(loss_fn)
+        if self._window.micro_steps:
+            raise EngineUsageError(
+                f"train_batch() called in the middle of a manual-loop window "
+                f"({self._window.micro_steps} micro-steps done): finish it with step() first"
+            )
+        for micro_batch, size in self._split_for_window(batch):
+            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        self._close_window()
+        return float(self.last_window.loss)
+
+    @torch.no_grad()
+    def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
+        """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
+        over every rank's batch, per sample or per item like ``train_batch``."""
+        loss_fn = self._loss_fn(loss_fn)
+        sizes = self._eval_sizes(batch_size(batch))
+        was_training = self.module.training
+        self.module.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        units = torch.zeros((), dtype=torch.float64)
+        try:
+            for micro_batch, size in zip(split_batch(batch, sizes), sizes):
+                loss, n, item_weighted = self._loss_and_units(loss_fn(self.strategy.forward, micro_batch), size)
+                total += loss.double().cpu() * (1 if item_weighted else n)
+                units += torch.as_tensor(n, dtype=torch.float64).cpu()
+        finally:
+            self.module.train(was_training)
+        stats = self.strategy.all_reduce_sum(torch.stack([total, units]).to(self._stats_device))
+        return float(stats[0] / stats[1])
+
+    # -- state ----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.strategy.full_state_dict()
+
+    def close(self) -> None:
+        self.strategy.close()
+
+    # -- internals --------------------------------------------------------------------------
+    @property
+    def _stats_device(self) -> torch.device:
+        return getattr(self.strategy, "device", torch.device("cpu"))
+
+    def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise EngineUsageError(
+                "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
+                "or to engine.initialize(..., loss_fn=...)"
+            )
+        return loss_fn
+
+    def _split_for_window(self, batch):
+        plan = self.plan
+        accumulation = plan.gradient_accumulation_steps
+        size = batch_size(batch)
+        if size == plan.per_device_batch_size:
+            sizes = plan.micro_batch_sizes
+        elif accumulation <= size < plan.per_device_batch_size:
+            sizes = split_evenly(size, accumulation)
+        else:
+            raise EngineUsageError(
+                f"train_batch() got a batch of {size} samples but the plan gives this rank (rank "
+                f"{plan.rank}) {plan.per_device_batch_size} per optimizer step in {accumulation} "
+                f"micro-batches; pass exactly {plan.per_device_batch_size} samples (a shorter last "
+                f"batch of at least {accumulation} samples is run as a short window)"
+            )
+        return zip(split_batch(batch, sizes), sizes)
+
+    def _eval_sizes(self, size: int) -> tuple[int, ...]:
+        micro = self.plan.train_micro_batch_size_per_gpu
+        parts = max(1, -(-size // micro))
+        return split_evenly(size, parts)
+
+    def _loss_and_units(self, output, samples: int):
+        """(loss, the units the window's mean divides by, item-weighted?): a mean loss
+        stands for its samples, a ``(sum, count)`` pair for its count."""
+        if isinstance(output, torch.Tensor):
+            return output, samples, False
+        if isinstance(output, (tuple, list)) and len(output) == 2:
+            loss_sum, count = output
+            if isinstance(loss_sum, torch.Tensor):
+                return loss_sum, count, True
+        raise EngineUsageError(
+            "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
+            f"(loss_sum, num_items); got {type(output).__name__}"
+        )
+
+    def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
+        window = self._window
+        if self.world_size > 1 and not window.forwarded:
+            raise EngineUsageError(
+                "backward() without a forward through the engine: call eng(x), not eng.module(x), "
+                "so that gradient synchronisation is planned for this micro-step"
+            )
+        loss, units, item_weighted = self._loss_and_units(output, samples)
+        _check_loss(loss)
+        if window.item_weighted is None:
+            window.item_weighted = item_weighted
+        elif window.item_weighted != item_weighted:
+            raise EngineUsageError(
+                "one window mixes mean losses and (sum, count) losses; use one kind per window"
+            )
+        # Before backward: a failing backward must leave the window as it was.
+        weight = (1 if item_weighted else samples) * self.world_size / self.plan.train_batch_size
+        self.strategy.backward(loss, weight)
+        window.micro_steps += 1
+        window.samples += samples
+        window.units = window.units + units
+        window.loss_total = window.loss_total + loss.detach() * (1 if item_weighted else samples)
+        window.exact_counts = window.exact_counts or exact_counts or item_weighted
+        window.backward_since_step = True
+        window.forwarded = False
+        self.micro_steps += 1
+
+    def _close_window(self) -> None:
+        window, plan = self._window, self.plan
+        self.strategy.reduce_gradients()
+        planned = plan.window_samples(window.micro_steps)
+        if window.exact_counts:
+            stats = torch.stack([
+                torch.as_tensor(window.loss_total, dtype=torch.float64, device=self._stats_device).reshape(()),
+                torch.as_tensor(window.units, dtype=torch.float64, device=self._stats_device).reshape(()),
+                torch.tensor(float(window.samples), dtype=torch.float64, device=self._stats_device),
+            ])
+            stats = self.strategy.all_reduce_sum(stats)
+            total_units, samples = stats[1], int(stats[2].item())
+            loss = stats[0] / total_units
+            multiplier = (plan.train_batch_size / total_units) if window.item_weighted else \
+                (1.0 if samples == plan.train_batch_size else plan.train_batch_size / samples)
+        else:
+            samples = planned
+            multiplier = 1.0 if samples == plan.train_batch_size else plan.train_batch_size / samples
+            loss = torch.as_tensor(window.loss_total).detach() / max(window.samples, 1)
+        result = self.strategy.step(multiplier, self.config.gradient_clipping)
+        self.strategy.zero_grad()
+        if result.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            log.warning("fp16 overflow: window of global step %d discarded", self.global_steps + 1)
+        self.global_steps += 1
+        self.global_samples += samples
+        self.last_window = WindowReport(loss=loss, samples=samples, step=result,
+                                        items=window.units if window.item_weighted else None)
+        self._window = _Window()
+
+
+def _check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise EngineUsageError(
+            f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
+            f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
+        )
+    if not loss.requires_grad:
+        raise EngineUsageError(
+            "the loss does not require grad: it was computed without the model's parameters, or "
+            "under torch.no_grad()"
+        )

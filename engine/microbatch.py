@@ -1,0 +1,85 @@
+"""Split a batch pytree into micro-batches and read its size.
+
+A batch is a tensor, a tuple/list/namedtuple, or a mapping (dict, OrderedDict, a Hugging
+Face ``BatchEncoding``...), nested freely. Tensors with a batch dimension are split along
+dim 0 into views (no copies); scalars, 0-dim tensors and other leaves are passed to every
+micro-batch unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import torch
+
+
+class BatchError(ValueError):
+    """The batch cannot be split: no tensors, or tensors that disagree on the batch size."""
+
+
+def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            yield from _leaves(value, f"{path}[{i}]")
+
+
+def batch_size(batch: Any) -> int:
+    """The size of dim 0 shared by every tensor in ``batch`` that has a dim 0."""
+    sizes = {path: t.shape[0] for path, t in _leaves(batch) if t.dim() > 0}
+    if not sizes:
+        raise BatchError(
+            f"cannot find the batch size of a {type(batch).__name__}: it holds no tensor with a "
+            "batch dimension; pass a tensor, a tuple/list or a mapping of tensors"
+        )
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{path}: {n}" for path, n in sizes.items())
+        raise BatchError(
+            f"the tensors of one batch must share their first (batch) dimension; got {listing}"
+        )
+    return next(iter(sizes.values()))
+
+
+def _rebuild(template: Any, items: list) -> Any:
+    if isinstance(template, tuple) and hasattr(template, "_fields"):  # namedtuple
+        return type(template)(*items)
+    return type(template)(items)
+
+
+def split_batch(batch: Any, sizes: tuple[int, ...] | list[int]) -> list[Any]:
+    """``batch`` cut along dim 0 into consecutive micro-batches of the given ``sizes``."""
+    sizes = list(sizes)
+    if sum(sizes) != batch_size(batch):
+        raise BatchError(f"cannot cut a batch of {batch_size(batch)} samples into micro-batches {sizes}")
+    return _split(batch, sizes)
+
+
+def _split(batch: Any, sizes: list[int]) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return [batch] * len(sizes)
+        return list(torch.split(batch, sizes))
+    if isinstance(batch, Mapping):
+        keys = list(batch.keys())
+        columns = [_split(batch[k], sizes) for k in keys]
+        return [_rebuild_mapping(batch, dict(zip(keys, row))) for row in zip(*columns)]
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            return [batch] * len(sizes)
+        columns = [_split(value, sizes) for value in batch]
+        return [_rebuild(batch, list(row)) for row in zip(*columns)]
+    return [batch] * len(sizes)
+
+
+def _rebuild_mapping(template: Mapping, data: dict) -> Mapping:
+    if type(template) is dict:
+        return data
+    try:  # OrderedDict, BatchEncoding(data=...), most UserDict subclasses
+        return type(template)(data)
+    except TypeError:
+        return data

@@ -1,0 +1,168 @@
+"""Optimizers and learning-rate schedules from the config's ``optimizer`` / ``scheduler``.
+
+Optimizer types are the ``torch.optim`` classes by name (case-insensitive). Schedule types
+are the ``torch.optim.lr_scheduler`` classes by name plus DeepSpeed's warmup schedules
+(``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) with DeepSpeed's formulas and
+torch's step indexing: the learning rate used by optimizer step ``t`` (0-based) is the
+schedule's value at ``t``. The scheduler steps once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from engine.config import ConfigError
+
+
+def _public_classes(module, base) -> dict[str, type]:
+    return {
+        name.lower(): cls
+        for name, cls in vars(module).items()
+        if inspect.isclass(cls) and issubclass(cls, base) and cls is not base and not name.startswith("_")
+    }
+
+
+def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, target: Any):
+    cls = registry.get(type_name.lower())
+    if cls is None:
+        known = ", ".join(sorted(c.__name__ for c in registry.values()))
+        raise ConfigError([f"{kind}.type: unknown {kind} type {type_name!r}; known types: {known}"])
+    try:
+        return cls(target, **params)
+    except (TypeError, ValueError) as err:
+        raise ConfigError([f"{kind}.params: {cls.__name__}: {err}"]) from None
+
+
+def _deepspeed_adam_params(type_name: str, params: dict) -> tuple[str, dict]:
+    """DeepSpeed's ``Adam`` type means AdamW unless ``adam_w_mode`` is false; its ``torch_adam``
+    switch has no meaning here. Honour both so DeepSpeed configs keep their behaviour."""
+    params = dict(params)
+    params.pop("torch_adam", None)
+    adam_w_mode = params.pop("adam_w_mode", None)
+    if type_name.lower() == "adam" and adam_w_mode:
+        type_name = "AdamW"
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    return type_name, params
+
+
+OPTIMIZERS = _public_classes(torch.optim, torch.optim.Optimizer)
+
+
+def build_optimizer(section, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer described by a config ``optimizer`` section."""
+    type_name, kwargs = _deepspeed_adam_params(section.type, section.params)
+    return _build("optimizer", OPTIMIZERS, type_name, kwargs, list(params))
+
+
+class _WarmupSchedule(LRScheduler):
+    """Base for DeepSpeed-style schedules given as a closed form of the step."""
+
+    def _lr(self, step: int, base_lr: float, group_index: int) -> float:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:
+        return [self._lr(self.last_epoch, base, i) for i, base in enumerate(self.base_lrs)]
+
+
+def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """Fraction of the warm-up done at ``step``: log or linear, 1.0 once warm."""
+    if step >= warmup_num_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(step + 1) / math.log(warmup_num_steps)
+    return step / warmup_num_steps
+
+
+def _check_warmup(warmup_num_steps: int, warmup_type: str) -> int:
+    if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+    return max(2, warmup_num_steps)  # log warm-up divides by log(steps)
+
+
+class WarmupLR(_WarmupSchedule):
+    """From ``warmup_min_lr`` up to ``warmup_max_lr`` (default: the optimizer's lr), then flat."""
+
+    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_epoch: int = -1):
+        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
+        self.warmup_type = warmup_type
+        self.warmup_min_lr = warmup_min_lr
+        self.warmup_max_lr = warmup_max_lr
+        super().__init__(optimizer, last_epoch)
+
+    def _gamma(self, step: int) -> float:
+        return _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+
+    def _lr(self, step, base_lr, group_index):
+        top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
+        return self.warmup_min_lr + (top - self.warmup_min_lr) * self._gamma(step)
+
+
+class WarmupDecayLR(WarmupLR):
+    """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_epoch: int = -1):
+        if not isinstance(total_num_steps, int) or total_num_steps <= 0:
+            raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
+
+    def _gamma(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            return _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+        decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
+        return max(0.0, (self.total_num_steps - step) / decay_steps)
+
+
+class WarmupCosineLR(_WarmupSchedule):
+    """Ratio of the optimizer's lr: warm up from ``warmup_min_ratio`` to 1, then a cosine down
+    to ``cos_min_ratio`` at ``total_num_steps``, flat after."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
+                 warmup_type: str = "log", last_epoch: int = -1):
+        self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
+        self.warmup_type = warmup_type
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = warmup_min_ratio
+        self.cos_min_ratio = cos_min_ratio
+        super().__init__(optimizer, last_epoch)
+
+    def _ratio(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            gamma = _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + gamma * (1.0 - self.warmup_min_ratio)
+        done = step - self.warmup_num_steps + 1
+        progress = min(1.0, done / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def _lr(self, step, base_lr, group_index):
+        return base_lr * self._ratio(step)
+
+
+SCHEDULERS = {
+    **_public_classes(torch.optim.lr_scheduler, LRScheduler),
+    **{cls.__name__.lower(): cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR)},
+}
+# These need Python callables or other schedulers, which a config file cannot hold.
+for _name in ("lambdalr", "multiplicativelr", "sequentiallr", "chainedscheduler", "reducelronplateau"):
+    SCHEDULERS.pop(_name, None)
+
+
+def build_scheduler(section, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """The learning-rate schedule described by a config ``scheduler`` section."""
+    return _build("scheduler", SCHEDULERS, section.type, dict(section.params), optimizer)
+
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None

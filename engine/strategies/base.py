@@ -1,0 +1,155 @@
+"""The strategy interface: how the model is held and how gradients move between ranks.
+
+The engine counts micro-steps, weights losses and decides boundaries; a strategy does the
+backend-specific parts. The engine never asks which strategy it runs on.
+
+Gradient convention: every strategy leaves the *mean over ranks* of the per-rank
+accumulated gradients (what DDP, FSDP and DeepSpeed all produce), so the engine weights
+each rank's micro-batch loss by ``samples · world_size / global_samples``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.precision import Precision, scale_
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What happened at a boundary: whether parameters changed, and the gradient norm
+    before clipping (a 0-dim tensor, read lazily to avoid a host sync; None when not computed)."""
+
+    applied: bool
+    grad_norm: torch.Tensor | None = None
+
+
+class Strategy(ABC):
+    """One way of holding a model. Subclasses: one file each in ``engine/strategies``."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @abstractmethod
+    def setup(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Wrap or shard ``module`` and re-point ``optimizer`` (built on its original
+        parameters) at the parameters the strategy trains. Sets ``self.module`` (the model
+        the user sees), ``self.optimizer`` and ``self.forward_module`` (what ``eng(x)`` calls)."""
+
+    def forward(self, *args, **kwargs):
+        return self.forward_module(*args, **kwargs)
+
+    def prepare_micro_step(self, closes_window: bool) -> None:
+        """Called before a micro-step's forward: whether its backward closes the window."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, weight: float) -> None:
+        """Backward of ``loss * weight`` (the strategy adds loss scaling)."""
+
+    def reduce_gradients(self) -> None:
+        """At the boundary: finish any gradient reduction the backward did not do (a window
+        closed early, or communication deliberately deferred)."""
+
+    @abstractmethod
+    def step(self, multiplier: float | torch.Tensor, max_norm: float) -> StepResult:
+        """Multiply the reduced gradient by ``multiplier``, clip it to ``max_norm`` (0 = off),
+        update the parameters — or skip all of it on an fp16 overflow."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of a small tensor over ranks (window statistics)."""
+        return tensor
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded model state as CPU tensors, on every rank."""
+
+    def close(self) -> None:
+        """Release backend resources (called when the engine is closed)."""
+
+
+class TorchStrategy(Strategy):
+    """Shared boundary logic of the strategies built on PyTorch's own machinery: a dynamic
+    loss scaler from ``engine.precision`` and clipping by the global gradient norm."""
+
+    def __init__(self, precision: Precision, device: torch.device):
+        self.precision = precision
+        self.device = device
+        if dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+
+    def forward(self, *args, **kwargs):
+        with self.precision.autocast():
+            return self.forward_module(*args, **kwargs)
+
+    def backward(self, loss, weight):
+        (loss * (weight * self.precision.loss_scale)).backward()
+
+    # -- what subclasses describe -------------------------------------------------------
+    def local_gradients(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds after reduction (shards for sharded models)."""
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def gradients_are_sharded(self) -> bool:
+        """True when ranks hold disjoint pieces of the gradient (norms must be summed)."""
+        return False
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    # -- shared boundary logic ----------------------------------------------------------
+    def all_reduce_sum(self, tensor):
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def step(self, multiplier, max_norm):
+        grads = self.local_gradients()
+        scaler = self.precision.scaler
+        if scaler is not None:
+            overflow = self._any_rank(scaler.unscale_(grads, multiplier))
+            scaler.update(overflow)
+            if overflow:
+                return StepResult(applied=False)
+        elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
+            scale_(grads, multiplier)
+        norm = clip_grad_norm_(grads, max_norm, self) if max_norm > 0 else None
+        self.optimizer_step()
+        return StepResult(applied=True, grad_norm=norm)
+
+    def zero_grad(self):
+        # The module, not the optimizer: a sharded optimizer holds only this rank's parameters.
+        self.module.zero_grad(set_to_none=True)
+
+    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of the whole gradient, identical on every rank."""
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            squares = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+        else:
+            squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.gradients_are_sharded():
+            squares = self.all_reduce_sum(squares.to(self.device))
+        return squares.sqrt()
+
+
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, strategy: TorchStrategy) -> torch.Tensor:
+    """Scale ``grads`` so the global norm is at most ``max_norm``, with the same coefficient
+    as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1)."""
+    norm = strategy.global_grad_norm(grads)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if grads:
+        scale_(grads, coefficient)
+    return norm

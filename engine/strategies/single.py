@@ -1,0 +1,18 @@
+"""One process, one model replica: nothing to synchronise."""
+
+from __future__ import annotations
+
+
+from engine.strategies.base import TorchStrategy
+
+
+class SingleProcess(TorchStrategy):
+    name = "single"
+
+    def setup(self, module, optimizer):
+        self.module = module.to(self.device)
+        self.forward_module = self.module
+        self.optimizer = optimizer
+
+    def full_state_dict(self):
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
