@@ -11,6 +11,7 @@ from engine.batch_plan import plan_from_config
 from engine.config import ConfigError, load_config
 from engine.engine import Engine, LossFn
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
+from engine.rank_consistency import check_same_settings
 from engine.strategies import make_strategy
 
 log = logging.getLogger("engine")
@@ -38,6 +39,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         torch.manual_seed(config.seed)
     strategy, world_size, rank = make_strategy(config)
     plan = plan_from_config(config, world_size, rank)
+    check_same_settings(config, plan)
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     return Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
+from engine.distributed import init_distributed
 from engine.precision import Precision
 from engine.strategies.base import StepResult, Strategy, TorchStrategy
 
@@ -15,12 +14,28 @@ __all__ = ["make_strategy", "Strategy", "StepResult", "TorchStrategy"]
 
 
 def make_strategy(config) -> tuple[Strategy, int, int]:
-    """The strategy for ``config`` in this process, with the data-parallel world size and rank."""
-    from engine.strategies.single import SingleProcess
+    """The strategy for ``config`` in this process (joining the process group that the
+    launcher's environment describes), with the data-parallel world size and rank."""
+    info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend)
+    precision = Precision(config, info.device.type)
+    stage = config.zero_optimization.stage
+    if info.world_size == 1:
+        from engine.strategies.single import SingleProcess
 
-    device = torch.device("cpu")
-    precision = Precision(config, device.type)
-    if config.zero_optimization.stage > 0:
-        log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded",
-                 config.zero_optimization.stage)
-    return SingleProcess(precision, device), 1, 0
+        if stage > 0:
+            log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", stage)
+        strategy = SingleProcess(precision, info.device)
+    elif stage == 0:
+        from engine.strategies.ddp import DataParallel
+
+        strategy = DataParallel(precision, info.device)
+    elif stage == 1:
+        from engine.strategies.zero1 import ShardedOptimizerDataParallel
+
+        strategy = ShardedOptimizerDataParallel(precision, info.device)
+    else:
+        from engine.strategies.fsdp import FullyShardedDataParallel
+
+        strategy = FullyShardedDataParallel(precision, info.device, stage=stage,
+                                            reduce_every_micro_step=config.zero_optimization.reduce_every_micro_step)
+    return strategy, info.world_size, info.rank

@@ -104,6 +104,9 @@ class TorchStrategy(Strategy):
     def optimizer_step(self) -> None:
         self.optimizer.step()
 
+    def full_state_dict(self):
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
     # -- shared boundary logic ----------------------------------------------------------
     def all_reduce_sum(self, tensor):
         if self.world_size > 1:

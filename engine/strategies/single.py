@@ -13,6 +13,3 @@ class SingleProcess(TorchStrategy):
         self.module = module.to(self.device)
         self.forward_module = self.module
         self.optimizer = optimizer
-
-    def full_state_dict(self):
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}

@@ -1,0 +1,62 @@
+"""Shared benchmark helpers: the workload, interleaved timing, result files.
+
+Timings are compared within one run: variants alternate round by round so that machine
+noise hits them alike, and each variant's per-step time is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def mlp(width: int = 1024, depth: int = 4, seed: int = 0) -> torch.nn.Module:
+    """depth × (width × width) linear layers with GELU: 4.2M parameters at the defaults."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def batch(size: int, width: int = 1024, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, width, generator=g), torch.randn(size, width, generator=g)
+
+
+def mse(model, micro_batch):
+    x, y = micro_batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each variant, the variants alternating every round."""
+    for run in variants.values():
+        for _ in range(warmup):
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                           "cpu": platform.processor() or platform.machine(),
+                           "threads": torch.get_num_threads()}, **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,64 @@
+"""Engine overhead in one process: time per optimizer step of the engine (manual loop and
+train_batch) against the same training written by hand, in one run.
+
+    python bench/single_overhead.py [--rounds 15] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import engine
+from bench.common import batch, interleaved, mlp, mse, save
+
+GLOBAL_BATCH, MICRO = 64, 16
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    model = mlp()
+    data = batch(GLOBAL_BATCH)
+    accumulation = GLOBAL_BATCH // MICRO
+    micro_batches = [(x, y) for x, y in zip(data[0].split(MICRO), data[1].split(MICRO))]
+
+    hand_model = copy.deepcopy(model)
+    hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=1e-4)
+
+    def hand_loop():
+        for micro_batch in micro_batches:
+            (mse(hand_model, micro_batch) / accumulation).backward()
+        hand_opt.step()
+        hand_opt.zero_grad(set_to_none=True)
+
+    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    manual = engine.initialize(copy.deepcopy(model), config)
+    whole = engine.initialize(copy.deepcopy(model), config)
+
+    def engine_manual():
+        for micro_batch in micro_batches:
+            manual.backward(mse(manual, micro_batch))
+            manual.step()
+
+    def engine_train_batch():
+        whole.train_batch(data, mse)
+
+    times = interleaved({"hand": hand_loop, "engine manual loop": engine_manual,
+                         "engine train_batch": engine_train_batch}, args.rounds, args.steps)
+    ratios = {name: t / times["hand"] for name, t in times.items()}
+    for name, t in times.items():
+        print(f"{name:20s} {t * 1e3:8.2f} ms/step   ratio {ratios[name]:.3f}")
+    save("single_overhead", {"workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, micro {MICRO}, "
+                                         f"accumulation {accumulation}, AdamW, 1 process",
+                             "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratio_vs_hand": ratios})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Count the collectives this process issues: calls and bytes, by kind.
+
+Used by the tests (no gradient collective before a boundary) and the benchmarks (bytes
+sent per optimizer step). It patches the ``torch.distributed`` functions that FSDP,
+DeepSpeed and the engine call, and, for DDP, whose reducer bypasses Python, wraps the
+gradient all-reduce in a comm hook (``watch_ddp``).
+
+``sent_bytes`` estimates what one rank puts on the wire with ring algorithms: an
+all-reduce of n bytes sends 2·n·(W-1)/W, an all-gather or reduce-scatter whose full
+buffer is n bytes sends n·(W-1)/W, a broadcast sends n·(W-1)/W on average per rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+# function name -> (kind, index of the argument whose size is the full buffer)
+_WATCHED = {
+    "all_reduce": ("all_reduce", 0),
+    "broadcast": ("broadcast", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "all_gather": ("all_gather", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "all_to_all_single": ("all_to_all", 1),
+}
+_RING_FACTOR = {"all_reduce": 2.0}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class CommCounter:
+    """``with CommCounter() as comm: ...`` then ``comm.calls``, ``comm.bytes``, ``comm.sent_bytes``."""
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()  # full-buffer bytes per kind
+        self._originals: dict = {}
+        self._inside = threading.local()  # one collective calling another counts once
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    @property
+    def sent_bytes(self) -> float:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        share = (world - 1) / world
+        return sum(_RING_FACTOR.get(kind, 1.0) * share * n for kind, n in self.bytes.items())
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    def _wrap(self, original, kind: str, index: int):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if getattr(self._inside, "active", False):
+                return original(*args, **kwargs)
+            self._inside.active = True
+            try:
+                buffer = args[index] if len(args) > index else next(iter(kwargs.values()), None)
+                self.record(kind, _nbytes(buffer))
+                return original(*args, **kwargs)
+            finally:
+                self._inside.active = False
+        return counted
+
+    def __enter__(self) -> CommCounter:
+        for name, (kind, index) in _WATCHED.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(dist, name, self._wrap(original, kind, index))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def watch_ddp(self, ddp_module) -> None:
+        """Count DDP's gradient all-reduces (call before its first backward)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            self.record("all_reduce", _nbytes(bucket.buffer()))
+            return allreduce_hook(state, bucket)
+
+        ddp_module.register_comm_hook(None, counting_hook)

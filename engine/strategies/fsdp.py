@@ -1,0 +1,96 @@
+"""ZeRO stages 2 and 3 on FSDP2 (``fully_shard``): parameters, gradients and optimizer
+state sharded across ranks.
+
+Stage 2 keeps parameters gathered from forward to backward; stage 3 reshards them after
+each forward (less memory, an all-gather again in the backward). Inside a window the
+gradient reduce-scatter and the resharding after backward are both deferred, so unsharded
+gradients accumulate locally and a window costs one reduce-scatter per shard group
+(stage 2: also one all-gather). ``reduce_every_micro_step`` reduce-scatters after every
+micro-step instead, accumulating sharded gradients: less memory, more traffic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from engine.strategies.base import TorchStrategy
+
+
+def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules sharded as units of their own (bottom-up order): the entries of every
+    ``ModuleList`` / ``Sequential`` that hold parameters, e.g. transformer blocks. Whatever
+    they leave out belongs to the root's unit."""
+    units = []
+    for container in module.modules():
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            units += [child for child in container if any(True for _ in child.parameters())]
+    return [m for m in reversed(units) if m is not module]
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
+    """Swap, in place, the optimizer's parameters for the sharded ones of the same name."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already holds state, which cannot follow its parameters into shards; "
+            "pass a fresh optimizer (restore training state with eng.load_checkpoint)"
+        )
+    sharded = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+
+
+class FullyShardedDataParallel(TorchStrategy):
+    name = "fsdp"
+
+    def __init__(self, precision, device, *, stage: int, reduce_every_micro_step: bool = False):
+        super().__init__(precision, device)
+        self.stage = stage
+        self.reduce_every_micro_step = reduce_every_micro_step
+        self._backward_closes_window = True
+
+    def setup(self, module, optimizer):
+        module = module.to(self.device)
+        names = {id(p): name for name, p in module.named_parameters()}
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        reshard_after_forward = self.stage == 3
+        for unit in shard_units(module):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        _repoint_optimizer(optimizer, names, module)
+        self.module = self.forward_module = module
+        self.optimizer = optimizer
+
+    def prepare_micro_step(self, closes_window):
+        self.module.set_requires_gradient_sync(closes_window or self.reduce_every_micro_step)
+        # Keep parameters gathered between the window's micro-steps; reshard at its end so the
+        # optimizer updates the shards while no stale unsharded copy is registered.
+        self.module.set_reshard_after_backward(closes_window)
+        self._backward_closes_window = closes_window
+
+    def reduce_gradients(self):
+        if not self._backward_closes_window:
+            self._finish_backward_now()
+
+    def _finish_backward_now(self) -> None:
+        """Reduce-scatter the gradients accumulated without sync and reshard, as the end of
+        a closing backward would have. FSDP2 has no public call for this; its end-of-backward
+        callback does exactly it (tested in tests/test_distributed.py, short windows)."""
+        self.module.set_requires_gradient_sync(True)
+        self.module.set_reshard_after_backward(True)
+        state = self.module._get_fsdp_state()
+        state._state_ctx.is_last_backward = True
+        state._root_post_backward_final_callback()
+        self._backward_closes_window = True
+
+    def local_gradients(self):
+        return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
+
+    def gradients_are_sharded(self):
+        return True
+
+    def full_state_dict(self):
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}

@@ -1,0 +1,50 @@
+"""ZeRO stage 1: DDP gradients, optimizer state sharded across ranks.
+
+Each parameter has one owner rank. The user's optimizer keeps its param groups (so a
+scheduler built on it keeps working) but each group is narrowed, in place, to the
+parameters this rank owns: optimizer state exists only for those. After the step every
+owner broadcasts its updated parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from engine.strategies.ddp import DataParallel, buckets
+
+
+def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
+    """An owner rank for each parameter, balancing element counts (largest first)."""
+    load = [0] * world_size
+    owners = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += params[i].numel()
+    return owners
+
+
+class ShardedOptimizerDataParallel(DataParallel):
+    name = "zero1"
+
+    def setup(self, module, optimizer):
+        super().setup(module, optimizer)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        owners = partition(params, self.world_size)
+        self.owner_of = {id(p): r for p, r in zip(params, owners)}
+        self.params_by_owner = [[p for p, r in zip(params, owners) if r == rank] for rank in range(self.world_size)]
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if self.owner_of.get(id(p)) == self.rank]
+
+    def optimizer_step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for owner, params in enumerate(self.params_by_owner):
+                for bucket in buckets(params):
+                    flat = _flatten_dense_tensors(bucket)
+                    dist.broadcast(flat, src=owner)
+                    if owner != self.rank:
+                        for param, updated in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                            param.copy_(updated)

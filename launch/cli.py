@@ -1,0 +1,199 @@
+"""`python -m launch`: run a training script on N processes per node.
+
+A thin front over torchrun (``python -m torch.distributed.run``, the default) and the
+deepspeed launcher (``python -m deepspeed.launcher.runner``). It validates the arguments,
+prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP to it and
+exits with its exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+
+DEFAULT_MASTER_PORT = 29500
+DEEPSPEED_INSTALL_HINT = "pip install 'microstep[deepspeed]'"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class LaunchError(ValueError):
+    """The arguments cannot make a valid launch."""
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is below the minimum of {low}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch",
+        description="Run a training script on N processes per node under torchrun or the "
+        "deepspeed launcher. Everything after the script path is passed to the script.",
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive_int, default=None,
+                        help="processes per node, usually one per GPU (default 1; with a "
+                        "deepspeed --hostfile, the hostfile's slots)")
+    parser.add_argument("--nnodes", type=_positive_int, default=1,
+                        help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=_non_negative_int, default=None,
+                        help="this node's index in [0, nnodes); needed for multi-node torchrun")
+    parser.add_argument("--master-addr", "--master_addr", default=None,
+                        help="address of node 0 (needed for multi-node torchrun)")
+    parser.add_argument("--master-port", "--master_port", type=_port, default=None,
+                        help=f"port on node 0 (default: a free port on one node, "
+                        f"{DEFAULT_MASTER_PORT} on several)")
+    parser.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun",
+                        help="which launcher starts the processes (default torchrun)")
+    parser.add_argument("--hostfile", default=None,
+                        help="deepspeed hostfile ('host slots=N' lines) for multi-node runs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the command without running it")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="arguments for the script")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not os.path.isfile(args.script):
+        raise LaunchError(f"script not found: {args.script}")
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
+        raise LaunchError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    if args.hostfile is not None and not os.path.isfile(args.hostfile):
+        raise LaunchError(f"hostfile not found: {args.hostfile}")
+    if args.launcher == "torchrun":
+        if args.hostfile is not None:
+            raise LaunchError("--hostfile is for --launcher deepspeed; with torchrun, start "
+                              "`python -m launch` on every node with --nnodes/--node-rank/"
+                              "--master-addr")
+        if args.nnodes > 1 and (args.master_addr is None or args.node_rank is None):
+            raise LaunchError("multi-node torchrun needs --master-addr (node 0's address) "
+                              "and --node-rank (this node's index) on every node")
+    else:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise LaunchError("--launcher deepspeed needs the deepspeed package: "
+                              f"{DEEPSPEED_INSTALL_HINT}")
+        if args.nnodes > 1 and args.hostfile is None:
+            raise LaunchError("multi-node deepspeed needs --hostfile listing the nodes "
+                              "(see launch/hostfile.example)")
+
+
+def _torchrun_command(args: argparse.Namespace, python: str) -> list[str]:
+    nproc = str(args.nproc_per_node or 1)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", nproc]
+    if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
+        # One node: torchrun picks a free port itself, so concurrent jobs cannot collide.
+        return cmd + ["--standalone", args.script, *args.script_args]
+    return cmd + [
+        "--nnodes", str(args.nnodes),
+        "--node-rank", str(args.node_rank or 0),
+        "--master-addr", args.master_addr or "127.0.0.1",
+        "--master-port", str(args.master_port or DEFAULT_MASTER_PORT),
+        args.script, *args.script_args,
+    ]
+
+
+def _deepspeed_command(args: argparse.Namespace, python: str) -> list[str]:
+    cmd = [python, "-m", "deepspeed.launcher.runner"]
+    if args.nproc_per_node is not None or args.hostfile is None:
+        # --num_gpus caps the slots used per node; on a CPU-only machine it is also what
+        # makes the runner start N local processes (it otherwise counts NUMA nodes).
+        cmd += ["--num_gpus", str(args.nproc_per_node or 1)]
+    if args.hostfile is not None:
+        cmd += ["--hostfile", args.hostfile, "--num_nodes", str(args.nnodes)]
+    if args.master_addr is not None:
+        cmd += ["--master_addr", args.master_addr]
+    # The runner's fixed default (29500) collides between concurrent single-node jobs.
+    port = args.master_port or (free_port() if args.nnodes == 1 else DEFAULT_MASTER_PORT)
+    cmd += ["--master_port", str(port)]
+    if args.node_rank is not None:
+        # Each node is started on its own (like torchrun) instead of over ssh from node 0.
+        cmd += ["--no_ssh", "--node_rank", str(args.node_rank)]
+    return cmd + [args.script, *args.script_args]
+
+
+def build_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
+    """The launcher command for parsed arguments; raises LaunchError when they are invalid."""
+    _validate(args)
+    if args.launcher == "torchrun":
+        return _torchrun_command(args, python)
+    return _deepspeed_command(args, python)
+
+
+def _signal_group(child: subprocess.Popen, signum: int) -> None:
+    # The whole group, as a terminal would: the deepspeed runner dies on SIGTERM without
+    # passing it on, which would leave its workers running.
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def run(cmd: list[str]) -> int:
+    """Run cmd, forwarding termination signals to it; returns a shell-style exit code."""
+    child: subprocess.Popen | None = None
+    pending: list[int] = []  # signals that arrived before the child existed
+
+    def forward(signum: int, _frame) -> None:
+        if child is None:
+            pending.append(signum)
+        else:
+            _signal_group(child, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        # Own session: a Ctrl-C in the terminal reaches this process only, which passes it
+        # on once; otherwise the child would get it twice and interrupt its own clean-up.
+        child = subprocess.Popen(cmd, start_new_session=True)
+        for signum in pending:
+            _signal_group(child, signum)
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as in a shell
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cmd = build_command(args)
+    except LaunchError as error:
+        parser.error(str(error))  # exits with status 2
+    print(f"[launch] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    return run(cmd)

@@ -1,0 +1,191 @@
+"""Two gloo ranks, every ZeRO stage on the torch backend, against the single-process
+full-batch reference (float64). Each stage runs all its scenarios in one set of ranks."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import engine
+from engine.comm_count import CommCounter
+from engine.microbatch import split_batch
+from tests.dist_utils import run_distributed, run_scenarios
+from tests.reference import (
+    TinyLM, adamw, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state,
+    token_batches, token_loss_mean, token_loss_sum,
+)
+
+TOL = 1e-10
+STAGES = [0, 1, 2, 3]
+
+
+def make_engine(model, stage, global_batch, micro, split="strict", optimizer=adamw, **extra):
+    config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro,
+              "batch_split": split, "zero_optimization": {"stage": stage}, **extra}
+    return engine.initialize(model, config, optimizer=optimizer)
+
+
+def rank_slice(batch, plan):
+    """This rank's contiguous share of a global batch (what DistributedBatches hands out)."""
+    sizes = plan.per_device_batch_sizes
+    start = sum(sizes[:plan.rank])
+    size = sizes[plan.rank]
+    if isinstance(batch, dict):
+        return {k: v[start:start + size] for k, v in batch.items()}
+    return tuple(t[start:start + size] for t in batch)
+
+
+def flat_params(eng) -> torch.Tensor:
+    return torch.cat([v.flatten().double() for v in eng.full_state_dict().values()])
+
+
+# -- scenarios: each runs on every rank and returns what the test asserts on ---------------
+def manual_loop(rank, world, stage, split):
+    """Manual loop; records whether parameters moved after every micro-step."""
+    global_batch, micro = (8, 2) if split == "strict" else (11, 2)
+    model, batches = mlp(), regression_batches(3, global_batch)
+    expected = reference_train(model, batches, mse, sgd)
+    eng = make_engine(copy.deepcopy(model), stage, global_batch, micro, split, sgd)
+    moved, before = [], flat_params(eng)
+    for batch in batches:
+        for micro_batch in split_batch(rank_slice(batch, eng.plan), eng.plan.micro_batch_sizes):
+            eng.backward(mse(eng, micro_batch))
+            stepped = eng.step()
+            after = flat_params(eng)
+            moved.append((stepped, not torch.equal(after, before)))
+            before = after
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "moved": moved,
+            "params": flat_params(eng), "steps": eng.global_steps, "samples": eng.global_samples}
+
+
+def train_batch(rank, world, stage, split, clip=0.0):
+    global_batch, micro = (8, 2) if split == "strict" else (11, 2)
+    model, batches = mlp(), regression_batches(3, global_batch)
+    expected = reference_train(model, batches, mse, adamw, clip=clip)
+    eng = make_engine(copy.deepcopy(model), stage, global_batch, micro, split, gradient_clipping=clip)
+    losses = [eng.train_batch(rank_slice(batch, eng.plan), mse) for batch in batches]
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "params": flat_params(eng),
+            "loss0": losses[0], "expected_loss0": mse(model, batches[0]).item()}
+
+
+def token_weighted(rank, world, stage):
+    model, batches = TinyLM(), token_batches(2, 8)
+    expected = reference_train(model, batches, token_loss_mean, adamw)
+    eng = make_engine(copy.deepcopy(model), stage, 8, 2)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), token_loss_sum)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "params": flat_params(eng)}
+
+
+def short_windows(rank, world, stage):
+    """A manual-loop window closed early with flush, then a short last batch in train_batch."""
+    model, batches = mlp(), regression_batches(3, 16)
+    flushed = (batches[1][0][:8], batches[1][1][:8])  # each rank runs 2 of its 4 micro-steps
+    short = (batches[2][0][:12], batches[2][1][:12])  # 6 of the planned 8 per rank
+    expected = reference_train(model, [batches[0], flushed, short], mse, sgd)
+    eng = make_engine(copy.deepcopy(model), stage, 16, 2, optimizer=sgd)
+    for micro_batch in split_batch(rank_slice(batches[0], eng.plan), eng.plan.micro_batch_sizes):
+        eng.backward(mse(eng, micro_batch))
+        eng.step()
+    local = tuple(t[4 * rank:4 * rank + 4] for t in flushed)
+    for micro_batch in split_batch(local, (2, 2)):
+        eng.backward(mse(eng, micro_batch))
+        eng.step()
+    eng.step(flush=True)
+    eng.train_batch(tuple(t[6 * rank:6 * rank + 6] for t in short), mse)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "samples": eng.global_samples}
+
+
+def gradient_collectives(rank, world, stage, reduce_every_micro_step=False):
+    """Collectives per micro-step of a manual-loop window (accumulation 4)."""
+    model, (batch,) = mlp(), regression_batches(1, 16)
+    eng = make_engine(copy.deepcopy(model), stage, 16, 2, optimizer=sgd,
+                      zero_optimization={"stage": stage, "reduce_every_micro_step": reduce_every_micro_step})
+    per_micro_step = []
+    with CommCounter() as comm:
+        if hasattr(eng.strategy.forward_module, "register_comm_hook"):
+            comm.watch_ddp(eng.strategy.forward_module)
+        for micro_batch in split_batch(rank_slice(batch, eng.plan), eng.plan.micro_batch_sizes):
+            comm.reset()
+            eng.backward(mse(eng, micro_batch))
+            eng.step()
+            per_micro_step.append(dict(comm.calls))
+    return per_micro_step
+
+
+def reduce_every_micro_step(rank, world, stage):
+    model, batches = mlp(), regression_batches(2, 16)
+    expected = reference_train(model, batches, mse, adamw)
+    eng = make_engine(copy.deepcopy(model), stage, 16, 2,
+                      zero_optimization={"stage": stage, "reduce_every_micro_step": True})
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "params": flat_params(eng),
+            "collectives": gradient_collectives(rank, world, stage, reduce_every_micro_step=True)}
+
+
+def stage_scenarios(stage):
+    if stage >= 2:
+        return {**_common_scenarios(stage), "reduce every micro-step": functools.partial(reduce_every_micro_step, stage=stage)}
+    return _common_scenarios(stage)
+
+
+def _common_scenarios(stage):
+    return {
+        "manual strict": functools.partial(manual_loop, stage=stage, split="strict"),
+        "manual balanced": functools.partial(manual_loop, stage=stage, split="balanced"),
+        "train_batch strict clipped": functools.partial(train_batch, stage=stage, split="strict", clip=0.05),
+        "train_batch balanced": functools.partial(train_batch, stage=stage, split="balanced"),
+        "token weighted": functools.partial(token_weighted, stage=stage),
+        "short windows": functools.partial(short_windows, stage=stage),
+        "collectives": functools.partial(gradient_collectives, stage=stage),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_equals_full_batch_reference(stage):
+    results = run_scenarios(stage_scenarios(stage), world_size=2, timeout=240)
+    for name in ("manual strict", "manual balanced", "train_batch strict clipped", "train_batch balanced",
+                 "token weighted", "short windows"):
+        for rank, result in enumerate(results[name]):
+            assert result["diff"] < TOL, (name, rank, result["diff"])
+        if "params" in results[name][0]:
+            assert torch.equal(results[name][0]["params"], results[name][1]["params"]), name
+    for name in ("manual strict", "manual balanced"):
+        for result in results[name]:
+            # parameters move exactly when a window closes, on every rank
+            assert all(stepped == moved for stepped, moved in result["moved"]), result["moved"]
+            assert [s for s, _ in result["moved"]].count(True) == result["steps"] == 3
+    first = results["train_batch strict clipped"][0]
+    assert first["loss0"] == pytest.approx(first["expected_loss0"], rel=1e-12)
+    assert results["short windows"][0]["samples"] == 16 + 8 + 12
+
+    for per_micro_step in results["collectives"]:
+        inside, boundary = per_micro_step[:-1], per_micro_step[-1]
+        gradient_kinds = ("all_reduce", "reduce_scatter")
+        assert all(step.get(kind, 0) == 0 for step in inside for kind in gradient_kinds), per_micro_step
+        assert sum(boundary.get(kind, 0) for kind in gradient_kinds) >= 1, per_micro_step
+    if stage >= 2:
+        for result in results["reduce every micro-step"]:
+            assert result["diff"] < TOL
+            assert all(step.get("reduce_scatter", 0) >= 1 for step in result["collectives"]), result["collectives"]
+
+
+def _config_from_rank(rank, world):
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2 if rank == 0 else 4,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(engine.ConfigError) as error:
+        engine.initialize(mlp(), config)
+    return str(error.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ranks_with_different_configs_fail_clearly_on_every_rank():
+    messages = run_distributed(_config_from_rank, world_size=2, timeout=60)
+    for message in messages:
+        assert "ranks disagree" in message
+        assert "gradient_accumulation_steps: rank 0 has 2, rank 1 has 4" in message

@@ -1,0 +1,234 @@
+"""python -m launch: command construction, signals and exit codes, and real 2-process runs."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.cli import LaunchError, build_command, build_parser, main, run
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "examples/_launch_probe.py"
+PROBE_LINE = re.compile(r"rank (\d)/2 local_rank (\d) sum 1")
+# deepspeed compiles its CPU ops (e.g. the shm comm op) on first use; keep them across runs.
+TORCH_EXTENSIONS_DIR = str(REPO / ".cache" / "torch_extensions")
+
+
+def command(*argv, python="PY"):
+    return build_command(build_parser().parse_args(list(argv)), python=python)
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_torchrun_single_node_is_standalone():
+    assert command("--nproc-per-node", "2", PROBE, "--lr", "0.1", "--nnodes", "9") == [
+        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        PROBE, "--lr", "0.1", "--nnodes", "9",  # after the script: the script's arguments
+    ]
+
+
+def test_one_process_by_default():
+    assert command(PROBE)[3:5] == ["--nproc-per-node", "1"]
+    assert command("--launcher", "deepspeed", PROBE)[3:5] == ["--num_gpus", "1"]
+
+
+def test_torchrun_multi_node():
+    assert command("--nproc_per_node", "4", "--nnodes", "2", "--node-rank", "1",
+                   "--master-addr", "node0", "--master-port", "29600", PROBE) == [
+        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "2",
+        "--node-rank", "1", "--master-addr", "node0", "--master-port", "29600", PROBE,
+    ]
+
+
+def test_torchrun_single_node_with_fixed_port():
+    cmd = command("--nproc-per-node", "2", "--master-port", "29601", PROBE)
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--master-port") + 1] == "29601"
+
+
+def test_deepspeed_single_node():
+    cmd = command("--launcher", "deepspeed", "--nproc-per-node", "2", PROBE, "--x")
+    assert cmd[:5] == ["PY", "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    assert 0 < int(cmd[cmd.index("--master_port") + 1]) < 65536  # a free port, not 29500
+    assert cmd[-2:] == [PROBE, "--x"]
+    assert "--hostfile" not in cmd and "--no_ssh" not in cmd
+
+
+def test_deepspeed_multi_node(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=4\nnode1 slots=4\n")
+    cmd = command("--launcher", "deepspeed", "--nproc-per-node", "4", "--nnodes", "2",
+                  "--hostfile", str(hostfile), "--master-addr", "node0", PROBE)
+    assert cmd == ["PY", "-m", "deepspeed.launcher.runner", "--num_gpus", "4",
+                   "--hostfile", str(hostfile), "--num_nodes", "2", "--master_addr", "node0",
+                   "--master_port", "29500", PROBE]
+    per_node = command("--launcher", "deepspeed", "--nnodes", "2", "--node-rank", "1",
+                       "--hostfile", str(hostfile), PROBE)
+    assert per_node[per_node.index("--no_ssh") + 1:][:2] == ["--node_rank", "1"]
+    assert "--num_gpus" not in per_node  # the hostfile's slots decide
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing.py"], "script not found: missing.py"),
+    (["--nnodes", "2", PROBE], "needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "a", PROBE], "below --nnodes 2"),
+    (["--hostfile", PROBE, PROBE], "--hostfile is for --launcher deepspeed"),
+    (["--launcher", "deepspeed", "--nnodes", "2", PROBE], "needs --hostfile"),
+    (["--launcher", "deepspeed", "--hostfile", "nope", PROBE], "hostfile not found: nope"),
+])
+def test_invalid_launches(argv, message):
+    with pytest.raises(LaunchError, match=message):
+        command(*argv)
+
+
+def test_deepspeed_missing_gives_the_install_hint(monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    with pytest.raises(LaunchError, match=r"pip install 'microstep\[deepspeed\]'"):
+        command("--launcher", "deepspeed", PROBE)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc-per-node", "0", PROBE], "0 is below the minimum of 1"),
+    (["--nproc-per-node", "two", PROBE], "'two' is not an integer"),
+    (["--master-port", "70000", PROBE], "not a TCP port"),
+    (["missing.py"], "script not found"),
+])
+def test_main_reports_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_main_prints_the_command_on_one_line(capsys):
+    assert main(["--dry-run", "--nproc-per-node", "2", PROBE, "a b"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("[launch] ") and err.rstrip().endswith(f"{PROBE} 'a b'")
+
+
+# --------------------------------------------------------------------------- run()
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+try:
+    print("ready", flush=True)
+    time.sleep(60)
+except KeyboardInterrupt:
+    sys.exit(8)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 7), ("SIGINT", 8)])
+def test_run_forwards_signals_and_the_exit_code(sig, code):
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from launch.cli import run; "
+         f"sys.exit(run([sys.executable, '-c', {CHILD!r}]))"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert launcher.stdout.readline().strip() == "ready"
+    launcher.send_signal(getattr(__import__("signal"), sig))
+    assert launcher.wait(timeout=30) == code
+
+
+RUNNER_WITH_WORKER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(worker.pid, flush=True)
+time.sleep(60)  # dies on SIGTERM without passing it on, like the deepspeed runner
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_run_signals_the_whole_process_group():
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from launch.cli import run; "
+         f"sys.exit(run([sys.executable, '-c', {RUNNER_WITH_WORKER!r}]))"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    worker = int(launcher.stdout.readline())
+    launcher.terminate()
+    assert launcher.wait(timeout=30) == 128 + 15
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the launcher's grandchild survived SIGTERM"
+
+
+def test_run_exit_codes():
+    assert run([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert run([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]) == 128 + 9
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The three real launches, started together: they mostly wait on imports."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
+    commands = {
+        "launch": [sys.executable, "-m", "launch", "--nproc-per-node", "2", PROBE],
+        "deepspeed": [sys.executable, "-m", "launch", "--launcher", "deepspeed",
+                      "--nproc-per-node", "2", PROBE],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2", PROBE],
+    }
+    start = time.monotonic()
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+             for name, cmd in commands.items()}
+    yield procs, start
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def finished(launched, name):
+    procs, start = launched
+    out, err = procs[name].communicate(timeout=150)
+    print(f"{name}: finished {time.monotonic() - start:.1f}s after the start")
+    return procs[name].returncode, out, err
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["launch", "torchrun"])
+def test_probe_under_torchrun(launched, name):
+    code, out, err = finished(launched, name)
+    assert code == 0, err
+    assert sorted(PROBE_LINE.findall(out)) == [("0", "0"), ("1", "1")], out + err
+    if name == "launch":
+        assert "[launch] " in err and "torch.distributed.run" in err
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(180)
+def test_probe_under_deepspeed_launcher(launched):
+    code, out, err = finished(launched, "deepspeed")
+    assert code == 0, err
+    assert sorted(PROBE_LINE.findall(out)) == [("0", "0"), ("1", "1")], out + err
+    assert "deepspeed.launcher.runner --num_gpus 2" in err
