@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine import checkpoint
 from engine.batch_plan import BatchPlan, split_evenly
 from engine.microbatch import batch_size, split_batch
 from engine.strategies.base import StepResult, Strategy
@@ -58,12 +59,13 @@ class Engine:
     """Returned by :func:`engine.initialize`; see DESIGN.md for the contract."""
 
     def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, lr_scheduler=None,
-                 loss_fn: LossFn | None = None):
+                 loss_fn: LossFn | None = None, monitor=None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
+        self.monitor = monitor  # told about every closed window (engine.monitor)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -186,7 +188,17 @@ class Engine:
 
     # -- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded model state as CPU tensors, on every rank."""
         return self.strategy.full_state_dict()
+
+    def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
+        """Save everything needed to resume at this boundary (see engine.checkpoint). ``data``:
+        an object with ``state_dict()`` (e.g. DistributedBatches) whose position is saved."""
+        return checkpoint.save_checkpoint(self, path, data=data, client_state=client_state)
+
+    def load_checkpoint(self, path, *, data=None) -> dict:
+        """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``."""
+        return checkpoint.load_checkpoint(self, path, data=data)
 
     def close(self) -> None:
         self.strategy.close()
@@ -271,23 +283,18 @@ class Engine:
     def _close_window(self) -> None:
         window, plan = self._window, self.plan
         self.strategy.reduce_gradients()
-        planned = plan.window_samples(window.micro_steps)
-        if window.exact_counts:
-            stats = torch.stack([
-                torch.as_tensor(window.loss_total, dtype=torch.float64, device=self._stats_device).reshape(()),
-                torch.as_tensor(window.units, dtype=torch.float64, device=self._stats_device).reshape(()),
-                torch.tensor(float(window.samples), dtype=torch.float64, device=self._stats_device),
-            ])
-            stats = self.strategy.all_reduce_sum(stats)
-            total_units, samples = stats[1], int(stats[2].item())
-            loss = stats[0] / total_units
-            multiplier = (plan.train_batch_size / total_units) if window.item_weighted else \
-                (1.0 if samples == plan.train_batch_size else plan.train_batch_size / samples)
+        if window.exact_counts or self.monitor is not None:
+            loss, units, samples = self._global_window_stats(window)
+        else:  # the manual loop's planned sizes: no collective, no host sync
+            samples = plan.window_samples(window.micro_steps)
+            loss, units = torch.as_tensor(window.loss_total) / max(window.samples, 1), samples
+        target = plan.train_batch_size
+        if window.item_weighted:
+            multiplier = target / units
         else:
-            samples = planned
-            multiplier = 1.0 if samples == plan.train_batch_size else plan.train_batch_size / samples
-            loss = torch.as_tensor(window.loss_total).detach() / max(window.samples, 1)
-        result = self.strategy.step(multiplier, self.config.gradient_clipping)
+            multiplier = 1.0 if samples == target else target / samples
+        result = self.strategy.step(multiplier, self.config.gradient_clipping,
+                                    want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
         self.strategy.zero_grad()
         if result.applied:
             if self.lr_scheduler is not None:
@@ -298,8 +305,18 @@ class Engine:
         self.global_steps += 1
         self.global_samples += samples
         self.last_window = WindowReport(loss=loss, samples=samples, step=result,
-                                        items=window.units if window.item_weighted else None)
+                                        items=units if window.item_weighted else None)
         self._window = _Window()
+        if self.monitor is not None:
+            self.monitor.on_window(self, self.last_window)
+
+    def _global_window_stats(self, window: _Window):
+        """(mean loss, units, samples) of the window over every rank: one small all-reduce."""
+        device = self._stats_device
+        stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
+                             for value in (window.loss_total, window.units, float(window.samples))])
+        stats = self.strategy.all_reduce_sum(stats)
+        return stats[0] / stats[1], stats[1], int(stats[2].item())
 
 
 def _check_loss(loss) -> None:

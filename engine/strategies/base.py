@@ -55,9 +55,10 @@ class Strategy(ABC):
         closed early, or communication deliberately deferred)."""
 
     @abstractmethod
-    def step(self, multiplier: float | torch.Tensor, max_norm: float) -> StepResult:
+    def step(self, multiplier: float | torch.Tensor, max_norm: float, want_norm: bool = False) -> StepResult:
         """Multiply the reduced gradient by ``multiplier``, clip it to ``max_norm`` (0 = off),
-        update the parameters — or skip all of it on an fp16 overflow."""
+        update the parameters — or skip all of it on an fp16 overflow. The gradient norm is
+        computed when clipping or when ``want_norm`` (identical on every rank)."""
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -118,7 +119,7 @@ class TorchStrategy(Strategy):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def step(self, multiplier, max_norm):
+    def step(self, multiplier, max_norm, want_norm=False):
         grads = self.local_gradients()
         scaler = self.precision.scaler
         if scaler is not None:
@@ -128,7 +129,10 @@ class TorchStrategy(Strategy):
                 return StepResult(applied=False)
         elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
             scale_(grads, multiplier)
-        norm = clip_grad_norm_(grads, max_norm, self) if max_norm > 0 else None
+        if max_norm > 0:
+            norm = clip_grad_norm_(grads, max_norm, self)
+        else:
+            norm = self.global_grad_norm(grads) if want_norm else None
         self.optimizer_step()
         return StepResult(applied=True, grad_norm=norm)
 
