@@ -2,6 +2,7 @@
 
 from engine.batch_plan import BatchConfigError, BatchPlan, plan_from_config, resolve_batch_plan
 from engine.build import initialize
+from engine.checkpoint import CheckpointError
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine, EngineUsageError
 from engine.microbatch import BatchError
@@ -18,4 +19,5 @@ __all__ = [
     "plan_from_config",
     "EngineUsageError",
     "BatchError",
+    "CheckpointError",
 ]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import torch
 
+from engine.autotune import MicroBatchTuner
 from engine.batch_plan import plan_from_config
 from engine.config import ConfigError, load_config
 from engine.engine import Engine, LossFn
+from engine.monitor import Monitor
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.rank_consistency import check_same_settings
 from engine.strategies import make_strategy
@@ -36,14 +39,43 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
     config = load_config(config, overrides)
     if config.seed is not None:
-        torch.manual_seed(config.seed)
+        _seed_everything(config.seed)
     strategy, world_size, rank = make_strategy(config)
+    _configure_logging(rank)
     plan = plan_from_config(config, world_size, rank)
     check_same_settings(config, plan)
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
-    return Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn,
-                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
+    monitor = Monitor(config.monitor, rank=rank) if config.monitor.enabled else None
+    eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
+                 lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
+    if plan.micro_batch_mode != "fixed":
+        eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
+    if monitor is not None:
+        monitor.attach(eng)  # starts the first step's clock, watches the learning rate
+    return eng
+
+
+def _seed_everything(seed: int) -> None:
+    """The same seed for torch, Python's ``random`` and NumPy (when installed), on every rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def _configure_logging(rank: int) -> None:
+    """Unless the application configured logging itself, show the engine's messages: INFO
+    and up on rank 0, warnings and errors on the other ranks (prefixed by their rank)."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[microstep{f' rank {rank}' if rank else ''}] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 def _materialise_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, config) -> torch.optim.Optimizer:

@@ -1,9 +1,662 @@
-"""Checkpoints: save and resume at a window boundary (being written)."""
+"""Checkpoints: save at a window boundary, resume on the same or another world size.
+
+A checkpoint is a directory (see docs/checkpoints.md)::
+
+    manifest.json        written last: format version, counters, world size, every file's size
+    engine_state.pt      rank 0: counters, plan, scheduler, loss scaler, config, client_state
+    rank00000.pt ...     one per rank: RNG states, the data position
+    model_optimizer/     the strategy's model and optimizer state (torch: a DCP checkpoint)
+
+Every rank calls ``save_checkpoint`` / ``load_checkpoint`` with the same path, on a
+filesystem all ranks share. A save writes into a hidden sibling ``.<name>.tmp-<token>``,
+then rank 0 renames it into place (an existing checkpoint is moved aside first and
+deleted after), so ``path`` always holds either the previous checkpoint or the new one.
+Leftovers of a crashed save are ignored by ``load_checkpoint`` and removed by the next
+successful save in the same parent directory.
+
+Any rank's failure is agreed on before the next collective, so every rank raises the same
+:class:`CheckpointError` instead of some ranks waiting forever. Checkpoints are pickled
+data, like every PyTorch checkpoint: load only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from engine.batch_plan import BatchConfigError
+from engine.distributed import control_group
+
+log = logging.getLogger("engine")
+
+FORMAT = "microstep-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+ENGINE_STATE = "engine_state.pt"
+STATE_DIR = "model_optimizer"
+COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>\d+-\d+)$")
 
 
-def save_checkpoint(engine, path, *, data=None, client_state=None):
-    raise NotImplementedError
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read: incomplete, corrupt, or not this run's."""
 
 
-def load_checkpoint(engine, path, *, data=None):
-    raise NotImplementedError
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+# =========================================================================== save
+def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None) -> str:
+    """Write everything needed to resume ``engine`` at this boundary into directory ``path``
+    (replacing a checkpoint already there). Collective: every rank calls it. Returns the
+    absolute path."""
+    _require_boundary(engine, "save_checkpoint")
+    started = time.perf_counter()
+    rank = engine.rank
+    target = Path(os.path.abspath(path))
+    token = _agreed_token(target)
+    tmp = target.parent / f".{target.name}.tmp-{token}"
+    try:
+        problem = None
+        if rank == 0:
+            problem = _prepare_target(target, tmp)
+        _agree(problem)
+        problem, cause = None, None
+        try:
+            _write_local_files(engine, tmp, data, client_state)
+        except CheckpointError as error:
+            problem, cause = str(error), error
+        except Exception as error:  # noqa: BLE001 - reported on every rank below
+            problem, cause = f"writing the rank's own files failed: {error!r}", error
+        _agree(problem, cause)
+        engine.strategy.save_training_state(str(tmp / STATE_DIR))
+        problem, cause = None, None
+        if rank == 0:
+            try:
+                _write_manifest(engine, tmp)
+                _publish(tmp, target, token)
+            except Exception as error:  # noqa: BLE001
+                problem, cause = f"publishing failed: {error!r}", error
+        _agree(problem, cause)
+    except BaseException as error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(
+            f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
+            f"already at that path is untouched): {_describe(error)}"
+        ) from error
+    if rank == 0:
+        log.info("saved checkpoint %s (global step %d) in %.2f s", target, engine.global_steps,
+                 time.perf_counter() - started)
+    return str(target)
+
+
+def _write_local_files(engine, tmp: Path, data, client_state) -> None:
+    if not tmp.is_dir():
+        raise CheckpointError(f"{tmp.parent} is not visible from rank {engine.rank}, where rank 0 "
+                              "created it: checkpoints need a filesystem shared by all ranks")
+    data_state = data.state_dict() if data is not None else None
+    if engine.rank == 0:
+        _save(tmp / ENGINE_STATE, _engine_state(engine, data_state, client_state))
+    _save(tmp / rank_file(engine.rank), {"rng": _rng_state(), "data": data_state})
+
+
+def _engine_state(engine, data_state, client_state) -> dict:
+    scaler = _loss_scaler(engine)
+    plan = engine.plan
+    return {
+        "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
+        "plan": dataclasses.asdict(plan.for_rank(0)),
+        "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
+        "micro_batch_tuner": _state_of(getattr(engine, "micro_batch_tuner", None)),
+        "world_size": engine.world_size,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "config": engine.config.to_dict(),
+        "data": data_state,
+        "client_state": client_state,
+    }
+
+
+def _write_manifest(engine, tmp: Path) -> None:
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "world_size": engine.world_size,
+        "train_batch_size": engine.plan.train_batch_size,
+        "strategy": getattr(engine.strategy, "name", type(engine.strategy).__name__),
+        "state_format": engine.strategy.checkpoint_format,
+        "torch_version": torch.__version__,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": files,
+    }
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prepare_target(target: Path, tmp: Path) -> str | None:
+    """Rank 0, before anything is written: refuse to replace what is not a checkpoint."""
+    if target.exists() and not (target.is_dir() and ((target / MANIFEST).is_file() or not any(target.iterdir()))):
+        return (f"{target} exists and is not a checkpoint directory (no {MANIFEST}); "
+                "choose another path — it would be replaced")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as error:
+        return f"cannot create {tmp}: {error}"
+    return None
+
+
+def _publish(tmp: Path, target: Path, token: str) -> None:
+    """Rank 0: move the complete checkpoint into place, then sweep leftovers of crashed saves."""
+    aside = target.parent / f".{target.name}.old-{token}"
+    if target.exists():
+        os.replace(target, aside)
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        for entry in target.parent.iterdir():
+            match = _LEFTOVER.match(entry.name)
+            if match is None or match["token"] == token:
+                continue
+            if not _restore_aside(entry, target.parent / match["name"], match["kind"]):
+                log.info("removing %s, left by an interrupted checkpoint save", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+    except OSError as error:  # the new checkpoint is in place: a failed sweep is not fatal
+        log.warning("could not sweep leftovers of interrupted saves in %s: %s", target.parent, error)
+
+
+def _restore_aside(entry: Path, its_target: Path, kind: str) -> bool:
+    """A save that crashed between its two renames leaves the previous checkpoint aside and
+    nothing at its path: move it back. True when ``entry`` was restored."""
+    if kind != "old" or its_target.exists() or not (entry / MANIFEST).is_file():
+        return False
+    os.replace(entry, its_target)
+    log.warning("restored checkpoint %s, which an interrupted save had moved aside", its_target)
+    return True
+
+
+def _recover(target: Path) -> None:
+    """Rank 0, before a load: undo an interrupted save's half-done rename, if any."""
+    if target.exists() or not target.parent.is_dir():
+        return
+    for entry in sorted(target.parent.iterdir()):
+        match = _LEFTOVER.match(entry.name)
+        if match and match["name"] == target.name and _restore_aside(entry, target, match["kind"]):
+            return
+
+
+# =========================================================================== load
+def load_checkpoint(engine, path, *, data=None) -> dict:
+    """Restore a checkpoint written by :func:`save_checkpoint` (possibly on another number
+    of ranks, with the same ``train_batch_size``); returns its ``client_state``.
+    Collective: every rank calls it."""
+    _require_boundary(engine, "load_checkpoint")
+    started = time.perf_counter()
+    target = Path(os.path.abspath(path))
+    if engine.rank == 0:
+        try:
+            _recover(target)
+        except OSError as error:
+            log.warning("could not restore an interrupted save's checkpoint: %s", error)
+    _agreed_token(target)  # every rank names the same path; the others wait for rank 0 here
+    saved, mine, problem, cause = None, None, None, None
+    try:
+        manifest = _read_manifest(target)
+        _check_files(target, manifest)
+        _check_compatible(engine, target, manifest)
+        saved = _load(target / ENGINE_STATE)
+        if engine.rank < manifest["world_size"]:
+            mine = _load(target / rank_file(engine.rank))
+        if data is not None and saved.get("data") is None:
+            raise CheckpointError(f"{target} holds no data position (it was saved without data=); "
+                                  "load it without data= and position the data yourself")
+    except CheckpointError as error:
+        problem, cause = str(error), error
+    except Exception as error:  # noqa: BLE001 - e.g. a manifest with missing fields
+        problem, cause = f"cannot read the checkpoint {target}: {error!r}", error
+    _agree(problem, cause)
+
+    data_before = data.state_dict() if data is not None else None
+    try:
+        if data is not None:
+            same_world = manifest["world_size"] == engine.world_size and mine is not None
+            data.load_state_dict(mine["data"] if same_world and mine.get("data") is not None else saved["data"])
+    except Exception as error:  # noqa: BLE001
+        problem, cause = f"restoring the data position failed: {error}", error
+    try:
+        _agree(problem, cause)
+        engine.strategy.load_training_state(str(target / STATE_DIR))
+    except BaseException:
+        if data is not None:
+            data.load_state_dict(data_before)
+        raise
+    _restore_engine(engine, saved, manifest)
+    _restore_rng(engine, mine, manifest)
+    if engine.rank == 0:
+        log.info("loaded checkpoint %s (global step %d, saved on %d rank(s)) in %.2f s", target,
+                 engine.global_steps, manifest["world_size"], time.perf_counter() - started)
+    client_state = saved.get("client_state")
+    return client_state if client_state is not None else {}
+
+
+def _read_manifest(target: Path) -> dict:
+    if not target.exists():
+        raise CheckpointError(f"no checkpoint at {target}: the path does not exist")
+    if not target.is_dir():
+        raise CheckpointError(f"{target} is a file; a checkpoint is a directory")
+    try:
+        with open(target / MANIFEST) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{target} is not a complete checkpoint: it has no {MANIFEST}, which is written "
+            "last (an interrupted or foreign save)") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{target}/{MANIFEST} is unreadable or corrupt: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{target}/{MANIFEST} is not a Microstep checkpoint manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{target} has checkpoint format version {manifest.get('version')}; "
+                              f"this Microstep reads up to version {VERSION}: upgrade it")
+    return manifest
+
+
+def _check_files(target: Path, manifest: dict) -> None:
+    problems = []
+    for name, size in manifest["files"].items():
+        try:
+            actual = (target / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if actual != size:
+            problems.append(f"{name} has {actual} bytes, {size} were written"
+                            + (" (truncated)" if actual < size else ""))
+    if problems:
+        raise CheckpointError(f"checkpoint {target} is damaged: " + "; ".join(problems[:10])
+                              + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
+
+
+def _check_compatible(engine, target: Path, manifest: dict) -> None:
+    saved_batch, batch = manifest["train_batch_size"], engine.plan.train_batch_size
+    if saved_batch != batch:
+        raise CheckpointError(
+            f"{target} was trained with train_batch_size {saved_batch} (the global batch); this "
+            f"engine has {batch}. Resuming with another global batch would change the training: "
+            f"set train_batch_size: {saved_batch} (world size and micro-batch size may differ)")
+    fmt = engine.strategy.checkpoint_format
+    if manifest["state_format"] != fmt:
+        raise CheckpointError(
+            f"{target} holds model/optimizer state in the {manifest['state_format']!r} layout "
+            f"(strategy {manifest['strategy']}); this engine's strategy "
+            f"{getattr(engine.strategy, 'name', '?')} reads {fmt!r}")
+
+
+def _restore_engine(engine, saved: dict, manifest: dict) -> None:
+    for name in COUNTERS:
+        setattr(engine, name, saved["counters"][name])
+    _restore_optional(engine.lr_scheduler, saved["lr_scheduler"], "lr scheduler")
+    _restore_optional(_loss_scaler(engine), saved["loss_scaler"], "fp16 loss scaler")
+    _restore_micro_batch(engine, saved["micro_batch"])
+    tuner = getattr(engine, "micro_batch_tuner", None)
+    if saved.get("micro_batch_tuner") is not None and hasattr(tuner, "load_state_dict"):
+        tuner.load_state_dict(saved["micro_batch_tuner"])
+    old_plan, plan = saved["plan"], engine.plan
+    if manifest["world_size"] != engine.world_size:
+        log.info("resuming a checkpoint of %d rank(s) on %d: global batch %d unchanged, gradient "
+                 "accumulation %d -> %d, micro-batch %d -> %d", manifest["world_size"],
+                 engine.world_size, plan.train_batch_size, old_plan["gradient_accumulation_steps"],
+                 plan.gradient_accumulation_steps, old_plan["train_micro_batch_size_per_gpu"],
+                 plan.train_micro_batch_size_per_gpu)
+
+
+def _restore_optional(obj, state, what: str) -> None:
+    if obj is not None and state is not None:
+        obj.load_state_dict(state)
+    elif obj is not None:
+        log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
+    elif state is not None:
+        log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
+
+
+def _restore_micro_batch(engine, saved: dict) -> None:
+    """A micro size found by auto / explore is kept when it suits the current plan."""
+    size, plan = saved["size"], engine.plan
+    if saved["mode"] == "fixed" or size == plan.train_micro_batch_size_per_gpu:
+        return
+    if plan.micro_batch_mode == "fixed":
+        log.info("the checkpoint's micro-batch size %d (%s) is not restored: the config fixes it "
+                 "at %d", size, saved["mode"], plan.train_micro_batch_size_per_gpu)
+        return
+    try:
+        engine.plan = plan.with_micro_batch_size(size)
+    except BatchConfigError as error:
+        log.info("the checkpoint's micro-batch size %d does not fit this plan (%s); keeping %d",
+                 size, error, plan.train_micro_batch_size_per_gpu)
+
+
+# =========================================================================== RNG
+def _numpy():
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": None, "cuda": None}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    numpy = _numpy()
+    if numpy is not None:
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def _restore_rng(engine, mine: dict | None, manifest: dict) -> None:
+    if mine is None:
+        seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
+        log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
+                 "re-seeded with %d", engine.rank, manifest["world_size"], seed)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if _numpy() is not None:
+            _numpy().random.seed(seed)
+        return
+    state = mine["rng"]
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    random.setstate(state["python"])
+    numpy = _numpy()
+    if state["numpy"] is not None and numpy is not None:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    if engine.rank == 0 and manifest["world_size"] > engine.world_size:
+        log.info("the random generator states of checkpoint ranks %d..%d are not used",
+                 engine.world_size, manifest["world_size"] - 1)
+
+
+# =========================================================================== model + optimizer (torch)
+def save_torch_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """DCP checkpoint of ``module`` (DTensor shards or plain tensors) and ``optimizer``.
+
+    The optimizer state is one flat entry per tensor, keyed by the parameter's name
+    (``optimizer.state.<fqn>.<key>``), for the parameters in ``optimizer.param_groups`` —
+    under ZeRO-1 only this rank's own, so DCP stores the union of the ranks' disjoint
+    pieces; under FSDP the entries are DTensors and DCP stores their shards. Non-tensor
+    values are stored pickled. Group hyperparameters (lr, betas, ...) are stored once."""
+    payload, problem, cause = None, None, None
+    try:
+        names = _param_names(module)
+        state: dict[str, dict] = {}  # DCP flattens it to "optimizer.state.<fqn>.<key>"
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in optimizer.state.get(p, {}).items():
+                    # a tuple is stored whole (pickled); a tensor as its own entry
+                    state.setdefault(names[id(p)], {})[key] = value if torch.is_tensor(value) else (value,)
+        payload = {"model": get_model_state_dict(module),
+                   "optimizer": {"type": _type_name(optimizer), "param_groups": (_hyperparameters(optimizer),),
+                                 "state": state}}
+    except Exception as error:  # noqa: BLE001 - agreed on before DCP's own collectives
+        problem, cause = f"collecting the model/optimizer state failed: {_describe(error)}", error
+    _agree(problem, cause)
+    _dcp(dcp.save, payload, directory)
+
+
+def load_torch_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Inverse of :func:`save_torch_training_state`, resharding to this run's layout: each
+    rank reads the entries of the parameters its optimizer holds (its own shards under
+    FSDP, its own parameters under ZeRO-1). Checks the model's names and shapes and the
+    optimizer's type and groups on every rank before anything is changed."""
+    names = _param_names(module)
+    problem, cause, model_state, templates, saved_groups = None, None, None, {}, None
+    try:
+        saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+        model_state = get_model_state_dict(module)
+        problem = _model_mismatch(model_state, saved, directory)
+        small = {"optimizer": {"type": None, "param_groups": None}}
+        _dcp(dcp.load, small, directory, local=True)
+        saved_type, (saved_groups,) = small["optimizer"]["type"], small["optimizer"]["param_groups"]
+        problem = problem or _optimizer_mismatch(optimizer, saved_type, saved_groups, directory)
+        by_param = _saved_optimizer_entries(saved)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                for key in by_param.get(name, ()):
+                    meta = saved[f"optimizer.state.{name}.{key}"]
+                    if not isinstance(meta, TensorStorageMetadata):
+                        template = None
+                    elif tuple(meta.size) == tuple(p.shape) and p.dim() > 0:  # sharded like p
+                        template = torch.empty_like(p, dtype=meta.properties.dtype)
+                    else:  # e.g. Adam's step: torch's load_state_dict moves it where it belongs
+                        template = torch.empty(meta.size, dtype=meta.properties.dtype)
+                    templates.setdefault(name, {})[key] = template
+    except CheckpointError as error:
+        problem, cause = str(error), error
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - library errors, rephrased
+        problem, cause = f"cannot read the model/optimizer state in {directory}: {_describe(error)}", error
+    _agree(problem, cause)
+
+    payload = {"model": model_state, "optimizer": {"state": templates}}
+    try:
+        _dcp(dcp.load, payload, directory)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"reading the model/optimizer state in {directory} failed (the model "
+                              f"may be partly loaded: re-create the engine): {_describe(error)}") from error
+    set_model_state_dict(module, payload["model"])
+    loaded = payload["optimizer"]["state"]
+    index, torch_state, torch_groups = 0, {}, []
+    for group, hyper in zip(optimizer.param_groups, saved_groups):
+        ids = []
+        for p in group["params"]:
+            entries = loaded.get(names[id(p)])
+            if entries:
+                torch_state[index] = {k: v[0] if isinstance(v, tuple) else v for k, v in entries.items()}
+            ids.append(index)
+            index += 1
+        extra = {"param_names": group["param_names"]} if "param_names" in group else {}
+        torch_groups.append({**hyper, **extra, "params": ids})
+    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _type_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _hyperparameters(optimizer) -> list[dict]:
+    return [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+            for group in optimizer.param_groups]
+
+
+def _saved_optimizer_entries(saved) -> dict[str, list[str]]:
+    """{parameter name: [state keys]} of the checkpoint's optimizer entries."""
+    by_param: dict[str, list[str]] = {}
+    prefix = "optimizer.state."
+    for key in saved:
+        if key.startswith(prefix):
+            name, _, state_key = key[len(prefix):].rpartition(".")
+            by_param.setdefault(name, []).append(state_key)
+    return by_param
+
+
+def _model_mismatch(model_state: dict, saved, directory: str) -> str | None:
+    saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    missing, shapes = [], []
+    covered = set()
+    for key, value in model_state.items():
+        if torch.is_tensor(value):
+            meta = saved_model.get(key)
+            if meta is None:
+                missing.append(key)
+            elif hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
+                shapes.append(f"{key}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
+            covered.add(key)
+        else:  # a non-tensor entry (extra state) may have been flattened into sub-keys
+            found = {k for k in saved_model if k == key or k.startswith(key + ".")}
+            if not found:
+                missing.append(key)
+            covered |= found
+    unexpected = sorted(set(saved_model) - covered)
+    if not (missing or unexpected or shapes):
+        return None
+    parts = []
+    for label, items in (("missing from the checkpoint", missing),
+                         ("in the checkpoint but not in this model", unexpected),
+                         ("shape mismatch", shapes)):
+        if items:
+            parts.append(f"{label}: {', '.join(items[:8])}" + (f" (+{len(items) - 8} more)" if len(items) > 8 else ""))
+    return f"the checkpoint in {directory} was saved from a different model — " + "; ".join(parts)
+
+
+def _optimizer_mismatch(optimizer, saved_type: str, saved_groups: list[dict], directory: str) -> str | None:
+    mine = _type_name(optimizer)
+    if saved_type != mine:
+        return f"the checkpoint in {directory} holds a {saved_type} optimizer state; this engine's optimizer is {mine}"
+    if len(saved_groups) != len(optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s); this engine's "
+                f"has {len(optimizer.param_groups)}")
+    for i, (saved, current) in enumerate(zip(saved_groups, _hyperparameters(optimizer))):
+        if set(saved) != set(current):
+            return (f"optimizer parameter group {i} has settings {sorted(saved)} in the checkpoint "
+                    f"but {sorted(current)} here")
+    return None
+
+
+def _dcp(fn, payload: dict, directory: str, *, local: bool = False) -> None:
+    """``dcp.save`` / ``dcp.load`` on the control group, or without collectives in a single
+    process (``local``: this rank alone reads small entries)."""
+    no_dist = local or control_group() is None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        fn(payload, checkpoint_id=directory, no_dist=no_dist,
+           process_group=None if no_dist else control_group())
+
+
+# =========================================================================== shared helpers
+def _require_boundary(engine, what: str) -> None:
+    from engine.engine import EngineUsageError
+
+    done = engine._window.micro_steps
+    if done:
+        raise EngineUsageError(
+            f"{what}() called in the middle of an accumulation window ({done} of "
+            f"{engine.plan.gradient_accumulation_steps} micro-steps done): a checkpoint holds a "
+            f"window boundary only; call it after the step() that closes the window "
+            f"(eng.is_gradient_accumulation_boundary() tells which one)")
+
+
+def _state_of(obj):
+    """``obj.state_dict()`` for objects that have one (e.g. a future micro-batch tuner)."""
+    return obj.state_dict() if hasattr(obj, "state_dict") else None
+
+
+def _loss_scaler(engine):
+    return getattr(getattr(engine.strategy, "precision", None), "scaler", None)
+
+
+def _agreed_token(target: Path) -> str:
+    """A name for this save's temporary directory, the same on every rank (rank 0's); also
+    checks that every rank passed the same path."""
+    mine = (str(target), f"{os.getpid()}-{time.time_ns()}")
+    group = control_group()
+    if group is None:
+        return mine[1]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=group)
+    paths = sorted({path for path, _ in everyone})
+    if len(paths) > 1:
+        raise CheckpointError(f"ranks passed different checkpoint paths: {paths}; every rank must pass the same one")
+    return everyone[0][1]
+
+
+def _agree(problem: str | None, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+    group = control_group()
+    if group is None:
+        everyone = [problem]
+    else:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problem, group=group)
+    failed = [(rank, text) for rank, text in enumerate(everyone) if text]
+    if not failed:
+        return
+    texts = sorted({text for _, text in failed})
+    if len(texts) == 1:
+        ranks = "every rank" if len(failed) == len(everyone) > 1 else \
+            f"rank {', '.join(str(r) for r, _ in failed)}" if len(everyone) > 1 else ""
+        message = texts[0] + (f" [{ranks}]" if ranks else "")
+    else:
+        message = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+    raise CheckpointError(message) from cause
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an exception, unwrapping DCP's per-rank CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+        return f"{type(inner).__name__}: {inner} (rank {rank})"
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _save(path: Path, obj) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # noqa: BLE001
+        raise CheckpointError(f"{path} is corrupt or unreadable: {type(error).__name__}: {error}") from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -9,6 +9,7 @@ import argparse
 import sys
 import warnings
 
+from engine.autotune import OutOfMemoryAtMicroBatchOne
 from engine.batch_plan import BatchConfigError, plan_from_config
 from engine.config import Config, ConfigError, load_config
 
@@ -33,6 +34,86 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     print(f"OK: {summarize(config)}")
+    return 0
+
+
+class FactoryError(ValueError):
+    """A ``module:function`` reference that cannot be loaded."""
+
+
+def load_factory(reference: str):
+    """``package.module:function`` or ``path/to/file.py:function`` → the callable."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    where, colon, name = reference.rpartition(":")
+    if not colon or not where or not name:
+        raise FactoryError(f"{reference!r}: expected module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise FactoryError(f"{reference!r}: no file {where}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as error:
+        raise FactoryError(f"{reference!r}: cannot import {where}: {error}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise FactoryError(f"{reference!r}: {where} has no callable named {name}")
+    return factory
+
+
+def _model_output_loss(model, batch):
+    """Default loss for explore: the model's own loss (``output.loss``, e.g. Hugging Face
+    models given labels) or its output when that is a scalar."""
+    import torch
+
+    if isinstance(batch, dict):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    loss = getattr(output, "loss", output)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise FactoryError("the model does not return a scalar loss (or an output with .loss): "
+                           "pass --loss module:function computing loss_fn(model, micro_batch)")
+    return loss
+
+
+def run_explore(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    import engine
+    from engine.explore_report import format_table, save_json, save_plot
+
+    overrides = args.overrides + ["train_micro_batch_size_per_gpu=explore", "gradient_accumulation_steps=null"]
+    config = load_config(args.config, overrides)
+    model = load_factory(args.model)()
+    make_batch = load_factory(args.batch)
+    loss_fn = load_factory(args.loss) if args.loss else _model_output_loss
+    optimizer = None if config.optimizer else (lambda params: torch.optim.SGD(params, lr=0.0))  # never stepped
+    eng = engine.initialize(model, config, optimizer=optimizer)
+    eng.micro_batch_tuner.warmup, eng.micro_batch_tuner.repeats = args.warmup, args.repeats
+    batch = make_batch(eng.plan.per_device_batch_size)
+    rows = eng.micro_batch_tuner.explore(batch, loss_fn)
+    if eng.rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"micro-batch sizes for global batch {eng.plan.train_batch_size} on {eng.world_size} rank(s) "
+              f"({eng.plan.per_device_batch_size} per device):")
+        print(format_table(rows))
+        saved = [save_json(rows, out / "explore.json", config=config.source, world_size=eng.world_size,
+                           train_batch_size=eng.plan.train_batch_size), save_plot(rows, out / "explore.png")]
+        print("saved " + ", ".join(str(path) for path in saved if path is not None))
+    eng.close()
     return 0
 
 
@@ -70,6 +151,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
     add_override_argument(validate)
     validate.set_defaults(run=run_validate)
+
+    explore = commands.add_parser(
+        "explore", help="measure candidate micro-batch sizes on a real model and batch",
+        description="Time forward+backward of a whole window for each candidate micro-batch size "
+                    "(warm-up, then timed; nothing is updated) and recommend the fastest that fits.")
+    explore.add_argument("config", help="config file (.yaml, .yml, .json or .py) with train_batch_size")
+    explore.add_argument("--model", required=True, metavar="MODULE:FN", help="builds the model: fn() -> nn.Module")
+    explore.add_argument("--batch", required=True, metavar="MODULE:FN",
+                         help="builds one per-device batch: fn(size) -> batch of `size` samples")
+    explore.add_argument("--loss", metavar="MODULE:FN",
+                         help="loss_fn(model, micro_batch) (default: the model's output.loss or scalar output)")
+    explore.add_argument("--out", default="runs/explore", help="where explore.json and explore.png go")
+    explore.add_argument("--warmup", type=int, default=1, help="untimed windows per candidate")
+    explore.add_argument("--repeats", type=int, default=3, help="timed windows per candidate (median)")
+    add_override_argument(explore)
+    explore.set_defaults(run=run_explore)
     return parser
 
 
@@ -79,7 +176,7 @@ def main(argv=None) -> int:
         warnings.simplefilter("always")
         try:
             status = args.run(args)
-        except (ConfigError, BatchConfigError) as error:
+        except (ConfigError, BatchConfigError, FactoryError, OutOfMemoryAtMicroBatchOne) as error:
             print(f"error: {error}" if "\n" not in str(error) else f"error:\n{error}",
                   file=sys.stderr)
             status = USAGE_ERROR

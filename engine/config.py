@@ -137,6 +137,19 @@ class DistributedConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
+class MonitorConfig(Section):
+    """Training metrics and progress (``engine.monitor``); rank 0 writes, others stay quiet."""
+
+    enabled: bool = False
+    progress: bool = True  # rank 0 progress display
+    log_every: PositiveInt = 1  # optimizer steps between records / progress lines
+    jsonl: Optional[str] = None  # path of a JSON-lines metrics file
+    csv: Optional[str] = None  # path of a CSV metrics file
+    tensorboard: Optional[str] = None  # a log dir; needs the tensorboard package
+    grad_norm: bool = True  # compute the global gradient norm even without clipping
+    total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
+
+
 class Config(BaseModel):
     """A validated Microstep config. Build it with ``load_config``."""
 
@@ -158,6 +171,7 @@ class Config(BaseModel):
     seed: Optional[Annotated[int, Field(ge=0)]] = None
     batch_statistics: Literal["warn", "error", "ignore"] = "warn"
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     constants: dict[str, Any] = Field(default_factory=dict)
     deepspeed_extras: dict[str, Any] = Field(default_factory=dict)
 

@@ -66,6 +66,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.monitor = monitor  # told about every closed window (engine.monitor)
+        self.micro_batch_tuner = None  # set for "auto" / "explore" micro sizes (engine.autotune)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -105,6 +106,11 @@ class Engine:
         ``loss`` is the mean over the micro-batch's samples, or a pair ``(loss_sum,
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
         window is taken to hold ``plan.micro_batch_sizes[k]`` samples."""
+        if self.micro_batch_tuner is not None:
+            raise EngineUsageError(
+                f"train_micro_batch_size_per_gpu: {self.plan.micro_batch_mode} lets train_batch() choose "
+                "the micro-batches; a manual loop (eng(x), backward, step) needs a number there"
+            )
         k = self._window.micro_steps
         if k >= self.plan.gradient_accumulation_steps:
             raise EngineUsageError(
@@ -161,8 +167,10 @@ class Engine:
                 f"train_batch() called in the middle of a manual-loop window "
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
-        for micro_batch, size in self._split_for_window(batch):
-            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        if self.micro_batch_tuner is not None:
+            self.micro_batch_tuner.run_window(self, batch, loss_fn)
+        else:
+            self._run_window(batch, loss_fn)
         self._close_window()
         return float(self.last_window.loss)
 
@@ -171,20 +179,9 @@ class Engine:
         """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
         over every rank's batch, per sample or per item like ``train_batch``."""
         loss_fn = self._loss_fn(loss_fn)
-        sizes = self._eval_sizes(batch_size(batch))
-        was_training = self.module.training
-        self.module.eval()
-        total = torch.zeros((), dtype=torch.float64)
-        units = torch.zeros((), dtype=torch.float64)
-        try:
-            for micro_batch, size in zip(split_batch(batch, sizes), sizes):
-                loss, n, item_weighted = self._loss_and_units(loss_fn(self.strategy.forward, micro_batch), size)
-                total += loss.double().cpu() * (1 if item_weighted else n)
-                units += torch.as_tensor(n, dtype=torch.float64).cpu()
-        finally:
-            self.module.train(was_training)
-        stats = self.strategy.all_reduce_sum(torch.stack([total, units]).to(self._stats_device))
-        return float(stats[0] / stats[1])
+        if self.micro_batch_tuner is not None:
+            return self.micro_batch_tuner.run_eval(self, batch, loss_fn)
+        return self._evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
 
     # -- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -217,6 +214,47 @@ class Engine:
             )
         return loss_fn
 
+    def _run_window(self, batch, loss_fn: LossFn) -> None:
+        """Forward and backward of every micro-batch of one window (no optimizer step)."""
+        for micro_batch, size in self._split_for_window(batch):
+            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+
+    def _discard_window(self) -> None:
+        """Abandon the window in progress: its gradients, counters and partial reductions."""
+        self.strategy.discard_window()
+        self.micro_steps -= self._window.micro_steps
+        self._window = _Window()
+
+    @torch.no_grad()
+    def _evaluate(self, batch, loss_fn: LossFn, micro: int, guarded=None) -> float:
+        """Evaluate in micro-batches of at most ``micro``; ``guarded(work)`` runs the forwards
+        (the micro-batch tuner's failure agreement), plain call by default."""
+        size = batch_size(batch)
+        # Every rank runs the same number of forwards (sharded models gather parameters in
+        # each); a rank with fewer samples repeats its last micro-batch with weight 0.
+        parts = int(self.strategy.all_reduce_max(torch.tensor(-(-size // micro), device=self._stats_device)))
+        sizes = [n for n in split_evenly(size, parts) if n]
+        pieces = list(zip(split_batch(batch, sizes), sizes))
+        pieces += [(pieces[-1][0], 0)] * (parts - len(pieces))
+        total = torch.zeros(2, dtype=torch.float64)  # Σ loss × units, Σ units
+
+        def forwards():
+            total.zero_()
+            for micro_batch, n in pieces:
+                loss, count, item_weighted = self._loss_and_units(loss_fn(self.strategy.forward, micro_batch), n)
+                if n:
+                    total[0] += loss.double().cpu() * (1 if item_weighted else n)
+                    total[1] += torch.as_tensor(count, dtype=torch.float64).cpu()
+
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            (guarded or _call)(forwards)
+        finally:
+            self.module.train(was_training)
+        stats = self.strategy.all_reduce_sum(total.to(self._stats_device))
+        return float(stats[0] / stats[1])
+
     def _split_for_window(self, batch):
         plan = self.plan
         accumulation = plan.gradient_accumulation_steps
@@ -233,11 +271,6 @@ class Engine:
                 f"batch of at least {accumulation} samples is run as a short window)"
             )
         return zip(split_batch(batch, sizes), sizes)
-
-    def _eval_sizes(self, size: int) -> tuple[int, ...]:
-        micro = self.plan.train_micro_batch_size_per_gpu
-        parts = max(1, -(-size // micro))
-        return split_evenly(size, parts)
 
     def _loss_and_units(self, output, samples: int):
         """(loss, the units the window's mean divides by, item-weighted?): a mean loss
@@ -317,6 +350,10 @@ class Engine:
                              for value in (window.loss_total, window.units, float(window.samples))])
         stats = self.strategy.all_reduce_sum(stats)
         return stats[0] / stats[1], stats[1], int(stats[2].item())
+
+
+def _call(work) -> None:
+    work()
 
 
 def _check_loss(loss) -> None:

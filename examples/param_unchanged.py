@@ -32,6 +32,7 @@ def main(argv=None) -> list[int]:
     iterations = config.constants.get("NUM_ITERATIONS", 8)
     in_features = config.constants.get("IN_FEATURES", 16)
 
+    torch.set_printoptions(linewidth=200)  # one line per iteration
     torch.manual_seed(0)  # the same initial model on every rank
     eng = engine.initialize(torch.nn.Linear(in_features, 1), config)
     prefix = f"rank {eng.rank}: " if eng.world_size > 1 else ""

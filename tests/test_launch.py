@@ -11,8 +11,7 @@ import pytest
 from launch.cli import LaunchError, build_command, build_parser, main, run
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = "examples/_launch_probe.py"
-PROBE_LINE = re.compile(r"rank (\d)/2 local_rank (\d) sum 1")
+PROBE = "examples/param_unchanged.py"  # any script: the command tests only build commands
 # deepspeed compiles its CPU ops (e.g. the shm comm op) on first use; keep them across runs.
 TORCH_EXTENSIONS_DIR = str(REPO / ".cache" / "torch_extensions")
 
@@ -183,17 +182,21 @@ def test_run_exit_codes():
 # --------------------------------------------------------------------------- real runs
 
 
+DEMO = "examples/param_unchanged.py"
+DEMO_LINE = re.compile(r"rank (\d): iteration (\d), first 10 elements of param: (tensor\(\[.*?\]\))", re.S)
+
+
 @pytest.fixture(scope="module")
 def launched():
-    """The three real launches, started together: they mostly wait on imports."""
+    """The main demo under the three launchers, started together: they mostly wait on imports."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     commands = {
-        "launch": [sys.executable, "-m", "launch", "--nproc-per-node", "2", PROBE],
+        "launch": [sys.executable, "-m", "launch", "--nproc-per-node", "2", DEMO],
         "deepspeed": [sys.executable, "-m", "launch", "--launcher", "deepspeed",
-                      "--nproc-per-node", "2", PROBE],
+                      "--nproc-per-node", "2", DEMO],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "2", PROBE],
+                     "--nproc-per-node", "2", DEMO],
     }
     start = time.monotonic()
     procs = {name: subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
@@ -213,13 +216,23 @@ def finished(launched, name):
     return procs[name].returncode, out, err
 
 
+def check_demo_output(out: str) -> None:
+    """Both ranks print 8 iterations with the same parameters, which move only at 3 and 7."""
+    printed = {(int(rank), int(i)): param for rank, i, param in DEMO_LINE.findall(out)}
+    assert sorted(printed) == [(r, i) for r in (0, 1) for i in range(8)], out
+    assert all(printed[(0, i)] == printed[(1, i)] for i in range(8)), out
+    moved = [i for i in range(1, 8) if printed[(0, i)] != printed[(0, i - 1)]]
+    assert moved == [3, 7], out
+    assert out.count("parameter updated at iterations [3, 7] (gradient_accumulation_steps = 4)") == 2, out
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["launch", "torchrun"])
-def test_probe_under_torchrun(launched, name):
+def test_demo_under_torchrun(launched, name):
     code, out, err = finished(launched, name)
     assert code == 0, err
-    assert sorted(PROBE_LINE.findall(out)) == [("0", "0"), ("1", "1")], out + err
+    check_demo_output(out)
     if name == "launch":
         assert "[launch] " in err and "torch.distributed.run" in err
 
@@ -227,8 +240,16 @@ def test_probe_under_torchrun(launched, name):
 @pytest.mark.distributed
 @pytest.mark.deepspeed
 @pytest.mark.timeout(180)
-def test_probe_under_deepspeed_launcher(launched):
+def test_demo_under_deepspeed_launcher(launched):
     code, out, err = finished(launched, "deepspeed")
     assert code == 0, err
-    assert sorted(PROBE_LINE.findall(out)) == [("0", "0"), ("1", "1")], out + err
+    check_demo_output(out)
     assert "deepspeed.launcher.runner --num_gpus 2" in err
+
+
+def test_demo_in_one_process(capsys):
+    from examples.param_unchanged import main as demo
+
+    assert demo([]) == [3, 7]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration")]
+    assert len(lines) == 8 and lines[0].startswith("iteration 0, first 10 elements of param: tensor([")

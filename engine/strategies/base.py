@@ -67,6 +67,10 @@ class Strategy(ABC):
         """Sum of a small tensor over ranks (window statistics)."""
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Maximum of a small tensor over ranks."""
+        return tensor
+
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state as CPU tensors, on every rank."""
@@ -74,10 +78,43 @@ class Strategy(ABC):
     def close(self) -> None:
         """Release backend resources (called when the engine is closed)."""
 
+    # -- checkpoints (engine.checkpoint) ---------------------------------------------------
+    checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
+
+    def save_training_state(self, directory: str) -> None:
+        """Write the model and optimizer state into ``directory`` (which may not exist yet).
+        Collective: every rank calls it with the same path on a filesystem all ranks share.
+        Loss scaler, scheduler, counters and RNG are saved by engine.checkpoint."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save checkpoints")
+
+    def load_training_state(self, directory: str) -> None:
+        """Restore what ``save_training_state`` wrote, possibly on another world size.
+        Collective. Raises ``engine.checkpoint.CheckpointError`` on every rank, naming what
+        differs (model keys or shapes, optimizer), before changing anything."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load checkpoints")
+
+    # -- surviving a failed micro-step (automatic micro-batch size) --------------------------
+    def enable_failure_guard(self) -> None:
+        """From now on a rank that fails mid-window must not leave its peers blocked in a
+        collective: every collective a window issues is preceded by a check of the peers'
+        failure flags (raising PeerFailure), and gradient reduction waits for the end of the
+        window, after ``agree_on_failures``."""
+
+    def agree_on_failures(self, failed: bool) -> tuple[int, ...]:
+        """Every rank calls this once per window attempt (a rank that raised PeerFailure from a
+        guard already has): the ranks that failed, the same tuple everywhere."""
+        return (self.rank,) if failed else ()
+
+    def discard_window(self) -> None:
+        """Forget a window abandoned mid-way: its gradients and any half-done reduction."""
+        self.zero_grad()
+
 
 class TorchStrategy(Strategy):
     """Shared boundary logic of the strategies built on PyTorch's own machinery: a dynamic
     loss scaler from ``engine.precision`` and clipping by the global gradient norm."""
+
+    group = None  # process group of the strategy's gradient collectives (None: the default)
 
     def __init__(self, precision: Precision, device: torch.device):
         self.precision = precision
@@ -108,11 +145,35 @@ class TorchStrategy(Strategy):
     def full_state_dict(self):
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
+    # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any
+    # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
+    checkpoint_format = "torch-dcp"
+
+    def save_training_state(self, directory):
+        from engine.checkpoint import save_torch_training_state
+
+        save_torch_training_state(self.module, self.optimizer, directory)
+
+    def load_training_state(self, directory):
+        from engine.checkpoint import load_torch_training_state
+
+        load_torch_training_state(self.module, self.optimizer, directory)
+
     # -- shared boundary logic ----------------------------------------------------------
     def all_reduce_sum(self, tensor):
         if self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor
+
+    def all_reduce_max(self, tensor):
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def agree_on_failures(self, failed):
+        if self.world_size == 1:
+            return super().agree_on_failures(failed)
+        return failure_vote(failed, self.rank, self.world_size, self.device, self.group)
 
     def _any_rank(self, flag: torch.Tensor) -> bool:
         if self.world_size > 1:
@@ -150,6 +211,22 @@ class TorchStrategy(Strategy):
         if self.gradients_are_sharded():
             squares = self.all_reduce_sum(squares.to(self.device))
         return squares.sqrt()
+
+
+class PeerFailure(RuntimeError):
+    """Raised on a healthy rank when a peer failed mid-window (e.g. ran out of memory)."""
+
+    def __init__(self, ranks: tuple[int, ...]):
+        super().__init__(f"rank(s) {', '.join(map(str, ranks))} failed in this window")
+        self.ranks = ranks
+
+
+def failure_vote(failed: bool, rank: int, world_size: int, device, group=None) -> tuple[int, ...]:
+    """One all-reduce of a per-rank flag vector: which ranks report a failure."""
+    votes = torch.zeros(world_size, dtype=torch.int32, device=device)
+    votes[rank] = int(failed)
+    dist.all_reduce(votes, group=group)
+    return tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
 
 
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, strategy: TorchStrategy) -> torch.Tensor:

@@ -52,10 +52,17 @@ class DataParallel(TorchStrategy):
         self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids)
         self.optimizer = optimizer
         self._backward_syncs = False
+        self._defer_reduction = False
 
     def prepare_micro_step(self, closes_window):
-        self.forward_module.require_backward_grad_sync = closes_window
-        self._backward_syncs = closes_window
+        syncs = closes_window and not self._defer_reduction
+        self.forward_module.require_backward_grad_sync = syncs
+        self._backward_syncs = syncs
+
+    def enable_failure_guard(self):
+        # No collective inside a window at all: the all-reduce runs after the window's vote,
+        # so a rank failing in its backward can never leave a peer inside DDP's reducer.
+        self._defer_reduction = True
 
     def reduce_gradients(self):
         if self._backward_syncs:

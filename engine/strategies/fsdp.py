@@ -11,12 +11,15 @@ micro-step instead, accumulating sharded gradients: less memory, more traffic.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from engine.strategies.base import TorchStrategy
+from engine.strategies.base import PeerFailure, TorchStrategy, failure_vote
 
 
 def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -42,6 +45,34 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
 
+def _check_peers(group, *, rank: int, world_size: int, device) -> None:
+    failed = failure_vote(False, rank, world_size, device, group)
+    if failed:
+        raise PeerFailure(failed)
+
+
+class _GuardedAllGather:
+    """FSDP2's all-gather (custom-comm interface), preceded by a check of the peers' flags.
+    Buffers are allocated before ``__call__``, so a rank that runs out of memory allocating
+    them fails before the check, which its vote then answers."""
+
+    def __init__(self, guard):
+        self.guard = guard
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.guard(group)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _GuardedReduceScatter(_GuardedAllGather):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.guard(group)
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
 
@@ -62,13 +93,41 @@ class FullyShardedDataParallel(TorchStrategy):
         _repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
+        self.group = mesh.get_group()
+        self._defer_reduction = False
 
     def prepare_micro_step(self, closes_window):
-        self.module.set_requires_gradient_sync(closes_window or self.reduce_every_micro_step)
+        closes = closes_window and not self._defer_reduction
+        self.module.set_requires_gradient_sync(closes or self.reduce_every_micro_step)
         # Keep parameters gathered between the window's micro-steps; reshard at its end so the
         # optimizer updates the shards while no stale unsharded copy is registered.
-        self.module.set_reshard_after_backward(closes_window)
-        self._backward_closes_window = closes_window
+        self.module.set_reshard_after_backward(closes)
+        self._backward_closes_window = closes
+
+    def enable_failure_guard(self):
+        # All-gathers happen inside forward and backward: each first checks the peers' flags.
+        # The window's reduce-scatter waits for the end-of-window vote (reduce_gradients).
+        self._defer_reduction = True
+        guard = functools.partial(_check_peers, rank=self.rank, world_size=self.world_size, device=self.device)
+        for unit in self._units():
+            unit.set_custom_all_gather(_GuardedAllGather(guard))
+            unit.set_custom_reduce_scatter(_GuardedReduceScatter(guard))
+
+    def discard_window(self):
+        # reset_iter_state drops FSDP's half-finished forward/backward bookkeeping but keeps
+        # the unsharded gradients accumulated so far: clear those by hand.
+        self.module.reset_iter_state()
+        for unit in self._units():
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None
+                    param.unsharded_accumulated_grad = None
+        self.zero_grad()
+        self._backward_closes_window = True
+
+    def _units(self) -> list[FSDPModule]:
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     def reduce_gradients(self):
         if not self._backward_closes_window:

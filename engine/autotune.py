@@ -1,0 +1,339 @@
+"""Automatic micro-batch size: ``auto`` (out-of-memory adaptive) and ``explore`` (measured).
+
+Changing the micro-batch size never changes the training: the global batch and the exact
+weighting stay, only the accumulation steps change.
+
+``auto`` starts at the per-device batch (or ``auto_max``). When a forward or backward runs
+out of memory, or a micro-step's measured peak exceeds ``auto_memory_limit``, the window is
+discarded and re-run with the next smaller size. Ranks agree on every failure before anyone
+continues, including when only one rank fails, in its forward or its backward:
+
+* the strategy's failure guard (``Strategy.enable_failure_guard``) puts a check of the
+  peers' flags before every collective a window issues and defers the gradient reduction
+  until after the window;
+* a rank that fails votes once (``agree_on_failures``): its vote answers whichever check
+  its peers reach next, or their end-of-window vote. Nobody is ever left waiting in a
+  collective the failed rank will not join.
+
+``explore`` measures every candidate size on the first batch (forward and backward of a
+whole window, warm-up then timed, gradients discarded, model and RNG restored), keeps the
+fastest one that fits, then behaves like ``auto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.strategies.base import PeerFailure
+
+log = logging.getLogger("engine")
+
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory",
+                 "Failed to allocate", "DefaultCPUAllocator: not enough memory")
+MAX_CANDIDATES = 12
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """A micro-step's measured peak memory exceeded ``auto_memory_limit``."""
+
+
+class OutOfMemoryAtMicroBatchOne(RuntimeError):
+    """Even one sample per micro-batch does not fit."""
+
+
+class WindowFailed(Exception):
+    """Some rank failed in this window attempt; every rank raises it after the agreement."""
+
+    def __init__(self, ranks: tuple[int, ...], reason: str):
+        super().__init__(f"{reason} on rank(s) {', '.join(map(str, ranks))}")
+        self.ranks = ranks
+        self.reason = reason
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """``torch.OutOfMemoryError``, a memory-limit breach, or an allocator's out-of-memory."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryLimitExceeded)):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)
+
+
+def _release_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def memory_limit_bytes(limit: float | None, device: torch.device) -> int | None:
+    """``auto_memory_limit`` in bytes: > 1 is bytes, (0, 1] a fraction of device memory."""
+    if limit is None:
+        return None
+    if limit > 1:
+        return int(limit)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(limit * total)
+
+
+class MemoryMeter:
+    """Peak memory of a micro-step's forward. CUDA: the allocator's peak. CPU has no peak
+    counter, so the estimate is the bytes of parameters, gradients and optimizer state held
+    by this rank plus the activations the forward saves for backward."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.device = getattr(strategy, "device", torch.device("cpu"))
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def measure(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self.peak = self._resident_bytes() + sum(saved.values())
+
+    def _resident_bytes(self) -> int:
+        def nbytes(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = list(self.strategy.module.parameters())
+        state = [v for s in self.strategy.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return 2 * sum(nbytes(p) for p in params) + sum(nbytes(v) for v in state)
+
+
+@dataclass
+class Candidate:
+    """One measured micro-batch size."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    fits: bool
+    samples_per_second: float | None = None
+    peak_memory_bytes: int | None = None
+    relative_speed: float | None = None
+    recommended: bool = False
+
+
+class MicroBatchTuner:
+    """Owns the ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``)."""
+
+    def __init__(self, engine, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
+        self.engine = engine
+        self.meter = MemoryMeter(engine.strategy)
+        self.limit = memory_limit_bytes(memory_limit, self.meter.device)
+        self.warmup, self.repeats = warmup, repeats
+        self.pending_explore = engine.plan.micro_batch_mode == "explore"
+        self.eval_micro_batch_size: int | None = None
+        self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
+        self.explored: list[Candidate] = []
+        engine.strategy.enable_failure_guard()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the current size itself lives in the plan)."""
+        return {"pending_explore": self.pending_explore, "changes": list(self.changes),
+                "eval_micro_batch_size": self.eval_micro_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending_explore = state["pending_explore"]
+        self.changes = list(state["changes"])
+        self.eval_micro_batch_size = state["eval_micro_batch_size"]
+
+    # -- training -----------------------------------------------------------------------
+    def run_window(self, eng, batch, loss_fn) -> None:
+        """Forward and backward of a whole window, shrinking the micro size until it fits."""
+        if self.pending_explore:
+            self.explore(batch, loss_fn)
+        metered = self._metered(loss_fn)
+        while True:
+            try:
+                self._guarded(lambda: eng._run_window(batch, metered))
+                return
+            except WindowFailed as failure:
+                eng._discard_window()
+                self._shrink(failure)
+
+    def run_eval(self, eng, batch, loss_fn) -> float:
+        micro = self.eval_micro_batch_size or eng.plan.train_micro_batch_size_per_gpu
+        while True:
+            try:
+                loss = eng._evaluate(batch, loss_fn, micro, guarded=self._guarded)
+            except WindowFailed as failure:
+                eng.strategy.discard_window()
+                if micro == 1:
+                    raise self._too_large(failure) from None
+                log.warning("eval micro-batch size %d -> %d after %s", micro, micro // 2, failure)
+                micro //= 2
+                continue
+            self.eval_micro_batch_size = micro
+            return loss
+
+    # -- the agreement --------------------------------------------------------------------
+    def _guarded(self, work) -> None:
+        """Run ``work`` (no collectives of its own besides guarded ones) and vote: raises
+        WindowFailed on every rank when any rank failed."""
+        failed_here = None
+        try:
+            work()
+        except PeerFailure as peer:
+            raise WindowFailed(peer.ranks, "out of memory") from None
+        except Exception as error:  # noqa: BLE001 - only out-of-memory is handled
+            if not is_out_of_memory(error):
+                raise
+            failed_here = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
+        if failed_here:  # outside the except block: the traceback's activations are freed
+            _release_memory()
+        ranks = self.engine.strategy.agree_on_failures(failed_here is not None)
+        if ranks:
+            raise WindowFailed(ranks, failed_here or "out of memory")
+
+    def _metered(self, loss_fn, *, track_peak: bool = False):
+        """``loss_fn`` measuring each micro-step's peak memory when there is a limit to
+        enforce (raising MemoryLimitExceeded) or a peak to report (``self.window_peak``)."""
+        if self.limit is None and not track_peak:
+            return loss_fn
+        self.window_peak = 0
+
+        def metered(model, micro_batch):
+            with self.meter.measure():
+                output = loss_fn(model, micro_batch)
+            self.window_peak = max(self.window_peak, self.meter.peak)
+            if self.limit is not None and self.meter.peak > self.limit:
+                raise MemoryLimitExceeded(
+                    f"micro-step peak memory {self.meter.peak / 2**20:.1f} MiB exceeds "
+                    f"auto_memory_limit {self.limit / 2**20:.1f} MiB")
+            return output
+
+        return metered
+
+    def _shrink(self, failure: WindowFailed) -> None:
+        eng = self.engine
+        old = eng.plan
+        smaller = old.next_smaller_micro_size()
+        if smaller is None:
+            raise self._too_large(failure) from None
+        eng.plan = old.with_micro_batch_size(smaller)
+        self._record(old, eng.plan, failure.reason, failure.ranks)
+
+    def _record(self, old, new, reason: str, ranks=()) -> None:
+        step = self.engine.global_steps + 1
+        self.changes.append({"global_step": step, "old": old.train_micro_batch_size_per_gpu,
+                             "new": new.train_micro_batch_size_per_gpu, "ranks": list(ranks), "reason": reason})
+        where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+        log.warning("micro-batch size %d -> %d (%s%s, global step %d); accumulation steps %d -> %d, "
+                    "global batch %d unchanged", old.train_micro_batch_size_per_gpu,
+                    new.train_micro_batch_size_per_gpu, reason, where, step,
+                    old.gradient_accumulation_steps, new.gradient_accumulation_steps, new.train_batch_size)
+
+    def _too_large(self, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
+        return OutOfMemoryAtMicroBatchOne(
+            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with micro-batch size 1 "
+            f"(global step {self.engine.global_steps + 1}): one sample does not fit. Use a higher "
+            "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
+        )
+
+    # -- explore --------------------------------------------------------------------------
+    def explore(self, batch, loss_fn) -> list[Candidate]:
+        """Measure the candidate micro sizes on ``batch`` and switch to the fastest that fits.
+        Parameters, buffers, optimizer state and RNG are left as they were."""
+        eng = self.engine
+        start = eng.plan
+        snapshot = _Snapshot(eng.module)
+        rows = []
+        try:
+            for size in _thin(_capped(start.candidate_micro_sizes(), start)):
+                eng.plan = start.with_micro_batch_size(size)
+                rows.append(self._measure(batch, loss_fn))
+                if not rows[-1].fits:
+                    break  # larger sizes need more memory still
+        finally:
+            eng.plan = start
+            snapshot.restore()
+        self.pending_explore = False
+        fitting = [row for row in rows if row.fits]
+        if not fitting:
+            raise self._too_large(WindowFailed((eng.rank,), "out of memory")) from None
+        baseline = fitting[0].samples_per_second
+        for row in fitting:
+            row.relative_speed = row.samples_per_second / baseline
+        best = max(fitting, key=lambda row: row.samples_per_second)
+        best.recommended = True
+        self.explored = rows
+        chosen = start.with_micro_batch_size(best.micro_batch_size)
+        if chosen != start:
+            eng.plan = chosen
+            self._record(start, chosen, "explore: fastest that fits")
+        return rows
+
+    def _measure(self, batch, loss_fn) -> Candidate:
+        eng = self.engine
+        plan = eng.plan
+        metered = self._metered(loss_fn, track_peak=True)
+        seconds = []
+        for attempt in range(self.warmup + self.repeats):
+            began = time.perf_counter()
+            try:
+                self._guarded(lambda: eng._run_window(batch, metered))
+            except WindowFailed:
+                eng._discard_window()
+                return Candidate(plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps, fits=False)
+            elapsed = time.perf_counter() - began
+            eng._discard_window()
+            if attempt >= self.warmup:
+                seconds.append(elapsed)
+        # The slowest rank sets the pace; the fullest rank's peak is reported.
+        stats = eng.strategy.all_reduce_max(torch.tensor([statistics.median(seconds), float(self.window_peak)],
+                                                         dtype=torch.float64, device=self.meter.device))
+        return Candidate(plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps, fits=True,
+                         samples_per_second=plan.train_batch_size / float(stats[0]),
+                         peak_memory_bytes=int(stats[1]))
+
+
+def _capped(sizes: tuple[int, ...], plan) -> list[int]:
+    """Candidates no larger than the starting size (which ``auto_max`` already capped)."""
+    return [s for s in sizes if s <= plan.train_micro_batch_size_per_gpu]
+
+
+def _thin(sizes: list[int]) -> list[int]:
+    """At most MAX_CANDIDATES sizes: all of them, or powers of two plus the largest."""
+    if len(sizes) <= MAX_CANDIDATES:
+        return sizes
+    largest = sizes[-1]
+    keep = {s for s in sizes if s & (s - 1) == 0} | {largest}
+    return sorted(keep)[-MAX_CANDIDATES:]
+
+
+class _Snapshot:
+    """Buffers (e.g. BatchNorm statistics) and RNG state, restored after exploring."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, buffer in self.module.named_buffers():
+                buffer.copy_(self.buffers[name])
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)

@@ -1,0 +1,389 @@
+"""Training metrics and progress, one record per optimizer step.
+
+The engine calls :meth:`Monitor.on_window` on every rank after each closed window. Rank 0
+turns it into a record (loss, learning rate, gradient norm, throughput, memory, ...), keeps
+it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard. Other ranks
+only keep time: they read no tensor, so they pay no host sync.
+
+Timing. A step is timed from the previous window's close (the first one from
+:meth:`attach`, i.e. ``engine.initialize``). With ``log_every = k`` a record is made every
+k-th step (and at ``total_steps``); its rates and ``step_time`` cover all steps since the
+previous record, its loss and gradient norm are the recorded step's own.
+
+Learning rate. The engine steps the scheduler before telling the monitor, so the monitor
+reads the learning rate the optimizer step really used from an optimizer pre-step hook
+(parameter group 0), or the current one when the step was skipped (fp16 overflow).
+
+Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
+yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, TextIO
+
+import torch
+
+from engine.config import MonitorConfig
+
+__all__ = ["Monitor", "FIELDS", "peak_memory_mb"]
+
+# Every train record has exactly these keys (None when not known), in this order (CSV).
+FIELDS = (
+    "step", "loss", "lr", "grad_norm", "samples", "tokens", "samples_per_s", "tokens_per_s",
+    "step_time", "micro_batch_size", "accumulation_steps", "peak_memory_mb", "skipped",
+    "skipped_steps", "elapsed",
+)
+
+TENSORBOARD_HINT = "pip install tensorboard"
+
+
+class Monitor:
+    """Per-step metrics and progress; see the module docstring.
+
+    ``stream``: where progress goes (default: ``sys.stderr``, looked up at each write).
+    ``clock``: a ``time.perf_counter``-like function (tests may replace it).
+    """
+
+    def __init__(self, config: MonitorConfig | dict | None = None, *, rank: int | None = None,
+                 stream: TextIO | None = None, clock=time.perf_counter):
+        if config is None:
+            config = MonitorConfig(enabled=True)
+        elif isinstance(config, dict):
+            config = MonitorConfig(**config)
+        self.config = config
+        self.total_steps: int | None = config.total_steps
+        self.history: list[dict[str, Any]] = []  # train records (rank 0)
+        self.eval_history: list[dict[str, Any]] = []  # log_eval records (rank 0)
+        self.rank = _default_rank() if rank is None else rank
+        self._stream = stream
+        self._clock = clock
+        self._start = self._last_close = self._last_record = clock()
+        self._last_step = 0  # global_steps at the last window seen
+        self._pending_samples = 0  # since the last record
+        self._pending_items: torch.Tensor | float | None = None
+        self._pending_steps = 0
+        self._steps_seen = 0  # windows seen since attach (for the ETA)
+        self._step_lr: float | None = None  # lr captured by the optimizer pre-step hook
+        self._hook = None
+        self._optimizer = None
+        self._files: dict[str, Any] = {}
+        self._csv_writer = None
+        self._tensorboard = None
+        self._tensorboard_tried = False
+        self._line_open = False  # a \r progress line is on screen
+        self._closed = False
+
+    # -- wiring ----------------------------------------------------------------------------
+    def attach(self, eng, *, restart_clock: bool = True) -> "Monitor":
+        """Start the clock, learn the rank, and watch the optimizer's learning rate.
+        ``engine.initialize`` calls this; ``on_window`` does it on first use otherwise (then
+        the first step is timed from the monitor's creation, and its learning rate is read
+        after the scheduler stepped). Attach on every rank: the engine's window statistics
+        become a collective when a monitor is set."""
+        self.rank = eng.rank
+        self._last_step = eng.global_steps
+        if restart_clock:
+            self._steps_seen = 0
+            self._start = self._last_close = self._last_record = self._clock()
+        self._watch_optimizer(eng.optimizer)
+        if self.is_writer:
+            self._tensorboard_writer()  # create the log dir now, or warn now that it can't be
+        return self
+
+    def _watch_optimizer(self, optimizer) -> None:
+        if optimizer is self._optimizer:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._optimizer = optimizer
+        if hasattr(optimizer, "register_step_pre_hook"):
+            self._hook = optimizer.register_step_pre_hook(self._capture_lr)
+
+    def _capture_lr(self, optimizer, args, kwargs) -> None:
+        self._step_lr = _lr_of(optimizer)
+
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 records, shows and writes; other ranks only keep time."""
+        return self.rank == 0
+
+    @property
+    def wants_grad_norm(self) -> bool:
+        """Whether the coming step should compute the gradient norm. Depends only on the
+        config and the step count, so it is the same on every rank (the norm may be a
+        collective)."""
+        return self.config.grad_norm and self._records(self._last_step + 1)
+
+    def _records(self, step: int) -> bool:
+        return step % self.config.log_every == 0 or step == self.total_steps
+
+    # -- the engine's hook -----------------------------------------------------------------
+    def on_window(self, eng, report) -> None:
+        """Called by the engine after every closed window, on every rank."""
+        if self._optimizer is None:
+            self.attach(eng, restart_clock=False)
+        now = self._clock()
+        step = eng.global_steps
+        self._last_step = step
+        self._last_close = now
+        self._steps_seen += 1
+        if not self.is_writer:
+            self._step_lr = None
+            return
+        self._pending_steps += 1
+        self._pending_samples += report.samples
+        if report.items is not None:
+            self._pending_items = report.items if self._pending_items is None \
+                else self._pending_items + report.items
+        if not self._records(step):
+            self._step_lr = None
+            return
+        record = self._make_record(eng, report, step, now)
+        self.history.append(record)
+        self._write(record)
+        self._show(record)
+
+    def _make_record(self, eng, report, step: int, now: float) -> dict[str, Any]:
+        interval = max(now - self._last_record, 1e-9)
+        steps = max(self._pending_steps, 1)
+        items = None if self._pending_items is None else float(self._pending_items)
+        applied = bool(report.step.applied)
+        lr = self._step_lr if (applied and self._step_lr is not None) else _lr_of(eng.optimizer)
+        grad_norm = report.step.grad_norm
+        record = {
+            "step": step,
+            "loss": None if report.loss is None else float(report.loss),  # host sync
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "samples": report.samples,
+            "tokens": None if report.items is None else int(round(float(report.items))),
+            "samples_per_s": self._pending_samples / interval,
+            "tokens_per_s": None if items is None else items / interval,
+            "step_time": interval / steps,
+            "micro_batch_size": eng.plan.train_micro_batch_size_per_gpu,
+            "accumulation_steps": eng.plan.gradient_accumulation_steps,
+            "peak_memory_mb": peak_memory_mb(getattr(eng.strategy, "device", None)),
+            "skipped": not applied,
+            "skipped_steps": eng.skipped_steps,
+            "elapsed": now - self._start,
+        }
+        self._last_record = now
+        self._pending_samples, self._pending_items, self._pending_steps = 0, None, 0
+        self._step_lr = None
+        return record
+
+    # -- other records -----------------------------------------------------------------------
+    def log_eval(self, step: int, loss: float, **values: Any) -> None:
+        """Record an evaluation (rank 0): ``eval_history``, the JSONL file (``"kind":
+        "eval"``), TensorBoard ``eval/*`` and a progress line. Call it on every rank."""
+        if not self.is_writer:
+            return
+        record = {"step": step, "eval_loss": float(loss), **values}
+        self.eval_history.append(record)
+        self._write_jsonl({"kind": "eval", **record})
+        writer = self._tensorboard_writer()
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    writer.add_scalar(f"eval/{key.removeprefix('eval_')}", value, step)
+            writer.flush()
+        if self.config.progress:
+            self._print_line(f"eval step {step} | loss {float(loss):.4f}")
+
+    # -- output --------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> None:
+        self._write_jsonl({"kind": "train", **record})
+        if self.config.csv:
+            handle = self._open("csv", self.config.csv)
+            if self._csv_writer is None:
+                self._csv_writer = csv.DictWriter(handle, fieldnames=FIELDS)
+                self._csv_writer.writeheader()
+            self._csv_writer.writerow({k: "" if v is None else v for k, v in record.items()})
+            handle.flush()
+        writer = self._tensorboard_writer()
+        if writer is not None:
+            for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time",
+                        "peak_memory_mb"):
+                if record[key] is not None:
+                    writer.add_scalar(f"train/{key}", record[key], record["step"])
+            writer.flush()
+
+    def _write_jsonl(self, record: dict[str, Any]) -> None:
+        if self.config.jsonl:
+            handle = self._open("jsonl", self.config.jsonl)
+            handle.write(json.dumps(record, default=_jsonable) + "\n")
+            handle.flush()
+
+    def _open(self, kind: str, path: str):
+        handle = self._files.get(kind)
+        if handle is None:
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            handle = self._files[kind] = open(path, "w", newline="" if kind == "csv" else None,
+                                              encoding="utf-8")
+        return handle
+
+    def _tensorboard_writer(self):
+        if not self.config.tensorboard or self._tensorboard_tried:
+            return self._tensorboard
+        self._tensorboard_tried = True
+        try:
+            import tensorboard  # noqa: F401  (torch's writer needs the package)
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            warnings.warn(
+                f"monitor.tensorboard is set ({self.config.tensorboard!r}) but the tensorboard "
+                f"package is not installed: no TensorBoard logs are written ({TENSORBOARD_HINT} "
+                "to get them). The other outputs are unaffected.", UserWarning, stacklevel=4)
+            return None
+        self._tensorboard = SummaryWriter(log_dir=self.config.tensorboard)
+        return self._tensorboard
+
+    # -- progress ---------------------------------------------------------------------------
+    @property
+    def stream(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def _show(self, record: dict[str, Any]) -> None:
+        if not self.config.progress:
+            return
+        text = self.format_progress(record)
+        if _isatty(self.stream):
+            self.stream.write("\r" + text + "\x1b[K")
+            self.stream.flush()
+            self._line_open = True
+            if self.total_steps is not None and record["step"] >= self.total_steps:
+                self._end_line()
+        else:
+            self._print_line(text)
+
+    def _print_line(self, text: str) -> None:
+        self._end_line()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _end_line(self) -> None:
+        if self._line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line_open = False
+
+    def format_progress(self, record: dict[str, Any]) -> str:
+        """One progress line: step[/total], loss, lr, throughput, step time, ETA."""
+        step, total = record["step"], self.total_steps
+        parts = []
+        if total:
+            done = min(step / total, 1.0)
+            filled = int(done * 20)
+            parts.append(f"[{'#' * filled}{'.' * (20 - filled)}] step {step}/{total}")
+        else:
+            parts.append(f"step {step}")
+        if record["loss"] is not None:
+            parts.append(f"loss {record['loss']:.4f}")
+        parts.append(f"lr {record['lr']:.2e}" if record["lr"] is not None else "lr -")
+        if record["grad_norm"] is not None:
+            parts.append(f"gnorm {record['grad_norm']:.3g}")
+        parts.append(f"{_si(record['samples_per_s'])} samples/s")
+        if record["tokens_per_s"] is not None:
+            parts.append(f"{_si(record['tokens_per_s'])} tok/s")
+        parts.append(_step_time(record["step_time"]))
+        if total and step < total:
+            per_step = record["elapsed"] / max(self._steps_seen, 1)
+            parts.append(f"ETA {_duration(per_step * (total - step))}")
+        if record["skipped"]:
+            parts.append("SKIPPED (fp16 overflow)")
+        return " | ".join(parts)
+
+    # -- end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the progress line and close the files (safe to call twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._line_open:
+            self._end_line()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _default_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _lr_of(optimizer) -> float | None:
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return None
+    lr = groups[0].get("lr")
+    return float(lr) if lr is not None else None
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float | None:
+    """Peak memory of this process in MiB: CUDA's peak allocation on a CUDA device, else
+    the peak resident set size of the process (None where it cannot be read)."""
+    if device is not None and torch.device(device).type == "cuda":
+        try:
+            return torch.cuda.max_memory_allocated(device) / 2**20
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _si(value: float) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.1f}{suffix}"
+    return f"{value:.1f}"
+
+
+def _step_time(seconds: float) -> str:
+    return f"{seconds:.2f} s/step" if seconds >= 1 else f"{seconds * 1e3:.0f} ms/step"
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def _jsonable(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

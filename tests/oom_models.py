@@ -1,0 +1,78 @@
+"""Models that run out of memory on purpose: they raise the exception CUDA raises
+(``torch.OutOfMemoryError``) when a micro-batch is larger than they can hold."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tests.reference import DTYPE
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.rows = x.shape[0]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {ctx.rows} MiB (in backward)")
+
+
+class Tripwire(torch.nn.Module):
+    """Identity, except that from its ``after_calls``-th forward on, a micro-batch larger than
+    ``max_micro`` on one of ``ranks`` (all when None) runs out of memory in ``where``."""
+
+    def __init__(self, max_micro: float = float("inf"), ranks=None, where: str = "forward", after_calls: int = 0):
+        super().__init__()
+        self.max_micro, self.ranks, self.where, self.after_calls = max_micro, ranks, where, after_calls
+        self.calls = 0
+        self.trips = 0
+
+    def forward(self, x):
+        self.calls += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if x.shape[0] > self.max_micro and self.calls > self.after_calls and (self.ranks is None or rank in self.ranks):
+            self.trips += 1
+            if self.where == "forward":
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} MiB")
+            return _RaiseInBackward.apply(x)
+        return x
+
+
+def tripwire_mlp(seed: int = 0, **tripwire) -> torch.nn.Sequential:
+    """tests.reference.mlp's shape with a Tripwire after the first layer (sharded models have
+    all-gathered that layer when it trips)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), Tripwire(**tripwire),
+        torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    ).to(DTYPE)
+
+
+class SlowPerCall(torch.nn.Module):
+    """Sleeps ``overhead + per_square · rows²`` seconds per forward: the fastest micro-batch
+    size for a batch of P rows minimises (P/m)·(overhead + per_square·m²), i.e. m = √(overhead/per_square)."""
+
+    def __init__(self, overhead: float, per_square: float):
+        super().__init__()
+        self.overhead, self.per_square = overhead, per_square
+
+    def forward(self, x):
+        time.sleep(self.overhead + self.per_square * x.shape[0] ** 2)
+        return x
+
+
+# Factories for `python -m engine explore` in tests (module:function references).
+def explore_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(SlowPerCall(overhead=0.02, per_square=0.00125), torch.nn.Linear(8, 3)).to(DTYPE)
+
+
+def explore_batch(size: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(size, 8, generator=g, dtype=DTYPE), torch.randn(size, 3, generator=g, dtype=DTYPE)
