@@ -7,6 +7,11 @@ train_batch) against the same training written by hand, in one run.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 
 import torch
@@ -21,7 +26,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (1: steadier on a shared 2-core machine)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     model = mlp()
     data = batch(GLOBAL_BATCH)

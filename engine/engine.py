@@ -38,9 +38,22 @@ class _Window:
     micro_steps: int = 0
     samples: int = 0  # local samples seen (as planned in the manual loop, real in train_batch)
     item_weighted: bool | None = None  # (sum, count) losses
-    units: torch.Tensor | int = 0  # local samples or items: what the window's mean divides by
-    loss_total: torch.Tensor | float = 0.0  # Σ loss × units (detached)
+    # Kept as lists and summed at the boundary: no tensor op per micro-step besides backward.
+    losses: list = field(default_factory=list)  # detached micro-batch losses
+    loss_weights: list = field(default_factory=list)  # samples (mean losses) or 1 (sums)
+    counts: list = field(default_factory=list)  # items of (sum, count) losses
     exact_counts: bool = False  # units must be summed over ranks at the boundary
+
+    def loss_total(self) -> torch.Tensor:
+        """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
+        losses = torch.stack(self.losses).double()
+        return losses @ torch.tensor(self.loss_weights, dtype=torch.float64, device=losses.device)
+
+    def units(self):
+        """What the window's mean divides by: local samples, or local items."""
+        if not self.item_weighted:
+            return self.samples
+        return sum(torch.as_tensor(c, dtype=torch.float64) for c in self.counts)
     backward_since_step: bool = False
     forwarded: bool = False
 
@@ -53,6 +66,7 @@ class WindowReport:
     samples: int = 0
     items: torch.Tensor | None = None
     step: StepResult = field(default_factory=lambda: StepResult(applied=False))
+    lr: float | None = None  # the learning rate this window's update used (first param group)
 
 
 class Engine:
@@ -198,6 +212,8 @@ class Engine:
         return checkpoint.load_checkpoint(self, path, data=data)
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
         self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
@@ -306,8 +322,10 @@ class Engine:
         self.strategy.backward(loss, weight)
         window.micro_steps += 1
         window.samples += samples
-        window.units = window.units + units
-        window.loss_total = window.loss_total + loss.detach() * (1 if item_weighted else samples)
+        window.losses.append(loss.detach())
+        window.loss_weights.append(1 if item_weighted else samples)
+        if item_weighted:
+            window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
         window.backward_since_step = True
         window.forwarded = False
@@ -320,12 +338,14 @@ class Engine:
             loss, units, samples = self._global_window_stats(window)
         else:  # the manual loop's planned sizes: no collective, no host sync
             samples = plan.window_samples(window.micro_steps)
-            loss, units = torch.as_tensor(window.loss_total) / max(window.samples, 1), samples
+            loss, units = window.loss_total() / window.samples, samples
         target = plan.train_batch_size
         if window.item_weighted:
             multiplier = target / units
         else:
             multiplier = 1.0 if samples == target else target / samples
+        groups = getattr(self.optimizer, "param_groups", None)
+        lr = float(groups[0]["lr"]) if groups else None
         result = self.strategy.step(multiplier, self.config.gradient_clipping,
                                     want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
         self.strategy.zero_grad()
@@ -337,7 +357,7 @@ class Engine:
             log.warning("fp16 overflow: window of global step %d discarded", self.global_steps + 1)
         self.global_steps += 1
         self.global_samples += samples
-        self.last_window = WindowReport(loss=loss, samples=samples, step=result,
+        self.last_window = WindowReport(loss=loss, samples=samples, step=result, lr=lr,
                                         items=units if window.item_weighted else None)
         self._window = _Window()
         if self.monitor is not None:
@@ -347,7 +367,7 @@ class Engine:
         """(mean loss, units, samples) of the window over every rank: one small all-reduce."""
         device = self._stats_device
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
-                             for value in (window.loss_total, window.units, float(window.samples))])
+                             for value in (window.loss_total(), window.units(), float(window.samples))])
         stats = self.strategy.all_reduce_sum(stats)
         return stats[0] / stats[1], stats[1], int(stats[2].item())
 

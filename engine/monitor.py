@@ -10,9 +10,8 @@ Timing. A step is timed from the previous window's close (the first one from
 k-th step (and at ``total_steps``); its rates and ``step_time`` cover all steps since the
 previous record, its loss and gradient norm are the recorded step's own.
 
-Learning rate. The engine steps the scheduler before telling the monitor, so the monitor
-reads the learning rate the optimizer step really used from an optimizer pre-step hook
-(parameter group 0), or the current one when the step was skipped (fp16 overflow).
+Learning rate. The report carries the learning rate the window's update used (parameter
+group 0, read before the scheduler stepped).
 
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
@@ -66,15 +65,13 @@ class Monitor:
         self.rank = _default_rank() if rank is None else rank
         self._stream = stream
         self._clock = clock
-        self._start = self._last_close = self._last_record = clock()
+        self._start = self._last_record = clock()
         self._last_step = 0  # global_steps at the last window seen
         self._pending_samples = 0  # since the last record
         self._pending_items: torch.Tensor | float | None = None
         self._pending_steps = 0
         self._steps_seen = 0  # windows seen since attach (for the ETA)
-        self._step_lr: float | None = None  # lr captured by the optimizer pre-step hook
-        self._hook = None
-        self._optimizer = None
+        self._attached = False
         self._files: dict[str, Any] = {}
         self._csv_writer = None
         self._tensorboard = None
@@ -84,33 +81,19 @@ class Monitor:
 
     # -- wiring ----------------------------------------------------------------------------
     def attach(self, eng, *, restart_clock: bool = True) -> "Monitor":
-        """Start the clock, learn the rank, and watch the optimizer's learning rate.
-        ``engine.initialize`` calls this; ``on_window`` does it on first use otherwise (then
-        the first step is timed from the monitor's creation, and its learning rate is read
-        after the scheduler stepped). Attach on every rank: the engine's window statistics
-        become a collective when a monitor is set."""
+        """Start the clock and learn the rank. ``engine.initialize`` calls this; ``on_window``
+        does it on first use otherwise (then the first step is timed from the monitor's
+        creation). Attach on every rank: the engine's window statistics become a collective
+        when a monitor is set."""
         self.rank = eng.rank
         self._last_step = eng.global_steps
         if restart_clock:
             self._steps_seen = 0
-            self._start = self._last_close = self._last_record = self._clock()
-        self._watch_optimizer(eng.optimizer)
+            self._start = self._last_record = self._clock()
+        self._attached = True
         if self.is_writer:
             self._tensorboard_writer()  # create the log dir now, or warn now that it can't be
         return self
-
-    def _watch_optimizer(self, optimizer) -> None:
-        if optimizer is self._optimizer:
-            return
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self._optimizer = optimizer
-        if hasattr(optimizer, "register_step_pre_hook"):
-            self._hook = optimizer.register_step_pre_hook(self._capture_lr)
-
-    def _capture_lr(self, optimizer, args, kwargs) -> None:
-        self._step_lr = _lr_of(optimizer)
 
     @property
     def is_writer(self) -> bool:
@@ -130,15 +113,13 @@ class Monitor:
     # -- the engine's hook -----------------------------------------------------------------
     def on_window(self, eng, report) -> None:
         """Called by the engine after every closed window, on every rank."""
-        if self._optimizer is None:
+        if not self._attached:
             self.attach(eng, restart_clock=False)
         now = self._clock()
         step = eng.global_steps
         self._last_step = step
-        self._last_close = now
         self._steps_seen += 1
         if not self.is_writer:
-            self._step_lr = None
             return
         self._pending_steps += 1
         self._pending_samples += report.samples
@@ -146,7 +127,6 @@ class Monitor:
             self._pending_items = report.items if self._pending_items is None \
                 else self._pending_items + report.items
         if not self._records(step):
-            self._step_lr = None
             return
         record = self._make_record(eng, report, step, now)
         self.history.append(record)
@@ -158,12 +138,11 @@ class Monitor:
         steps = max(self._pending_steps, 1)
         items = None if self._pending_items is None else float(self._pending_items)
         applied = bool(report.step.applied)
-        lr = self._step_lr if (applied and self._step_lr is not None) else _lr_of(eng.optimizer)
         grad_norm = report.step.grad_norm
         record = {
             "step": step,
             "loss": None if report.loss is None else float(report.loss),  # host sync
-            "lr": lr,
+            "lr": report.lr,
             "grad_norm": None if grad_norm is None else float(grad_norm),
             "samples": report.samples,
             "tokens": None if report.items is None else int(round(float(report.items))),
@@ -179,7 +158,6 @@ class Monitor:
         }
         self._last_record = now
         self._pending_samples, self._pending_items, self._pending_steps = 0, None, 0
-        self._step_lr = None
         return record
 
     # -- other records -----------------------------------------------------------------------
@@ -317,9 +295,6 @@ class Monitor:
         self._files.clear()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def __enter__(self) -> "Monitor":
         return self
@@ -333,14 +308,6 @@ def _default_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _lr_of(optimizer) -> float | None:
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups:
-        return None
-    lr = groups[0].get("lr")
-    return float(lr) if lr is not None else None
 
 
 def peak_memory_mb(device: torch.device | None = None) -> float | None:

@@ -41,7 +41,7 @@ REPO = HERE.parent
 DEFAULT_CONFIG = REPO / "configs" / "lm_tiny.yaml"
 DEFAULT_CORPUS = HERE / "data" / "corpus.txt"
 HF_MODELS = ("gpt2",)
-TRANSFORMERS_HINT = "pip install transformers==5.23.0"
+TRANSFORMERS_HINT = "pip install transformers"
 
 if str(HERE) not in sys.path:  # gpt.py sits next to this file
     sys.path.insert(0, str(HERE))

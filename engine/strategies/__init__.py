@@ -17,6 +17,10 @@ def make_strategy(config) -> tuple[Strategy, int, int]:
     """The strategy for ``config`` in this process (joining the process group that the
     launcher's environment describes), with the data-parallel world size and rank."""
     info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend)
+    if config.backend == "deepspeed":
+        from engine.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(config, info.device, info.world_size, info.rank), info.world_size, info.rank
     precision = Precision(config, info.device.type)
     stage = config.zero_optimization.stage
     if info.world_size == 1:

@@ -49,7 +49,8 @@ class DataParallel(TorchStrategy):
         self.module = module.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
-        self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids)
+        # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
+        self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
         self.optimizer = optimizer
         self._backward_syncs = False
         self._defer_reduction = False
