@@ -17,6 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
+import re
 import statistics
 import time
 
@@ -164,6 +165,8 @@ def held_bytes(eng) -> int:
         state = getattr(unit, "_get_fsdp_state", None)
         for group in (state()._fsdp_param_groups if state else []):
             for fsdp_param in group.fsdp_params:
+                add(fsdp_param.sharded_param)  # not among module.parameters() while gathered
+                add(fsdp_param.sharded_param.grad)
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None:
                     add(unsharded)
@@ -217,8 +220,8 @@ def main(argv=None):
     print(f"{'variant':42s} {'ms/step':>8s} {'vs hand':>8s}")
     ratios = {}
     for name, seconds in times.items():
-        stage = next((c for c in name if c.isdigit()), "0")
-        ratios[name] = seconds / times[baselines[stage]]
+        stage = re.search(r"stage (\d)", name)
+        ratios[name] = seconds / times[baselines[stage[1] if stage else "0"]]
         print(f"{name:42s} {seconds * 1e3:8.1f} {ratios[name]:8.3f}")
     print(f"\n{'stage':>5s} {'reduce every':>12s} {'accum':>5s} {'sent MB/step':>12s} {'held MB':>8s}  calls   (held: after each micro-step's backward, max)")
     for row in traffic:

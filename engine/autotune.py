@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.strategies.base import PeerFailure
+from engine.strategies.base import OTHER_ERROR, OUT_OF_MEMORY, PeerFailure
 
 log = logging.getLogger("engine")
 
@@ -46,6 +46,10 @@ class MemoryLimitExceeded(RuntimeError):
 
 class OutOfMemoryAtMicroBatchOne(RuntimeError):
     """Even one sample per micro-batch does not fit."""
+
+
+class PeerError(RuntimeError):
+    """Another rank failed with an error that is not out-of-memory: everyone stops."""
 
 
 class WindowFailed(Exception):
@@ -189,21 +193,31 @@ class MicroBatchTuner:
     # -- the agreement --------------------------------------------------------------------
     def _guarded(self, work) -> None:
         """Run ``work`` (no collectives of its own besides guarded ones) and vote: raises
-        WindowFailed on every rank when any rank failed."""
-        failed_here = None
+        WindowFailed on every rank when any rank ran out of memory. Any other error is voted
+        too, so the peers stop with PeerError instead of waiting, and is re-raised here."""
+        reason = None
         try:
             work()
         except PeerFailure as peer:
-            raise WindowFailed(peer.ranks, "out of memory") from None
-        except Exception as error:  # noqa: BLE001 - only out-of-memory is handled
-            if not is_out_of_memory(error):
+            self._raise_for(peer.failures, "out of memory")
+        except BaseException as error:
+            if not isinstance(error, Exception) or not is_out_of_memory(error):
+                self.engine.strategy.agree_on_failures(OTHER_ERROR)
                 raise
-            failed_here = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
-        if failed_here:  # outside the except block: the traceback's activations are freed
+            reason = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
+        if reason:  # outside the except block: the traceback's activations are freed
             _release_memory()
-        ranks = self.engine.strategy.agree_on_failures(failed_here is not None)
-        if ranks:
-            raise WindowFailed(ranks, failed_here or "out of memory")
+        failures = self.engine.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
+        if failures:
+            self._raise_for(failures, reason or "out of memory")
+
+    @staticmethod
+    def _raise_for(failures: dict[int, int], reason: str):
+        broken = [rank for rank, failure in failures.items() if failure == OTHER_ERROR]
+        if broken:
+            raise PeerError(f"rank(s) {', '.join(map(str, broken))} stopped with an error in this window "
+                            "(see that rank's traceback); this rank stops too") from None
+        raise WindowFailed(tuple(failures), reason) from None
 
     def _metered(self, loss_fn, *, track_peak: bool = False):
         """``loss_fn`` measuring each micro-step's peak memory when there is a limit to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 from typing import Any
 
@@ -40,11 +41,13 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     config = load_config(config, overrides)
     if config.seed is not None:
         _seed_everything(config.seed)
+    _configure_logging(int(os.environ.get("RANK", 0)))
     strategy, world_size, rank = make_strategy(config)
-    _configure_logging(rank)
     plan = plan_from_config(config, world_size, rank)
     check_same_settings(config, plan)
-    _check_batch_statistics(model, config, plan.gradient_accumulation_steps)
+    # auto / explore may grow the accumulation later: check as if it were > 1
+    _check_batch_statistics(model, config, plan.gradient_accumulation_steps
+                            if plan.micro_batch_mode == "fixed" else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=rank) if config.monitor.enabled else None
     eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
@@ -76,10 +79,13 @@ def _configure_logging(rank: int) -> None:
     handler.setFormatter(logging.Formatter(f"[microstep{f' rank {rank}' if rank else ''}] %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False  # handlers the application adds later would print everything twice
 
 
 def _materialise_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, config) -> torch.optim.Optimizer:
     """An optimizer instance on the model's original parameters (strategies re-point it)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no parameter that requires grad: there is nothing to train")
     if optimizer is None:
         if config.optimizer is None:
             raise ConfigError([
@@ -122,7 +128,8 @@ def _materialise_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer, 
     raise TypeError(f"lr_scheduler must be a scheduler, a callable(optimizer), or None; got {type(lr_scheduler).__name__}")
 
 
-def _check_batch_statistics(model: torch.nn.Module, config, accumulation: int) -> None:
+def _check_batch_statistics(model: torch.nn.Module, config, accumulation: int | None) -> None:
+    """``accumulation`` None: not known yet (automatic micro-batch size)."""
     if accumulation == 1 or config.batch_statistics == "ignore":
         return
     names = [name or type(model).__name__ for name, m in model.named_modules()
@@ -132,7 +139,7 @@ def _check_batch_statistics(model: torch.nn.Module, config, accumulation: int) -
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     message = (
         f"the model has layers that compute statistics over the batch ({shown}); with "
-        f"gradient_accumulation_steps={accumulation} they see one micro-batch at a time, not the "
+        f"gradient_accumulation_steps={accumulation or 'chosen automatically'} they see one micro-batch at a time, not the "
         "global batch, so training differs from a full-batch run. Alternatives: GroupNorm or "
         "LayerNorm (no batch statistics), SyncBatchNorm (statistics across ranks, still per "
         "micro-batch), or accumulation 1. Set batch_statistics: ignore to silence this, or "

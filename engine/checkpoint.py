@@ -29,17 +29,11 @@ import random
 import re
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from engine.batch_plan import BatchConfigError
 from engine.distributed import control_group
@@ -78,7 +72,7 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
         problem = None
         if rank == 0:
             problem = _prepare_target(target, tmp)
-        _agree(problem)
+        agree(problem)
         problem, cause = None, None
         try:
             _write_local_files(engine, tmp, data, client_state)
@@ -86,7 +80,7 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
             problem, cause = str(error), error
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             problem, cause = f"writing the rank's own files failed: {error!r}", error
-        _agree(problem, cause)
+        agree(problem, cause)
         engine.strategy.save_training_state(str(tmp / STATE_DIR))
         problem, cause = None, None
         if rank == 0:
@@ -95,7 +89,7 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
                 _publish(tmp, target, token)
             except Exception as error:  # noqa: BLE001
                 problem, cause = f"publishing failed: {error!r}", error
-        _agree(problem, cause)
+        agree(problem, cause)
     except BaseException as error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -103,7 +97,7 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
             raise
         raise CheckpointError(
             f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
-            f"already at that path is untouched): {_describe(error)}"
+            f"already at that path is untouched): {describe(error)}"
         ) from error
     if rank == 0:
         log.info("saved checkpoint %s (global step %d) in %.2f s", target, engine.global_steps,
@@ -241,7 +235,7 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
         problem, cause = str(error), error
     except Exception as error:  # noqa: BLE001 - e.g. a manifest with missing fields
         problem, cause = f"cannot read the checkpoint {target}: {error!r}", error
-    _agree(problem, cause)
+    agree(problem, cause)
 
     data_before = data.state_dict() if data is not None else None
     try:
@@ -251,7 +245,7 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
     except Exception as error:  # noqa: BLE001
         problem, cause = f"restoring the data position failed: {error}", error
     try:
-        _agree(problem, cause)
+        agree(problem, cause)
         engine.strategy.load_training_state(str(target / STATE_DIR))
     except BaseException:
         if data is not None:
@@ -259,6 +253,8 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
         raise
     _restore_engine(engine, saved, manifest)
     _restore_rng(engine, mine, manifest)
+    if engine.monitor is not None:  # count steps (and time) from the resumed position
+        engine.monitor.attach(engine)
     if engine.rank == 0:
         log.info("loaded checkpoint %s (global step %d, saved on %d rank(s)) in %.2f s", target,
                  engine.global_steps, manifest["world_size"], time.perf_counter() - started)
@@ -406,166 +402,6 @@ def _restore_rng(engine, mine: dict | None, manifest: dict) -> None:
                  engine.world_size, manifest["world_size"] - 1)
 
 
-# =========================================================================== model + optimizer (torch)
-def save_torch_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """DCP checkpoint of ``module`` (DTensor shards or plain tensors) and ``optimizer``.
-
-    The optimizer state is one flat entry per tensor, keyed by the parameter's name
-    (``optimizer.state.<fqn>.<key>``), for the parameters in ``optimizer.param_groups`` —
-    under ZeRO-1 only this rank's own, so DCP stores the union of the ranks' disjoint
-    pieces; under FSDP the entries are DTensors and DCP stores their shards. Non-tensor
-    values are stored pickled. Group hyperparameters (lr, betas, ...) are stored once."""
-    payload, problem, cause = None, None, None
-    try:
-        names = _param_names(module)
-        state: dict[str, dict] = {}  # DCP flattens it to "optimizer.state.<fqn>.<key>"
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in optimizer.state.get(p, {}).items():
-                    # a tuple is stored whole (pickled); a tensor as its own entry
-                    state.setdefault(names[id(p)], {})[key] = value if torch.is_tensor(value) else (value,)
-        payload = {"model": get_model_state_dict(module),
-                   "optimizer": {"type": _type_name(optimizer), "param_groups": (_hyperparameters(optimizer),),
-                                 "state": state}}
-    except Exception as error:  # noqa: BLE001 - agreed on before DCP's own collectives
-        problem, cause = f"collecting the model/optimizer state failed: {_describe(error)}", error
-    _agree(problem, cause)
-    _dcp(dcp.save, payload, directory)
-
-
-def load_torch_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """Inverse of :func:`save_torch_training_state`, resharding to this run's layout: each
-    rank reads the entries of the parameters its optimizer holds (its own shards under
-    FSDP, its own parameters under ZeRO-1). Checks the model's names and shapes and the
-    optimizer's type and groups on every rank before anything is changed."""
-    names = _param_names(module)
-    problem, cause, model_state, templates, saved_groups = None, None, None, {}, None
-    try:
-        saved = FileSystemReader(directory).read_metadata().state_dict_metadata
-        model_state = get_model_state_dict(module)
-        problem = _model_mismatch(model_state, saved, directory)
-        small = {"optimizer": {"type": None, "param_groups": None}}
-        _dcp(dcp.load, small, directory, local=True)
-        saved_type, (saved_groups,) = small["optimizer"]["type"], small["optimizer"]["param_groups"]
-        problem = problem or _optimizer_mismatch(optimizer, saved_type, saved_groups, directory)
-        by_param = _saved_optimizer_entries(saved)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                name = names[id(p)]
-                for key in by_param.get(name, ()):
-                    meta = saved[f"optimizer.state.{name}.{key}"]
-                    if not isinstance(meta, TensorStorageMetadata):
-                        template = None
-                    elif tuple(meta.size) == tuple(p.shape) and p.dim() > 0:  # sharded like p
-                        template = torch.empty_like(p, dtype=meta.properties.dtype)
-                    else:  # e.g. Adam's step: torch's load_state_dict moves it where it belongs
-                        template = torch.empty(meta.size, dtype=meta.properties.dtype)
-                    templates.setdefault(name, {})[key] = template
-    except CheckpointError as error:
-        problem, cause = str(error), error
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - library errors, rephrased
-        problem, cause = f"cannot read the model/optimizer state in {directory}: {_describe(error)}", error
-    _agree(problem, cause)
-
-    payload = {"model": model_state, "optimizer": {"state": templates}}
-    try:
-        _dcp(dcp.load, payload, directory)
-    except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"reading the model/optimizer state in {directory} failed (the model "
-                              f"may be partly loaded: re-create the engine): {_describe(error)}") from error
-    set_model_state_dict(module, payload["model"])
-    loaded = payload["optimizer"]["state"]
-    index, torch_state, torch_groups = 0, {}, []
-    for group, hyper in zip(optimizer.param_groups, saved_groups):
-        ids = []
-        for p in group["params"]:
-            entries = loaded.get(names[id(p)])
-            if entries:
-                torch_state[index] = {k: v[0] if isinstance(v, tuple) else v for k, v in entries.items()}
-            ids.append(index)
-            index += 1
-        extra = {"param_names": group["param_names"]} if "param_names" in group else {}
-        torch_groups.append({**hyper, **extra, "params": ids})
-    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
-
-
-def _param_names(module: torch.nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters()}
-
-
-def _type_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _hyperparameters(optimizer) -> list[dict]:
-    return [{k: v for k, v in group.items() if k not in ("params", "param_names")}
-            for group in optimizer.param_groups]
-
-
-def _saved_optimizer_entries(saved) -> dict[str, list[str]]:
-    """{parameter name: [state keys]} of the checkpoint's optimizer entries."""
-    by_param: dict[str, list[str]] = {}
-    prefix = "optimizer.state."
-    for key in saved:
-        if key.startswith(prefix):
-            name, _, state_key = key[len(prefix):].rpartition(".")
-            by_param.setdefault(name, []).append(state_key)
-    return by_param
-
-
-def _model_mismatch(model_state: dict, saved, directory: str) -> str | None:
-    saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-    missing, shapes = [], []
-    covered = set()
-    for key, value in model_state.items():
-        if torch.is_tensor(value):
-            meta = saved_model.get(key)
-            if meta is None:
-                missing.append(key)
-            elif hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
-                shapes.append(f"{key}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
-            covered.add(key)
-        else:  # a non-tensor entry (extra state) may have been flattened into sub-keys
-            found = {k for k in saved_model if k == key or k.startswith(key + ".")}
-            if not found:
-                missing.append(key)
-            covered |= found
-    unexpected = sorted(set(saved_model) - covered)
-    if not (missing or unexpected or shapes):
-        return None
-    parts = []
-    for label, items in (("missing from the checkpoint", missing),
-                         ("in the checkpoint but not in this model", unexpected),
-                         ("shape mismatch", shapes)):
-        if items:
-            parts.append(f"{label}: {', '.join(items[:8])}" + (f" (+{len(items) - 8} more)" if len(items) > 8 else ""))
-    return f"the checkpoint in {directory} was saved from a different model — " + "; ".join(parts)
-
-
-def _optimizer_mismatch(optimizer, saved_type: str, saved_groups: list[dict], directory: str) -> str | None:
-    mine = _type_name(optimizer)
-    if saved_type != mine:
-        return f"the checkpoint in {directory} holds a {saved_type} optimizer state; this engine's optimizer is {mine}"
-    if len(saved_groups) != len(optimizer.param_groups):
-        return (f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s); this engine's "
-                f"has {len(optimizer.param_groups)}")
-    for i, (saved, current) in enumerate(zip(saved_groups, _hyperparameters(optimizer))):
-        if set(saved) != set(current):
-            return (f"optimizer parameter group {i} has settings {sorted(saved)} in the checkpoint "
-                    f"but {sorted(current)} here")
-    return None
-
-
-def _dcp(fn, payload: dict, directory: str, *, local: bool = False) -> None:
-    """``dcp.save`` / ``dcp.load`` on the control group, or without collectives in a single
-    process (``local``: this rank alone reads small entries)."""
-    no_dist = local or control_group() is None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        fn(payload, checkpoint_id=directory, no_dist=no_dist,
-           process_group=None if no_dist else control_group())
-
-
 # =========================================================================== shared helpers
 def _require_boundary(engine, what: str) -> None:
     from engine.engine import EngineUsageError
@@ -580,7 +416,7 @@ def _require_boundary(engine, what: str) -> None:
 
 
 def _state_of(obj):
-    """``obj.state_dict()`` for objects that have one (e.g. a future micro-batch tuner)."""
+    """``obj.state_dict()`` for objects that have one (e.g. the micro-batch tuner)."""
     return obj.state_dict() if hasattr(obj, "state_dict") else None
 
 
@@ -603,7 +439,7 @@ def _agreed_token(target: Path) -> str:
     return everyone[0][1]
 
 
-def _agree(problem: str | None, cause: BaseException | None = None) -> None:
+def agree(problem: str | None, cause: BaseException | None = None) -> None:
     """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
     group = control_group()
     if group is None:
@@ -624,7 +460,7 @@ def _agree(problem: str | None, cause: BaseException | None = None) -> None:
     raise CheckpointError(message) from cause
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
     """One line for an exception, unwrapping DCP's per-rank CheckpointException."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:

@@ -10,6 +10,8 @@ import sys
 import warnings
 
 from engine.autotune import OutOfMemoryAtMicroBatchOne
+from engine.engine import EngineUsageError
+from engine.microbatch import BatchError
 from engine.batch_plan import BatchConfigError, plan_from_config
 from engine.config import Config, ConfigError, load_config
 
@@ -135,6 +137,15 @@ def summarize(config: Config) -> str:
     return ", ".join(parts)
 
 
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine",
                                      description="Microstep command-line tools.")
@@ -163,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     explore.add_argument("--loss", metavar="MODULE:FN",
                          help="loss_fn(model, micro_batch) (default: the model's output.loss or scalar output)")
     explore.add_argument("--out", default="runs/explore", help="where explore.json and explore.png go")
-    explore.add_argument("--warmup", type=int, default=1, help="untimed windows per candidate")
-    explore.add_argument("--repeats", type=int, default=3, help="timed windows per candidate (median)")
+    explore.add_argument("--warmup", type=_count(0), default=1, help="untimed windows per candidate")
+    explore.add_argument("--repeats", type=_count(1), default=3, help="timed windows per candidate (median)")
     add_override_argument(explore)
     explore.set_defaults(run=run_explore)
     return parser
@@ -176,7 +187,8 @@ def main(argv=None) -> int:
         warnings.simplefilter("always")
         try:
             status = args.run(args)
-        except (ConfigError, BatchConfigError, FactoryError, OutOfMemoryAtMicroBatchOne) as error:
+        except (ConfigError, BatchConfigError, FactoryError, OutOfMemoryAtMicroBatchOne, EngineUsageError,
+                BatchError) as error:
             print(f"error: {error}" if "\n" not in str(error) else f"error:\n{error}",
                   file=sys.stderr)
             status = USAGE_ERROR

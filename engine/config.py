@@ -226,12 +226,20 @@ def load_config(source, overrides=None) -> Config:
     if problems:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source = raw.source
-    if config.backend == "torch" and config.deepspeed_extras:
+    unused = _deepspeed_only_settings(config)
+    if config.backend == "torch" and unused:
         warnings.warn(
-            f"{config.source}: DeepSpeed setting(s) {', '.join(sorted(config.deepspeed_extras))}"
-            " are not used by the torch backend; they are kept in config.deepspeed_extras "
-            "(set backend: deepspeed to use them)", UserWarning, stacklevel=2)
+            f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by the torch "
+            "backend; they are kept for backend: deepspeed", UserWarning, stacklevel=2)
     return config
+
+
+def _deepspeed_only_settings(config: Config) -> list[str]:
+    """DeepSpeed keys the config holds (top level and inside sections), sorted."""
+    names = list(config.deepspeed_extras)
+    for section in ("zero_optimization", "fp16", "bf16"):
+        names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
+    return sorted(names)
 
 
 # -- normalising ------------------------------------------------------------------------

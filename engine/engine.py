@@ -87,6 +87,8 @@ class Engine:
         self.skipped_steps = 0
         self.last_window = WindowReport()
         self._window = _Window()
+        self._splitting = False  # inside train_batch: micro-batch sizes are the engine's own
+        self._size_warned = False
 
     # -- what the model is ------------------------------------------------------------
     @property
@@ -109,10 +111,29 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
-        window = self._window
-        self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
-        window.forwarded = True
+        if torch.is_grad_enabled():  # a forward for a backward: plan its gradient sync
+            window = self._window
+            self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
+            window.forwarded = True
+            if not self._splitting:
+                self._check_manual_micro_batch(args)
         return self.strategy.forward(*args, **kwargs)
+
+    def _check_manual_micro_batch(self, args) -> None:
+        """The manual loop weights the k-th micro-step as the plan's k-th micro-batch: say so
+        (once) when the data disagrees, since the weighting would then be off."""
+        k = self._window.micro_steps
+        first = args[0] if args else None
+        if (self._size_warned or not isinstance(first, torch.Tensor) or first.dim() == 0
+                or k >= self.plan.gradient_accumulation_steps):
+            return
+        planned = self.plan.micro_batch_sizes[k]
+        if first.shape[0] != planned:
+            self._size_warned = True
+            log.warning("micro-step %d of the window got %d samples but the plan expects %d; in a manual "
+                        "loop each micro-batch is weighted by the plan's size (eng.plan.micro_batch_sizes) — "
+                        "feed those sizes, or use train_batch() with the whole per-device batch",
+                        k, first.shape[0], planned)
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss, weighted by its share of the global batch.
@@ -148,16 +169,35 @@ class Engine:
         """
         window = self._window
         if flush:
-            if window.micro_steps == 0:
-                return False
-        elif not window.backward_since_step:
+            return self._flush()
+        if not window.backward_since_step:
             raise EngineUsageError(
                 "step() called without a backward() since the last step(): each micro-step is "
                 "forward, eng.backward(loss), eng.step()"
             )
         window.backward_since_step = False
-        if window.micro_steps < self.plan.gradient_accumulation_steps and not flush:
+        if window.micro_steps < self.plan.gradient_accumulation_steps:
             return False
+        self._close_window()
+        return True
+
+    def _flush(self) -> bool:
+        """Close a window early. Every rank must call it, holding the same number of
+        micro-steps (sharded models reduce gradients collectively)."""
+        window = self._window
+        fewest, most = window.micro_steps, window.micro_steps
+        if self.world_size > 1:  # one tiny collective: flushes are rare
+            counts = self.strategy.all_reduce_max(torch.tensor([-fewest, most], device=self._stats_device))
+            fewest, most = -int(counts[0]), int(counts[1])
+        if most == 0:
+            return False
+        if fewest != most:
+            raise EngineUsageError(
+                f"step(flush=True): the ranks hold between {fewest} and {most} micro-steps in this window; "
+                "every rank must run the same number of micro-steps (give each rank the same number of "
+                "batches, e.g. engine.data.DistributedBatches)")
+        window.backward_since_step = False
+        window.exact_counts = True  # weighted by what every rank really ran
         self._close_window()
         return True
 
@@ -181,10 +221,14 @@ class Engine:
                 f"train_batch() called in the middle of a manual-loop window "
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
-        if self.micro_batch_tuner is not None:
-            self.micro_batch_tuner.run_window(self, batch, loss_fn)
-        else:
-            self._run_window(batch, loss_fn)
+        try:
+            if self.micro_batch_tuner is not None:
+                self.micro_batch_tuner.run_window(self, batch, loss_fn)
+            else:
+                self._run_window(batch, loss_fn)
+        except BaseException:
+            self._discard_window()  # a failed batch leaves no half window behind
+            raise
         self._close_window()
         return float(self.last_window.loss)
 
@@ -232,8 +276,12 @@ class Engine:
 
     def _run_window(self, batch, loss_fn: LossFn) -> None:
         """Forward and backward of every micro-batch of one window (no optimizer step)."""
-        for micro_batch, size in self._split_for_window(batch):
-            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        self._splitting = True
+        try:
+            for micro_batch, size in self._split_for_window(batch):
+                self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        finally:
+            self._splitting = False
 
     def _discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
@@ -248,7 +296,10 @@ class Engine:
         size = batch_size(batch)
         # Every rank runs the same number of forwards (sharded models gather parameters in
         # each); a rank with fewer samples repeats its last micro-batch with weight 0.
-        parts = int(self.strategy.all_reduce_max(torch.tensor(-(-size // micro), device=self._stats_device)))
+        counts = self.strategy.all_reduce_max(torch.tensor([-(-size // micro), -size], device=self._stats_device))
+        parts, fewest = int(counts[0]), -int(counts[1])
+        if fewest == 0:
+            raise EngineUsageError("eval_batch(): some rank got an empty batch; every rank needs at least one sample")
         sizes = [n for n in split_evenly(size, parts) if n]
         pieces = list(zip(split_batch(batch, sizes), sizes))
         pieces += [(pieces[-1][0], 0)] * (parts - len(pieces))
@@ -257,7 +308,7 @@ class Engine:
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
-                loss, count, item_weighted = self._loss_and_units(loss_fn(self.strategy.forward, micro_batch), n)
+                loss, count, item_weighted = self._loss_and_units(loss_fn(self, micro_batch), n)
                 if n:
                     total[0] += loss.double().cpu() * (1 if item_weighted else n)
                     total[1] += torch.as_tensor(count, dtype=torch.float64).cpu()
@@ -268,6 +319,7 @@ class Engine:
             (guarded or _call)(forwards)
         finally:
             self.module.train(was_training)
+            self.strategy.release_gathered_parameters()
         stats = self.strategy.all_reduce_sum(total.to(self._stats_device))
         return float(stats[0] / stats[1])
 
@@ -280,17 +332,20 @@ class Engine:
         elif accumulation <= size < plan.per_device_batch_size:
             sizes = split_evenly(size, accumulation)
         else:
+            shorter = (f" (a shorter last batch of {accumulation} to {plan.per_device_batch_size - 1} samples "
+                       "is run as a short window)" if accumulation < plan.per_device_batch_size else "")
             raise EngineUsageError(
                 f"train_batch() got a batch of {size} samples but the plan gives this rank (rank "
                 f"{plan.rank}) {plan.per_device_batch_size} per optimizer step in {accumulation} "
-                f"micro-batches; pass exactly {plan.per_device_batch_size} samples (a shorter last "
-                f"batch of at least {accumulation} samples is run as a short window)"
+                f"micro-batches; pass exactly {plan.per_device_batch_size} samples{shorter}"
             )
         return zip(split_batch(batch, sizes), sizes)
 
     def _loss_and_units(self, output, samples: int):
         """(loss, the units the window's mean divides by, item-weighted?): a mean loss
         stands for its samples, a ``(sum, count)`` pair for its count."""
+        if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
+            output = output.loss
         if isinstance(output, torch.Tensor):
             return output, samples, False
         if isinstance(output, (tuple, list)) and len(output) == 2:
@@ -340,21 +395,29 @@ class Engine:
             samples = plan.window_samples(window.micro_steps)
             loss, units = window.loss_total() / window.samples, samples
         target = plan.train_batch_size
-        if window.item_weighted:
-            multiplier = target / units
-        else:
-            multiplier = 1.0 if samples == target else target / samples
         groups = getattr(self.optimizer, "param_groups", None)
         lr = float(groups[0]["lr"]) if groups else None
-        result = self.strategy.step(multiplier, self.config.gradient_clipping,
-                                    want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
-        self.strategy.zero_grad()
+        if window.item_weighted and float(units) == 0:
+            # Nothing to average (every label ignored): a step would divide by zero.
+            result = StepResult(applied=False)
+            self.strategy.discard_window()
+            log.warning("the window of global step %d holds no items (e.g. every label is -100): skipped",
+                        self.global_steps + 1)
+        else:
+            if window.item_weighted:
+                multiplier = target / units
+            else:
+                multiplier = 1.0 if samples == target else target / samples
+            result = self.strategy.step(multiplier, self.config.gradient_clipping,
+                                        want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
+            self.strategy.zero_grad()
+            if not result.applied:
+                log.warning("fp16 overflow: window of global step %d discarded", self.global_steps + 1)
         if result.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
-            log.warning("fp16 overflow: window of global step %d discarded", self.global_steps + 1)
         self.global_steps += 1
         self.global_samples += samples
         self.last_window = WindowReport(loss=loss, samples=samples, step=result, lr=lr,

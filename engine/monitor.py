@@ -72,6 +72,7 @@ class Monitor:
         self._pending_steps = 0
         self._steps_seen = 0  # windows seen since attach (for the ETA)
         self._attached = False
+        self._resumed = False
         self._files: dict[str, Any] = {}
         self._csv_writer = None
         self._tensorboard = None
@@ -87,6 +88,7 @@ class Monitor:
         when a monitor is set."""
         self.rank = eng.rank
         self._last_step = eng.global_steps
+        self._resumed = eng.global_steps > 0
         if restart_clock:
             self._steps_seen = 0
             self._start = self._last_record = self._clock()
@@ -185,7 +187,8 @@ class Monitor:
             handle = self._open("csv", self.config.csv)
             if self._csv_writer is None:
                 self._csv_writer = csv.DictWriter(handle, fieldnames=FIELDS)
-                self._csv_writer.writeheader()
+                if handle.tell() == 0:
+                    self._csv_writer.writeheader()
             self._csv_writer.writerow({k: "" if v is None else v for k, v in record.items()})
             handle.flush()
         writer = self._tensorboard_writer()
@@ -207,8 +210,9 @@ class Monitor:
         if handle is None:
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
-            handle = self._files[kind] = open(path, "w", newline="" if kind == "csv" else None,
-                                              encoding="utf-8")
+            # A resumed run (attached after load_checkpoint) continues its files.
+            handle = self._files[kind] = open(path, "a" if self._resumed else "w",
+                                              newline="" if kind == "csv" else None, encoding="utf-8")
         return handle
 
     def _tensorboard_writer(self):

@@ -28,6 +28,10 @@ def _public_classes(module, base) -> dict[str, type]:
 
 
 def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, target: Any):
+    placeholders = [key for key, value in params.items() if value == "auto"]
+    if placeholders:
+        raise ConfigError([f"{kind}.params.{key}: 'auto' is a Hugging Face Trainer placeholder; give a value"
+                           for key in placeholders])
     cls = registry.get(type_name.lower())
     if cls is None:
         known = ", ".join(sorted(c.__name__ for c in registry.values()))
@@ -43,7 +47,7 @@ def _deepspeed_adam_params(type_name: str, params: dict) -> tuple[str, dict]:
     switch has no meaning here. Honour both so DeepSpeed configs keep their behaviour."""
     params = dict(params)
     params.pop("torch_adam", None)
-    adam_w_mode = params.pop("adam_w_mode", None)
+    adam_w_mode = params.pop("adam_w_mode", True)  # DeepSpeed's default
     if type_name.lower() == "adam" and adam_w_mode:
         type_name = "AdamW"
     if "betas" in params:

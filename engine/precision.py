@@ -17,8 +17,9 @@ import torch
 class LossScaler:
     """DeepSpeed-style dynamic loss scaling (or a static scale when ``static_scale`` > 0).
 
-    After an overflow the scale is halved once ``hysteresis`` overflows have been seen since
-    the last growth; after ``window`` clean steps in a row it doubles.
+    The first ``hysteresis - 1`` overflows after a growth are tolerated; every later one
+    halves the scale. After ``window`` clean steps in a row it doubles (and the tolerance is
+    restored).
     """
 
     def __init__(self, initial_scale_power: int = 16, window: int = 1000, hysteresis: int = 2,
@@ -47,10 +48,10 @@ class LossScaler:
             return
         if overflow:
             self._clean_steps = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
+            if self._hysteresis_left <= 1:  # stays at 1 until the scale grows again
                 self.scale = max(self.scale / 2, self.min_scale)
-                self._hysteresis_left = self.hysteresis
+            else:
+                self._hysteresis_left -= 1
         else:
             self._clean_steps += 1
             if self._clean_steps % self.window == 0:

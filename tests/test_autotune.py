@@ -155,6 +155,24 @@ def oom_scenario(rank, world, stage, split="strict", **tripwire):
             "samples": eng.global_samples, "changes": eng.micro_batch_tuner.changes}
 
 
+class _Broken(torch.nn.Module):
+    def forward(self, x):
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("a bug on rank 1")
+        return x
+
+
+def other_error_on_one_rank(rank, world, stage):
+    """A failure that is not out-of-memory stops every rank instead of leaving one waiting."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _Broken(), torch.nn.Linear(16, 3)).double()
+    eng = auto_engine(model, zero_optimization={"stage": stage})
+    try:
+        train(eng, regression_batches(1, 16))
+    except Exception as error:  # noqa: BLE001
+        return type(error).__name__
+    return "no error"
+
+
 SCENARIOS = {
     "every rank, forward": dict(max_micro=3),
     "rank 1 only, forward": dict(max_micro=3, ranks=(1,)),
@@ -169,7 +187,9 @@ SCENARIOS = {
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_rank_out_of_memory_never_deadlocks(stage):
     scenarios = {name: functools.partial(oom_scenario, stage=stage, **kwargs) for name, kwargs in SCENARIOS.items()}
+    scenarios["another error on rank 1"] = functools.partial(other_error_on_one_rank, stage=stage)
     results = run_scenarios(scenarios, world_size=2, timeout=180)
+    assert results.pop("another error on rank 1") == ["PeerError", "ValueError"]
     for name, (first, second) in results.items():
         assert first["diff"] < TOL and second["diff"] < TOL, (name, first["diff"], second["diff"])
         assert first["micro"] == second["micro"] and first["changes"] == second["changes"], name

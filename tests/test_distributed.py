@@ -125,14 +125,56 @@ def reduce_every_micro_step(rank, world, stage):
             "collectives": gradient_collectives(rank, world, stage, reduce_every_micro_step=True)}
 
 
-def stage_scenarios(stage):
-    if stage >= 2:
-        return {**_common_scenarios(stage), "reduce every micro-step": functools.partial(reduce_every_micro_step, stage=stage)}
-    return _common_scenarios(stage)
+def each_rank_builds_its_own_model(rank, world, stage):
+    """Like DDP, every strategy starts from rank 0's parameters."""
+    batches = regression_batches(2, 8)
+    expected = reference_train(mlp(seed=0), batches, mse, sgd)
+    eng = make_engine(mlp(seed=rank), stage, 8, 2, optimizer=sgd)
+    start = max_param_diff(eng.full_state_dict(), state(mlp(seed=0)))
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
+    return {"start": start, "diff": max_param_diff(eng.full_state_dict(), state(expected))}
 
 
-def _common_scenarios(stage):
-    return {
+def eval_then_checkpoint(rank, world, stage, directory):
+    """Evaluation gathers sharded parameters without a backward; saving right after works."""
+    model, batches = mlp(), regression_batches(2, 8)
+    expected = reference_train(model, batches, mse, sgd)
+    eng = make_engine(copy.deepcopy(model), stage, 8, 2, optimizer=sgd)
+    eng.train_batch(rank_slice(batches[0], eng.plan), mse)
+    eng.eval_batch(rank_slice(batches[1], eng.plan), mse)
+    eng.save_checkpoint(f"{directory}/stage{stage}")
+    eng.train_batch(rank_slice(batches[1], eng.plan), mse)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected))}
+
+
+def uneven_flush(rank, world, stage):
+    eng = make_engine(mlp(), stage, 16, 2, optimizer=sgd)
+    (batch,) = regression_batches(1, 16)
+    for micro_batch in split_batch(rank_slice(batch, eng.plan), (2, 2, 2, 2))[:2 - rank]:
+        eng.backward(mse(eng, micro_batch))
+        eng.step()
+    with pytest.raises(engine.EngineUsageError) as error:
+        eng.step(flush=True)
+    return str(error.value)
+
+
+def stage_scenarios(stage, directory):
+    return {**_robustness_scenarios(stage, directory), **_exactness_scenarios(stage)}
+
+
+def _robustness_scenarios(stage, directory):
+    scenarios = {
+        "each rank builds its own model": functools.partial(each_rank_builds_its_own_model, stage=stage),
+        "eval then checkpoint": functools.partial(eval_then_checkpoint, stage=stage, directory=directory),
+    }
+    if stage < 3:  # at ZeRO-3 every forward all-gathers: uneven micro-steps cannot even reach the flush
+        scenarios["uneven flush"] = functools.partial(uneven_flush, stage=stage)
+    return scenarios
+
+
+def _exactness_scenarios(stage):
+    scenarios = {
         "manual strict": functools.partial(manual_loop, stage=stage, split="strict"),
         "manual balanced": functools.partial(manual_loop, stage=stage, split="balanced"),
         "train_batch strict clipped": functools.partial(train_batch, stage=stage, split="strict", clip=0.05),
@@ -141,13 +183,21 @@ def _common_scenarios(stage):
         "short windows": functools.partial(short_windows, stage=stage),
         "collectives": functools.partial(gradient_collectives, stage=stage),
     }
+    if stage >= 2:
+        scenarios["reduce every micro-step"] = functools.partial(reduce_every_micro_step, stage=stage)
+    return scenarios
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", STAGES)
-def test_stage_equals_full_batch_reference(stage):
-    results = run_scenarios(stage_scenarios(stage), world_size=2, timeout=240)
+def test_stage_equals_full_batch_reference(stage, tmp_path):
+    results = run_scenarios(stage_scenarios(stage, str(tmp_path)), world_size=2, timeout=240)
+    for first in results["each rank builds its own model"]:
+        assert first["start"] == 0 and first["diff"] < TOL
+    assert all(r["diff"] < TOL for r in results["eval then checkpoint"])
+    if stage < 3:
+        assert all("between 1 and 2 micro-steps" in message for message in results["uneven flush"])
     for name in ("manual strict", "manual balanced", "train_batch strict clipped", "train_batch balanced",
                  "token weighted", "short windows"):
         for rank, result in enumerate(results[name]):

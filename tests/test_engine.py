@@ -329,3 +329,79 @@ def test_batchnorm_with_accumulation_can_be_an_error():
         engine.initialize(batchnorm_model(), {"train_batch_size": 8, "gradient_accumulation_steps": 2,
                                               "batch_statistics": "error"}, optimizer=sgd)
     engine.initialize(batchnorm_model(), {"train_batch_size": 8, "batch_statistics": "error"}, optimizer=sgd)
+
+
+def test_a_failing_loss_function_leaves_no_half_window():
+    model, (batch,) = mlp(), regression_batches(1, 8)
+    expected = reference_train(model, [batch], mse)
+    eng = make_engine(copy.deepcopy(model), 8, 2)
+    calls = {"n": 0}
+
+    def flaky(m, b):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("bad sample")
+        return mse(m, b)
+
+    with pytest.raises(ValueError, match="bad sample"):
+        eng.train_batch(batch, flaky)
+    assert eng.micro_steps == 0 and all(p.grad is None for p in eng.module.parameters())
+    eng.train_batch(batch, mse)  # the same batch again: as if the failure never happened
+    assert max_param_diff(state(eng.module), state(expected)) < TOL
+
+
+def test_a_window_without_items_is_skipped():
+    eng = make_engine(TinyLM(), 6, 2)
+    batch = token_batches(1, 6)[0]
+    batch["labels"][:] = -100
+    before = state(eng.module)
+    eng.train_batch(batch, token_loss_sum)
+    assert max_param_diff(state(eng.module), before) == 0
+    assert (eng.global_steps, eng.skipped_steps) == (1, 1)
+
+
+def test_loss_fn_may_return_a_model_output_with_a_loss():
+    class Output:
+        def __init__(self, loss):
+            self.loss = loss
+
+    model, (batch,) = mlp(), regression_batches(1, 8)
+    expected = reference_train(model, [batch], mse)
+    eng = make_engine(copy.deepcopy(model), 8, 4)
+    eng.train_batch(batch, lambda m, b: Output(mse(m, b)))
+    assert max_param_diff(state(eng.module), state(expected)) < TOL
+
+
+def test_eval_loss_fn_gets_the_engine():
+    eng = make_engine(mlp(), 8, 4)
+    (batch,) = regression_batches(1, 8)
+    assert eng.eval_batch(batch, lambda m, b: mse(m.module, b)) == pytest.approx(mse(eng.module, batch).item())
+
+
+def test_short_batch_message_when_no_short_window_is_possible():
+    eng = make_engine(mlp(), 4, 1)
+    (batch,) = regression_batches(1, 3)
+    with pytest.raises(engine.EngineUsageError) as error:
+        eng.train_batch(batch, mse)
+    assert "pass exactly 4 samples" in str(error.value) and "short window" not in str(error.value)
+
+
+def test_model_without_trainable_parameters_is_refused():
+    model = mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to train"):
+        engine.initialize(model, {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_auto_placeholder_in_optimizer_params_is_refused():
+    with pytest.raises(engine.ConfigError, match=r"optimizer.params.lr: 'auto' is a Hugging Face"):
+        engine.initialize(mlp(), {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+
+
+def test_manual_loop_warns_once_when_micro_batches_differ_from_the_plan(caplog):
+    eng = make_engine(mlp(), 8, 2)
+    (batch,) = regression_batches(1, 8)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        for micro_batch in split_batch(batch, (4, 4)):
+            eng.backward(mse(eng, micro_batch))
+            eng.step()
+    assert caplog.text.count("got 4 samples but the plan expects 2") == 1

@@ -175,6 +175,23 @@ def test_jsonl_and_csv_are_written_and_parse(tmp_path):
     assert rows[0]["lr"] == "0.0" and float(rows[0]["grad_norm"]) > 0
 
 
+def test_a_resumed_run_continues_its_metrics_files(tmp_path):
+    jsonl, csv_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.csv"
+    batches = token_batches(3, 8)
+    first = engine.initialize(TinyLM(), config(jsonl=str(jsonl), csv=str(csv_path)))
+    for batch in batches[:2]:
+        first.train_batch(batch, token_loss_sum)
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    resumed = engine.initialize(TinyLM(), config(jsonl=str(jsonl), csv=str(csv_path)))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    resumed.train_batch(batches[2], token_loss_sum)
+    resumed.close()
+    assert [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] == [1, 2, 3]
+    assert [int(row["step"]) for row in csv.DictReader(csv_path.open())] == [1, 2, 3]
+    assert resumed.monitor.history[-1]["grad_norm"] is not None
+
+
 def test_missing_tensorboard_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails
     with pytest.warns(UserWarning, match="tensorboard package is not installed.*pip install tensorboard") as caught:

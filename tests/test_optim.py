@@ -59,3 +59,12 @@ def test_deepspeed_adam_means_adamw_when_adam_w_mode():
 
     opt = build_optimizer(Section, [torch.nn.Parameter(torch.zeros(1))])
     assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("params,expected", [({}, torch.optim.AdamW), ({"adam_w_mode": False}, torch.optim.Adam)])
+def test_deepspeed_adam_defaults_to_adamw(params, expected):
+    class Section:
+        type = "Adam"
+
+    Section.params = {"lr": 1e-3, **params}
+    assert type(build_optimizer(Section, [torch.nn.Parameter(torch.zeros(1))])) is expected

@@ -68,6 +68,12 @@ def test_loss_scale_follows_deepspeed_hysteresis_and_window():
         scaler.update(overflow)
         history.append(scaler.scale)
     assert history == [16.0, 8.0, 8.0, 16.0, 16.0]
+    scaler = LossScaler(initial_scale_power=4, window=100, hysteresis=2)
+    history = []
+    for _ in range(5):  # after the tolerated first one, every overflow halves (as DeepSpeed)
+        scaler.update(True)
+        history.append(scaler.scale)
+    assert history == [16.0, 8.0, 4.0, 2.0, 1.0]
 
 
 def test_fp16_scaled_windows_equal_fp32_closely():

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.precision import Precision, scale_
+from engine.strategies import torch_checkpoint
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Strategy(ABC):
 
     def prepare_micro_step(self, closes_window: bool) -> None:
         """Called before a micro-step's forward: whether its backward closes the window."""
+
+    def release_gathered_parameters(self) -> None:
+        """After forwards without a backward (evaluation): free parameters a sharded model
+        gathered and would otherwise keep until its next backward."""
 
     @abstractmethod
     def backward(self, loss: torch.Tensor, weight: float) -> None:
@@ -100,10 +105,11 @@ class Strategy(ABC):
         failure flags (raising PeerFailure), and gradient reduction waits for the end of the
         window, after ``agree_on_failures``."""
 
-    def agree_on_failures(self, failed: bool) -> tuple[int, ...]:
+    def agree_on_failures(self, failure: int) -> dict[int, int]:
         """Every rank calls this once per window attempt (a rank that raised PeerFailure from a
-        guard already has): the ranks that failed, the same tuple everywhere."""
-        return (self.rank,) if failed else ()
+        guard already has) with its failure: 0 none, ``OUT_OF_MEMORY`` or ``OTHER_ERROR``.
+        Returns {rank: failure} of the ranks that failed, the same everywhere."""
+        return {self.rank: failure} if failure else {}
 
     def discard_window(self) -> None:
         """Forget a window abandoned mid-way: its gradients and any half-done reduction."""
@@ -150,14 +156,10 @@ class TorchStrategy(Strategy):
     checkpoint_format = "torch-dcp"
 
     def save_training_state(self, directory):
-        from engine.checkpoint import save_torch_training_state
-
-        save_torch_training_state(self.module, self.optimizer, directory)
+        torch_checkpoint.save_training_state(self.module, self.optimizer, directory)
 
     def load_training_state(self, directory):
-        from engine.checkpoint import load_torch_training_state
-
-        load_torch_training_state(self.module, self.optimizer, directory)
+        torch_checkpoint.load_training_state(self.module, self.optimizer, directory)
 
     # -- shared boundary logic ----------------------------------------------------------
     def all_reduce_sum(self, tensor):
@@ -170,10 +172,10 @@ class TorchStrategy(Strategy):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
-    def agree_on_failures(self, failed):
+    def agree_on_failures(self, failure):
         if self.world_size == 1:
-            return super().agree_on_failures(failed)
-        return failure_vote(failed, self.rank, self.world_size, self.device, self.group)
+            return super().agree_on_failures(failure)
+        return failure_vote(failure, self.rank, self.world_size, self.device, self.group)
 
     def _any_rank(self, flag: torch.Tensor) -> bool:
         if self.world_size > 1:
@@ -213,20 +215,23 @@ class TorchStrategy(Strategy):
         return squares.sqrt()
 
 
+OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
+
+
 class PeerFailure(RuntimeError):
     """Raised on a healthy rank when a peer failed mid-window (e.g. ran out of memory)."""
 
-    def __init__(self, ranks: tuple[int, ...]):
-        super().__init__(f"rank(s) {', '.join(map(str, ranks))} failed in this window")
-        self.ranks = ranks
+    def __init__(self, failures: dict[int, int]):
+        super().__init__(f"rank(s) {', '.join(map(str, failures))} failed in this window")
+        self.failures = failures
 
 
-def failure_vote(failed: bool, rank: int, world_size: int, device, group=None) -> tuple[int, ...]:
-    """One all-reduce of a per-rank flag vector: which ranks report a failure."""
+def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -> dict[int, int]:
+    """One all-reduce of a per-rank vector: {rank: failure} of the ranks reporting one."""
     votes = torch.zeros(world_size, dtype=torch.int32, device=device)
-    votes[rank] = int(failed)
+    votes[rank] = int(failure)
     dist.all_reduce(votes, group=group)
-    return tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
+    return {r: int(votes[r]) for r in torch.nonzero(votes).flatten().tolist()}
 
 
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, strategy: TorchStrategy) -> torch.Tensor:

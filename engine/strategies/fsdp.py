@@ -5,8 +5,10 @@ Stage 2 keeps parameters gathered from forward to backward; stage 3 reshards the
 each forward (less memory, an all-gather again in the backward). Inside a window the
 gradient reduce-scatter and the resharding after backward are both deferred, so unsharded
 gradients accumulate locally and a window costs one reduce-scatter per shard group
-(stage 2: also one all-gather). ``reduce_every_micro_step`` reduce-scatters after every
-micro-step instead, accumulating sharded gradients: less memory, more traffic.
+(stage 2: also one all-gather; stage 3: one in the first forward and one per backward,
+since parameters stay gathered from a backward to the next forward). ``reduce_every_micro_step`` reduce-scatters after every micro-step instead,
+accumulating sharded gradients; at stage 3 it also frees the gathered parameters after
+every backward: ZeRO-3's memory profile, for more traffic.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from engine.strategies.base import PeerFailure, TorchStrategy, failure_vote
+from engine.strategies.ddp import buckets
 
 
 def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -31,6 +35,15 @@ def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
             units += [child for child in container if any(True for _ in child.parameters())]
     return [m for m in reversed(units) if m is not module]
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(module: torch.nn.Module) -> None:
+    for bucket in buckets([t for t in (*module.parameters(), *module.buffers())]):
+        flat = _flatten_dense_tensors(bucket)
+        dist.broadcast(flat, src=0)
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(value)
 
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
@@ -46,9 +59,9 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
 
 
 def _check_peers(group, *, rank: int, world_size: int, device) -> None:
-    failed = failure_vote(False, rank, world_size, device, group)
-    if failed:
-        raise PeerFailure(failed)
+    failures = failure_vote(0, rank, world_size, device, group)
+    if failures:
+        raise PeerFailure(failures)
 
 
 class _GuardedAllGather:
@@ -84,6 +97,7 @@ class FullyShardedDataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         module = module.to(self.device)
+        _broadcast_from_rank0(module)  # as DDP does: every rank starts from rank 0's model
         names = {id(p): name for name, p in module.named_parameters()}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         reshard_after_forward = self.stage == 3
@@ -95,14 +109,25 @@ class FullyShardedDataParallel(TorchStrategy):
         self.optimizer = optimizer
         self.group = mesh.get_group()
         self._defer_reduction = False
+        self._flags = None  # (requires_gradient_sync, reshard_after_backward) last set
 
     def prepare_micro_step(self, closes_window):
         closes = closes_window and not self._defer_reduction
-        self.module.set_requires_gradient_sync(closes or self.reduce_every_micro_step)
-        # Keep parameters gathered between the window's micro-steps; reshard at its end so the
-        # optimizer updates the shards while no stale unsharded copy is registered.
-        self.module.set_reshard_after_backward(closes)
+        # Keep parameters gathered between the window's micro-steps (no all-gather in the next
+        # forward); reshard at its end so the optimizer updates the shards while no stale
+        # unsharded copy is registered. ZeRO-3 asked to save memory (reduce_every_micro_step)
+        # frees them after every backward instead.
+        lean = self.reduce_every_micro_step and self.stage == 3
+        flags = (closes or self.reduce_every_micro_step, closes or lean)
+        if flags != self._flags:  # each setter walks every module: only when they change
+            self.module.set_requires_gradient_sync(flags[0])
+            self.module.set_reshard_after_backward(flags[1])
+            self._flags = flags
         self._backward_closes_window = closes
+
+    def release_gathered_parameters(self):
+        for unit in self._units():
+            unit.reshard()
 
     def enable_failure_guard(self):
         # All-gathers happen inside forward and backward: each first checks the peers' flags.
@@ -139,6 +164,7 @@ class FullyShardedDataParallel(TorchStrategy):
         callback does exactly it (tested in tests/test_distributed.py, short windows)."""
         self.module.set_requires_gradient_sync(True)
         self.module.set_reshard_after_backward(True)
+        self._flags = (True, True)
         state = self.module._get_fsdp_state()
         state._state_ctx.is_last_backward = True
         state._root_post_backward_final_callback()
