@@ -98,6 +98,10 @@ class CommCounter:
 
         def counting_hook(state, bucket):
             self.record("all_reduce", _nbytes(bucket.buffer()))
-            return allreduce_hook(state, bucket)
+            self._inside.active = True  # the hook's own dist.all_reduce is this same collective
+            try:
+                return allreduce_hook(state, bucket)
+            finally:
+                self._inside.active = False
 
         ddp_module.register_comm_hook(None, counting_hook)

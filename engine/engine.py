@@ -412,7 +412,8 @@ class Engine:
                                         want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
             self.strategy.zero_grad()
             if not result.applied:
-                log.warning("fp16 overflow: window of global step %d discarded", self.global_steps + 1)
+                log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
+                            self.global_steps + 1)
         if result.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

@@ -193,8 +193,10 @@ def launched():
     env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     commands = {
         "launch": [sys.executable, "-m", "launch", "--nproc-per-node", "2", DEMO],
+        # the deepspeed launcher runs the demo on the deepspeed backend too (ZeRO-3, gathered params)
         "deepspeed": [sys.executable, "-m", "launch", "--launcher", "deepspeed",
-                      "--nproc-per-node", "2", DEMO],
+                      "--nproc-per-node", "2", DEMO, "--set", "backend=deepspeed", "--set", "zero_optimization.stage=3",
+                      "--set", "zero_optimization.stage3_param_persistence_threshold=0"],
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "2", DEMO],
     }
@@ -244,7 +246,7 @@ def test_demo_under_deepspeed_launcher(launched):
     code, out, err = finished(launched, "deepspeed")
     assert code == 0, err
     check_demo_output(out)
-    assert "deepspeed.launcher.runner --num_gpus 2" in err
+    assert "deepspeed.launcher.runner --num_gpus 2" in err and "backend=deepspeed" in err
 
 
 def test_demo_in_one_process(capsys):

@@ -13,16 +13,23 @@ micro-step. Gradient reduction per window:
   reduce after every micro-step, partitioned gradients.
 
 A gradient multiplier known only at the boundary (short windows, token counts) goes
-through DeepSpeed's loss scale at stages 1–3 (it divides gradients by it before clipping
-and stepping; no extra communication) and straight into ``.grad`` at stage 0.
+through the ZeRO optimizer's loss scale at stages 1–3 (it divides gradients by it before
+clipping and stepping; no extra communication) and straight into ``.grad`` at stage 0.
+
+What DeepSpeed cannot do under this contract is refused when the engine is built, never
+mid-training: see ``unsupported`` and docs/deepspeed.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
+import json
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 
 import torch
@@ -35,6 +42,13 @@ log = logging.getLogger("engine")
 
 # Microstep keys that do not exist in DeepSpeed's zero_optimization section.
 _OUR_ZERO_KEYS = {"reduce_every_micro_step"}
+# The optimizers DeepSpeed wraps a torch optimizer in at ZeRO-1/2/3 whose loss scale
+# divides the gradient before clipping and stepping (how a window's multiplier is applied).
+_ZERO_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+TAG = "deepspeed"  # the DeepSpeed checkpoint tag (a sub-directory of model_optimizer/)
+STATE_FILE = "microstep_deepspeed.json"  # what the checkpoint was saved with
+INSTALL_HINT = ("backend: deepspeed needs the deepspeed package: pip install 'microstep[deepspeed]' "
+                "(or set backend: torch)")
 
 
 def deepspeed_config(config, world_size: int) -> dict:
@@ -48,7 +62,7 @@ def deepspeed_config(config, world_size: int) -> dict:
     if zero["stage"] == 3:
         # Otherwise ZeRO-3 patches torch.nn.functional.linear for the whole process.
         zero.setdefault("memory_efficient_linear", False)
-    ds = dict(config.deepspeed_extras)
+    ds = json.loads(json.dumps(config.deepspeed_extras))  # a deep copy: DeepSpeed may edit it
     ds.update({
         "train_batch_size": world_size,
         "train_micro_batch_size_per_gpu": 1,
@@ -60,9 +74,31 @@ def deepspeed_config(config, world_size: int) -> dict:
         ds["fp16"] = config.fp16.model_dump()
     if config.bf16.enabled:
         ds["bf16"] = config.bf16.model_dump()
-    # Any torch optimizer is fine with us (DeepSpeed refuses untested ones at ZeRO-1..3).
+    # Microstep always hands DeepSpeed a torch optimizer instance: any type is fine with us
+    # (DeepSpeed refuses untested ones at ZeRO-1..3), and with offload_optimizer it steps
+    # on the CPU copy (DeepSpeed refuses client optimizers there unless told otherwise).
     ds.setdefault("zero_allow_untested_optimizer", True)
+    ds.setdefault("zero_force_ds_cpu_optimizer", False)
     return ds
+
+
+def unsupported(config) -> list[str]:
+    """What this backend refuses, as config problems (checked before DeepSpeed starts)."""
+    problems = []
+    stage = config.zero_optimization.stage
+    op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
+    if op != "mean":
+        problems.append(
+            f"gradient_allreduce_op: {op!r}: Microstep weights every micro-batch loss by its share of the "
+            "global batch and relies on DeepSpeed averaging gradients over ranks; remove the key")
+    micro = config.train_micro_batch_size_per_gpu
+    if micro in ("auto", "explore") and (stage == 3 or stage == 2 and config.zero_optimization.reduce_every_micro_step):
+        problems.append(
+            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed needs ZeRO stage 0, 1 or 2 "
+            "without reduce_every_micro_step: DeepSpeed communicates inside every ZeRO-3 forward (and "
+            "inside every backward with reduce_every_micro_step), where one rank's out-of-memory cannot "
+            "be agreed on without a hang. Give a number, or use backend: torch (its ZeRO-3 supports auto)")
+    return problems
 
 
 def _import_deepspeed():
@@ -71,8 +107,7 @@ def _import_deepspeed():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
     except ImportError:
-        raise ConfigError(["backend: deepspeed needs the deepspeed package: "
-                           "pip install 'microstep[deepspeed]' (or set backend: torch)"]) from None
+        raise ConfigError([INSTALL_HINT]) from None
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     return deepspeed
@@ -85,38 +120,76 @@ def _quiet_stdout():
         yield
 
 
+@contextlib.contextmanager
+def _without_log(logger, text: str, enabled: bool = True):
+    """Drop ``logger``'s records containing ``text`` (a warning Microstep's own setting causes)."""
+    def keep(record):
+        return text not in record.getMessage()
+
+    if enabled:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     checkpoint_format = "deepspeed"
 
     def __init__(self, config, device: torch.device, world_size: int, rank: int):
+        problems = unsupported(config)
+        if problems:
+            raise ConfigError(problems)
         self.config = config
         self.device = device
         self.world_size, self.rank = world_size, rank
         self.stage = config.zero_optimization.stage
         self.coalesce = self.stage >= 1 and not (config.zero_optimization.reduce_every_micro_step and self.stage >= 2)
         self.deepspeed = _import_deepspeed()
-        self._window = None  # the open coalesce_grad_reduction block
+        if config.fp16.enabled and not self.deepspeed.get_accelerator().is_fp16_supported():
+            raise ConfigError([(
+                f"fp16.enabled: DeepSpeed's {self.deepspeed.get_accelerator().device_name()} accelerator has no "
+                "fp16 support on this machine (DeepSpeed refuses to start); use bf16: {enabled: true}, or "
+                "backend: torch (its fp16 autocast and loss scaler work here)")])
+        self._block = None  # the open coalesce_grad_reduction block
         self._closes = True
         self._defer_reduction = False
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, module, optimizer):
+        if any(p.dtype == torch.float64 for p in module.parameters()):
+            raise ConfigError([(
+                "backend deepspeed: the model has float64 parameters. DeepSpeed cannot reduce float64 gradients "
+                "at ZeRO stage 0 (it fails in the first boundary's backward) and keeps fp32 master copies at "
+                "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
         if not dist.is_initialized():
             _init_single_process_group()
-        with _quiet_stdout():
-            self.engine, *_ = self.deepspeed.initialize(
-                model=module, optimizer=optimizer, config=deepspeed_config(self.config, self.world_size),
-                dist_init_required=False)
+        ds_config = deepspeed_config(self.config, self.world_size)
+        try:
+            # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets
+            # unless the config does: any torch optimizer steps exactly as on the torch backend.
+            untested = "zero_allow_untested_optimizer" not in self.config.deepspeed_extras
+            with _quiet_stdout(), _without_log(self.deepspeed.utils.logger, "untested optimizer", untested):
+                self.engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                                            dist_init_required=False)
+        except (AssertionError, ValueError, NotImplementedError) as error:
+            raise ConfigError([(f"backend deepspeed: DeepSpeed refused the configuration: {error} "
+                                f"(the DeepSpeed config Microstep built: {ds_config})")]) from error
         self.module = self.engine.module
         self.forward_module = self.engine
         self.optimizer = optimizer  # DeepSpeed steps it; schedulers and the monitor read its lr
         self._cast_inputs = torch.bfloat16 if self.config.bf16.enabled else \
             torch.float16 if self.config.fp16.enabled else None
-        if self.coalesce and not hasattr(self.engine.optimizer, "_coalesce_grad_reduction"):
-            raise ConfigError([f"backend deepspeed: the {type(self.engine.optimizer).__name__} that DeepSpeed chose "
-                               "cannot defer gradient reduction to the window's end; remove "
-                               "data_types.grad_accum_dtype, or set zero_optimization.reduce_every_micro_step: true"])
+        chosen = type(self.engine.optimizer).__name__
+        if self.stage >= 1 and chosen not in _ZERO_OPTIMIZERS:
+            self.engine.destroy()
+            raise ConfigError([(
+                f"backend deepspeed: at ZeRO stage {self.stage} DeepSpeed chose {chosen} instead of its ZeRO "
+                "optimizer (bf16 with data_types.grad_accum_dtype: fp32 does that at stage 1). Microstep applies a "
+                "window's exact weight through the ZeRO optimizer's loss scale, which this optimizer ignores, and "
+                "it cannot defer gradient reduction to the window's end: remove data_types.grad_accum_dtype")])
 
     def forward(self, *args, **kwargs):
         if self._cast_inputs is not None:  # DeepSpeed's half-precision models want half inputs
@@ -125,48 +198,60 @@ class DeepSpeedStrategy(Strategy):
 
     # -- a window -----------------------------------------------------------------------------
     def prepare_micro_step(self, closes_window):
+        # The block opens before the first forward, so that every rank that started a window
+        # holds one, even when its forward then fails (see discard_window).
+        self._open_block()
         self._closes = closes_window and not self._defer_reduction
         self.engine.set_gradient_accumulation_boundary(self._closes)
 
     def backward(self, loss, weight):
-        if self.coalesce and self._window is None:
-            self._window = self.engine.coalesce_grad_reduction()
-            self._window.__enter__()
+        self._open_block()
         self.engine.backward(loss * weight, scale_wrt_gas=False)
 
     def reduce_gradients(self):
-        if self._window is not None:  # leaving the block runs the one reduction pass
-            window, self._window = self._window, None
-            window.__exit__(None, None, None)
+        if self._block is not None:  # leaving the block runs the one reduction pass
+            self._close_block()
             self.engine.set_gradient_accumulation_boundary(True)  # the block restored its own value
         elif not self._closes:  # a window closed early, or reduction deferred
             self.engine.set_gradient_accumulation_boundary(True)
-            self.engine.allreduce_gradients()
+            if self.stage >= 2:  # every backward reduced already: only the boundary's bookkeeping is left
+                self.engine.optimizer.finalize_gradient_accumulation_boundary()
+            else:
+                self.engine.allreduce_gradients()
+
+    def _open_block(self):
+        if self.coalesce and self._block is None:
+            self._block = self.engine.coalesce_grad_reduction()
+            self._block.__enter__()
+
+    def _close_block(self):
+        block, self._block = self._block, None
+        block.__exit__(None, None, None)
 
     def step(self, multiplier, max_norm, want_norm=False):
         factor = float(multiplier)
-        if factor != 1.0 and self.stage == 0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-        norm = self._stage0_norm() if self.stage == 0 and (want_norm or max_norm > 0) else None
-        scaler = self.engine.optimizer if self.stage > 0 else None
-        if scaler is not None and factor != 1.0:
-            scaler.loss_scale = scaler.loss_scale / factor  # gradients are divided by it
-        try:
+        wants_norm = want_norm or max_norm > 0
+        norm = None
+        if self.stage == 0:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+            if wants_norm:  # DeepSpeed computes it at stage 0 but does not expose it
+                norm = _norm(grads) / _loss_scale(self.engine.optimizer)
             self.engine.step()
-        finally:
-            if scaler is not None and factor != 1.0:
-                scaler.loss_scale = scaler.loss_scale * factor  # keep DeepSpeed's own updates
-        if norm is None and self.stage > 0 and (want_norm or max_norm > 0):
-            value = self.engine.get_global_grad_norm()
-            norm = None if value is None else torch.tensor(float(value))
+        else:
+            scaler = self.engine.optimizer
+            if factor != 1.0:
+                scaler.loss_scale = scaler.loss_scale / factor  # gradients are divided by it
+            try:
+                self.engine.step()
+            finally:
+                if factor != 1.0:
+                    scaler.loss_scale = scaler.loss_scale * factor  # keeps DeepSpeed's own updates
+            if wants_norm:
+                value = self.engine.get_global_grad_norm()
+                norm = None if value is None else torch.as_tensor(float(value), dtype=torch.float64)
         return StepResult(applied=self.engine.was_step_applied(), grad_norm=norm)
-
-    def _stage0_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(grads, 2.0) if grads else []
-        return torch.stack([n.double() for n in norms]).square().sum().sqrt() if grads else torch.zeros((), dtype=torch.float64)
 
     def zero_grad(self):
         pass  # DeepSpeed clears gradients inside step()
@@ -184,12 +269,11 @@ class DeepSpeedStrategy(Strategy):
 
     # -- surviving a failed micro-step ------------------------------------------------------------
     def enable_failure_guard(self):
+        # Stages 0-2 without reduce_every_micro_step issue no collective inside a window once
+        # its reduction is deferred to the boundary (``unsupported`` refuses the others).
         if self.stage == 3 or not self.coalesce and self.stage >= 2:
-            raise ConfigError([
-                "train_micro_batch_size_per_gpu: auto/explore with backend deepspeed needs ZeRO stage 0, 1 or 2 "
-                "without reduce_every_micro_step: DeepSpeed communicates inside every ZeRO-3 forward (and "
-                "inside every backward with reduce_every_micro_step), where one rank's out-of-memory "
-                "cannot be agreed on. Use backend: torch for automatic micro-batch sizes at ZeRO-3."])
+            raise ConfigError([("backend deepspeed: an automatic micro-batch size needs ZeRO stage 0, 1 or 2 "
+                                "without reduce_every_micro_step (see engine.strategies.deepspeed.unsupported)")])
         self._defer_reduction = True
 
     def agree_on_failures(self, failed):
@@ -198,10 +282,26 @@ class DeepSpeedStrategy(Strategy):
         return failure_vote(failed, self.rank, self.world_size, self.device)
 
     def discard_window(self):
-        if self._window is not None:  # the block's reduction runs on every rank alike
-            window, self._window = self._window, None
-            window.__exit__(None, None, None)
-        self.engine.zero_grad()
+        """Forget this rank's gradients of the window in progress, without any collective (a
+        failed window is discarded by every rank after a vote, or by one rank whose batch
+        raised). This is the clean-up DeepSpeed itself runs when it skips an overflowing step.
+        A coalesce block stays open: the next window continues in it and its one reduction
+        runs at that window's end."""
+        optimizer = self.engine.optimizer
+        self.engine.zero_grad()  # parameters' .grad (first: ZeRO-3's zero_grad fails on CPU gradients)
+        if self.stage >= 1:
+            optimizer.zero_grad(set_to_none=True)  # grad_accum; ZeRO-3: its micro-step count
+            if self.stage <= 2:
+                optimizer.micro_step_id = -1  # as after step(): the next reduction copies, not adds
+                optimizer._release_preflattened_grad_buffers()
+            if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
+                optimizer.reset_cpu_buffers()  # offload: the accumulated CPU copies
+            elif self.stage <= 2:
+                for key in list(optimizer.averaged_gradients):
+                    optimizer.averaged_gradients[key] = None
+                    optimizer.all_grad_tensors[key] = None
+            else:
+                optimizer.averaged_gradients = {}
 
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self):
@@ -210,25 +310,168 @@ class DeepSpeedStrategy(Strategy):
             return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def save_training_state(self, directory):
-        self.engine.save_checkpoint(str(directory), tag="deepspeed", client_state={}, save_latest=False)
+        directory = str(directory)
+        self.engine.save_checkpoint(directory, tag=TAG, client_state={}, save_latest=False)
+        if self.rank == 0:
+            with open(os.path.join(directory, STATE_FILE), "w") as f:
+                json.dump({"stage": self.stage, "world_size": self.world_size}, f)
 
     def load_training_state(self, directory):
         from engine.checkpoint import CheckpointError
 
+        directory = str(directory)
         try:
-            path, _ = self.engine.load_checkpoint(str(directory), tag="deepspeed", load_optimizer_states=True,
-                                                  load_lr_scheduler_states=False)
-        except Exception as error:  # DeepSpeed raises many kinds; say what to do
+            with open(os.path.join(directory, STATE_FILE)) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"{directory} is not a Microstep DeepSpeed state ({STATE_FILE}: {error})") from None
+        if saved["stage"] != self.stage:
             raise CheckpointError(
-                f"DeepSpeed could not load {directory}: {error}. A DeepSpeed checkpoint at ZeRO-1/2/3 resumes on "
-                "the world size it was saved with; for another one, convert it with `python -m "
-                "deepspeed.checkpoint.ds_to_universal --inject_missing_state` and load with "
-                "checkpoint: {load_universal: true}") from None
+                f"{directory} was saved by DeepSpeed at ZeRO stage {saved['stage']}; this engine runs stage "
+                f"{self.stage}. DeepSpeed cannot load a checkpoint into another ZeRO stage: set "
+                f"zero_optimization.stage: {saved['stage']} (to change stage, export the weights with "
+                "full_state_dict() and start a new run)")
+        if saved["world_size"] != self.world_size and self.stage >= 1:
+            self._load_universal(directory, saved["world_size"])
+            return
+        try:
+            path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
+        except Exception as error:  # DeepSpeed raises many kinds; say what it was
+            raise CheckpointError(f"DeepSpeed could not load {directory}: {type(error).__name__}: {error}") from error
         if path is None:
             raise CheckpointError(f"{directory} holds no DeepSpeed model state")
 
+    def _load_universal(self, directory: str, saved_world: int) -> None:
+        """ZeRO-1/2/3 state saved on another number of ranks: rank 0 converts it to DeepSpeed's
+        universal checkpoint (next to the checkpoint, removed afterwards), every rank loads it."""
+        from engine.checkpoint import CheckpointError
+
+        outcome = [None, None]  # [universal directory, error]
+        if self.rank == 0:
+            checkpoint = os.path.dirname(os.path.abspath(directory))
+            try:
+                outcome[0] = tempfile.mkdtemp(prefix=f".{os.path.basename(checkpoint)}.universal-",
+                                              dir=os.path.dirname(checkpoint))
+                with _quiet_stdout():
+                    _to_universal(os.path.join(directory, TAG), os.path.join(outcome[0], TAG))
+            except Exception as error:  # noqa: BLE001 - reported on every rank below
+                outcome[1] = f"{type(error).__name__}: {error}"
+        if self.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        universal, problem = outcome
+        try:
+            if problem is None:
+                config = self.engine._config
+                config.load_universal_checkpoint = True
+                try:
+                    path, _ = self.engine.load_checkpoint(universal, tag=TAG, load_optimizer_states=True,
+                                                          load_lr_scheduler_states=False)
+                    problem = None if path is not None else "no model state found"
+                except Exception as error:  # noqa: BLE001
+                    problem = f"{type(error).__name__}: {error}"
+                finally:
+                    config.load_universal_checkpoint = False
+        finally:
+            if self.world_size > 1:
+                dist.barrier()
+            if self.rank == 0 and universal is not None:
+                shutil.rmtree(universal, ignore_errors=True)
+        if problem is not None:
+            raise CheckpointError(
+                f"{directory} holds ZeRO-{self.stage} state of {saved_world} rank(s); this run has "
+                f"{self.world_size}. Converting it to DeepSpeed's universal checkpoint failed: {problem}. "
+                f"Resume on {saved_world} rank(s), or load the weights alone with full_state_dict() exports")
+        log.info("resumed ZeRO-%d state of %d rank(s) on %d through DeepSpeed's universal checkpoint",
+                 self.stage, saved_world, self.world_size)
+
     def close(self):
+        if self._block is not None:  # a window abandoned with the engine
+            self.discard_window()
+            self._close_block()  # no gradient left: its flush reduces nothing
         self.engine.destroy()
+
+
+def _norm(grads) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([n.double() for n in torch._foreach_norm(grads, 2.0)]).square().sum().sqrt()
+
+
+def _loss_scale(optimizer) -> float:
+    """The loss scale of DeepSpeed's stage-0 fp16 optimizers (1 for a plain torch optimizer)."""
+    for owner in (optimizer, getattr(optimizer, "loss_scale_config", None)):
+        scale = getattr(owner, "cur_scale", None)
+        if isinstance(scale, (int, float)):
+            return float(scale)
+    return 1.0
+
+
+def _to_universal(source: str, target: str) -> None:
+    """DeepSpeed's ``ds_to_universal`` (missing universal metadata injected), in-process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    ds_to_universal.main(args)
+
+
+def watch_deepspeed_comm(counter):
+    """Count DeepSpeed's collectives into an ``engine.comm_count.CommCounter`` (entered).
+
+    DeepSpeed binds some torch.distributed functions at start-up, so patching them misses
+    calls; every DeepSpeed collective goes through its comm backend object instead, whose
+    methods are wrapped here (in the counter's convention: full-buffer bytes). Returns a
+    function that removes the wrappers."""
+    from deepspeed.comm import comm as ds_comm
+
+    backend = ds_comm.cdb
+    # method -> (kind, index of the full-buffer argument, its keyword)
+    watched = {
+        "all_reduce": ("all_reduce", 0, "tensor"), "inference_all_reduce": ("all_reduce", 0, "tensor"),
+        "all_reduce_coalesced": ("all_reduce", 0, "tensors"), "reduce": ("reduce", 0, "tensor"),
+        "broadcast": ("broadcast", 0, "tensor"),
+        "all_gather": ("all_gather", 0, "tensor_list"), "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+        "all_gather_base": ("all_gather", 0, "output_tensor"),
+        "all_gather_coalesced": ("all_gather", 0, "output_tensors"),
+        "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+        "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor"),
+        "all_to_all_single": ("all_to_all", 1, "input"), "all_to_all": ("all_to_all", 1, "input_tensor_list"),
+    }
+    originals = {}
+
+    def wrap(original, kind, index, keyword):
+        def counted(*args, **kwargs):
+            if getattr(counter._inside, "active", False):
+                return original(*args, **kwargs)
+            buffer = args[index] if len(args) > index else kwargs.get(keyword)
+            counter.record(kind, _nbytes(buffer))
+            counter._inside.active = True  # the torch.distributed call underneath counts once
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter._inside.active = False
+        return counted
+
+    for name, (kind, index, keyword) in watched.items():
+        original = getattr(backend, name, None)
+        if original is not None:
+            originals[name] = original
+            setattr(backend, name, wrap(original, kind, index, keyword))
+
+    def unwatch():
+        for name in originals:
+            delattr(backend, name)  # the instance attribute: the class method shows again
+
+    return unwatch
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def _cast_floating(tree, dtype):

@@ -1,0 +1,163 @@
+"""The DeepSpeed backend against the torch backend and against DeepSpeed driven by hand:
+time per optimizer step and bytes sent per step, ZeRO stages 0-3, 2 ranks.
+
+    python -m launch --nproc-per-node 2 bench/deepspeed_compare.py [--rounds 6] [--steps 3]
+
+Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulation 4
+(micro-batch 8 per rank), fp32, a torch AdamW instance, no clipping, gloo. Variants:
+
+* ``torch``: Microstep's torch backend (DDP, ZeRO-1, FSDP2), ``train_batch``;
+* ``deepspeed``: ``backend: deepspeed``, ``train_batch`` (stages 1-3: one coalesced
+  reduction per window; ``reduce every`` rows: ``reduce_every_micro_step: true``);
+* ``DeepSpeed by hand``: ``deepspeed.initialize`` with the batch keys and
+  ``gradient_clipping: 0``, the standard loop ``loss = f(eng(x)); eng.backward(loss);
+  eng.step()`` per micro-batch (DeepSpeed's GAS: stages 2/3 reduce every micro-batch).
+  ``memory_efficient_linear: false`` at stage 3, so that ZeRO-3 does not patch
+  ``torch.nn.functional.linear`` for every other variant in the process.
+
+Every variant trains its own copy; all variants alternate round by round and the slowest
+rank's time counts (median over rounds). Bytes: one optimizer step per variant counted by
+``engine.comm_count.CommCounter`` (torch.distributed calls, DDP's hook) plus
+``engine.strategies.deepspeed.watch_deepspeed_comm`` (DeepSpeed's comm backend, which
+binds some torch functions at start-up): every collective is counted once, as the bytes
+one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed_compare.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+import engine
+from bench.common import mlp, mse, save
+from bench.distributed import GLOBAL_BATCH, adamw, local_batch, time_variants
+from engine.comm_count import CommCounter
+from engine.distributed import init_distributed, strip_local_rank_arg
+from engine.strategies.deepspeed import (
+    _import_deepspeed,
+    _quiet_stdout,
+    watch_deepspeed_comm,
+)
+
+ACCUMULATION = 4
+
+
+def microstep(model, data, stage, backend, reduce_every=False):
+    micro = GLOBAL_BATCH // dist.get_world_size() // ACCUMULATION
+    config = {"backend": backend, "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
+              "zero_optimization": {"stage": stage, "reduce_every_micro_step": reduce_every}}
+    eng = engine.initialize(model, config, optimizer=adamw)
+    return lambda: eng.train_batch(data, mse), eng
+
+
+def by_hand(model, data, stage):
+    deepspeed = _import_deepspeed()
+    micro = GLOBAL_BATCH // dist.get_world_size() // ACCUMULATION
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["memory_efficient_linear"] = False
+    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
+              "gradient_accumulation_steps": ACCUMULATION, "gradient_clipping": 0.0, "zero_optimization": zero}
+    with _quiet_stdout():
+        eng, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config,
+                                       dist_init_required=False)
+    micro_batches = list(zip(data[0].split(micro), data[1].split(micro)))
+
+    def step():
+        for micro_batch in micro_batches:
+            eng.backward(mse(eng, micro_batch))
+            eng.step()
+
+    return step, eng
+
+
+def variants(model, data):
+    rows = {}
+    for stage in range(4):
+        def add(name, build, *args, stage=stage):
+            rows[name] = (stage,) + build(copy.deepcopy(model), data, stage, *args)
+
+        add(f"stage {stage} torch", microstep, "torch")
+        add(f"stage {stage} deepspeed", microstep, "deepspeed")
+        if stage >= 2:
+            add(f"stage {stage} torch, reduce every", microstep, "torch", True)
+            add(f"stage {stage} deepspeed, reduce every", microstep, "deepspeed", True)
+        add(f"stage {stage} DeepSpeed by hand", by_hand)
+    return rows
+
+
+def bytes_per_step(run, handle) -> tuple[float, dict]:
+    """(MB one rank sends in one optimizer step, calls by kind), on a variant used for nothing else."""
+    with CommCounter() as comm:
+        unwatch = watch_deepspeed_comm(comm)  # harmless for torch variants: DeepSpeed is idle
+        ddp = getattr(getattr(handle, "strategy", None), "forward_module", None)
+        if hasattr(ddp, "register_comm_hook"):  # DDP's reducer bypasses torch.distributed's Python functions
+            comm.watch_ddp(ddp)
+        try:
+            run()  # optimizer state exists from here on
+            comm.reset()
+            run()
+        finally:
+            unwatch()
+    return comm.sent_bytes / 1e6, dict(comm.calls)
+
+
+def close(rows) -> None:
+    for _, _, handle in rows.values():
+        (handle.close if hasattr(handle, "close") else handle.destroy)()
+
+
+def main(argv=None):
+    strip_local_rank_arg(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    info = init_distributed()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    model, data = mlp(), local_batch(info.rank, info.world_size)
+
+    counted = variants(model, data)
+    traffic = {name: bytes_per_step(run, handle) for name, (_, run, handle) in counted.items()}
+    close(counted)
+    rows = variants(model, data)  # timed without any counting hook
+    began = time.perf_counter()
+    times = time_variants({name: run for name, (_, run, _) in rows.items()}, args.rounds, args.steps)
+    load_after = os.getloadavg()
+    close(rows)
+    if info.rank != 0:
+        return
+    print(f"{'variant':38s} {'ms/step':>8s} {'vs torch':>8s} {'sent MB':>8s}  calls per step")
+    result = {}
+    for name, (stage, _, _) in rows.items():
+        base = times[f"stage {stage} torch"]
+        mb, calls = traffic[name]
+        result[name] = {"stage": stage, "ms_per_step": times[name] * 1e3, "ratio_vs_torch_backend": times[name] / base,
+                        "sent_MB_per_step": mb, "calls_per_step": calls}
+        print(f"{name:38s} {times[name] * 1e3:8.1f} {times[name] / base:8.3f} {mb:8.1f}  {calls}")
+    print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} "
+          f"(timing took {time.perf_counter() - began:.0f} s)")
+    save("deepspeed_compare", {
+        "workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, "
+                    "AdamW (torch instance), "
+                    f"fp32, no clipping, {info.world_size} ranks gloo, {args.rounds} rounds x {args.steps} steps, "
+                    "median, slowest rank",
+        "bytes": "CommCounter (torch.distributed + DDP hook) + watch_deepspeed_comm (DeepSpeed's comm backend), "
+                 "each collective once, ring-model bytes one rank sends",
+        "load_average_1min": {"before": load_before[0], "after": load_after[0], "cores": os.cpu_count()},
+        "variants": result})
+
+
+if __name__ == "__main__":
+    main()
