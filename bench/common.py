@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,18 +38,28 @@ def mse(model, micro_batch):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each variant, the variants alternating every round."""
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2,
+                distributed: bool = False) -> dict[str, float]:
+    """Median seconds per call of each variant, the variants alternating every round (in a
+    rotating order, so that none always runs first). ``distributed``: every rank runs the same
+    sequence, starts each measurement together and the slowest rank's time counts."""
     for run in variants.values():
         for _ in range(warmup):
             run()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
+    names = list(variants)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:  # rotate: no fixed position
+            run = variants[name]
+            if distributed:
+                dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
                 run()
-            samples[name].append((time.perf_counter() - start) / steps)
+            elapsed = torch.tensor((time.perf_counter() - start) / steps)
+            if distributed:
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(float(elapsed))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

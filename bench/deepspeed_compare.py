@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import mlp, mse, save
-from bench.distributed import GLOBAL_BATCH, adamw, local_batch, time_variants
+from bench.common import interleaved, mlp, mse, save
+from bench.distributed import GLOBAL_BATCH, adamw, local_batch
 from engine.comm_count import CommCounter
 from engine.distributed import init_distributed, strip_local_rank_arg
 from engine.strategies.deepspeed import (
@@ -133,7 +133,8 @@ def main(argv=None):
     close(counted)
     rows = variants(model, data)  # timed without any counting hook
     began = time.perf_counter()
-    times = time_variants({name: run for name, (_, run, _) in rows.items()}, args.rounds, args.steps)
+    times = interleaved({name: run for name, (_, run, _) in rows.items()}, args.rounds, args.steps,
+                        warmup=1, distributed=True)
     load_after = os.getloadavg()
     close(rows)
     if info.rank != 0:

@@ -18,8 +18,6 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 import re
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import engine
-from bench.common import batch, mlp, mse, save
+from bench.common import batch, interleaved, mlp, mse, save
 from engine.comm_count import CommCounter
 from engine.distributed import init_distributed, strip_local_rank_arg
 
@@ -116,6 +114,7 @@ def variants(model, data, accumulation=4):
 
     return {
         "hand DDP + no_sync": make(hand_ddp, accumulation),
+        "hand DDP + no_sync, second copy (noise floor)": make(hand_ddp, accumulation),
         "engine stage 0 (train_batch)": make(engine_train_batch, engine_config(0, accumulation)),
         "engine stage 0 (manual loop)": make(engine_manual_loop, engine_config(0, accumulation)),
         "engine stage 0, auto (guarded)": make(engine_train_batch, engine_config(0, accumulation, micro="auto")),
@@ -127,22 +126,6 @@ def variants(model, data, accumulation=4):
         "engine stage 3": make(engine_train_batch, engine_config(3, accumulation)),
         "engine stage 3, reduce every micro-step": make(engine_train_batch, engine_config(3, accumulation, reduce_every=True)),
     }
-
-
-def time_variants(runs, rounds, steps):
-    for run in runs.values():
-        run()  # warm-up
-    samples = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            dist.barrier()
-            began = time.perf_counter()
-            for _ in range(steps):
-                run()
-            elapsed = torch.tensor((time.perf_counter() - began) / steps)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(elapsed.item())
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 # -- traffic and memory --------------------------------------------------------------------------
@@ -212,17 +195,17 @@ def main(argv=None):
     model, data = mlp(), local_batch(info.rank, info.world_size)
 
     traffic = traffic_and_memory(model, data)
-    times = time_variants(variants(model, data), args.rounds, args.steps)
+    times = interleaved(variants(model, data), args.rounds, args.steps, warmup=1, distributed=True)
     if info.rank != 0:
         return
     baselines = {"0": "hand DDP + no_sync", "1": "hand DDP + no_sync", "2": "hand FSDP2 stage 2, deferred",
                  "3": "hand FSDP2 stage 3, deferred"}
-    print(f"{'variant':42s} {'ms/step':>8s} {'vs hand':>8s}")
+    print(f"{'variant':48s} {'ms/step':>8s} {'vs hand':>8s}")
     ratios = {}
     for name, seconds in times.items():
         stage = re.search(r"stage (\d)", name)
         ratios[name] = seconds / times[baselines[stage[1] if stage else "0"]]
-        print(f"{name:42s} {seconds * 1e3:8.1f} {ratios[name]:8.3f}")
+        print(f"{name:48s} {seconds * 1e3:8.1f} {ratios[name]:8.3f}")
     print(f"\n{'stage':>5s} {'reduce every':>12s} {'accum':>5s} {'sent MB/step':>12s} {'held MB':>8s}  calls   (held: after each micro-step's backward, max)")
     for row in traffic:
         print(f"{row['stage']:5d} {str(row['reduce_every_micro_step']):>12s} {row['accumulation']:5d} "
