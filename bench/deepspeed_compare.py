@@ -18,7 +18,7 @@ Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulati
 Every variant trains its own copy; all variants alternate round by round and the slowest
 rank's time counts (median over rounds). Bytes: one optimizer step per variant counted by
 ``engine.comm_count.CommCounter`` (torch.distributed calls, DDP's hook) plus
-``engine.strategies.deepspeed.watch_deepspeed_comm`` (DeepSpeed's comm backend, which
+``CommCounter.watch_deepspeed`` (DeepSpeed's comm backend, which
 binds some torch functions at start-up): every collective is counted once, as the bytes
 one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed_compare.json.
 """
@@ -46,7 +46,6 @@ from engine.distributed import init_distributed, strip_local_rank_arg
 from engine.strategies.deepspeed import (
     _import_deepspeed,
     _quiet_stdout,
-    watch_deepspeed_comm,
 )
 
 ACCUMULATION = 4
@@ -99,7 +98,7 @@ def variants(model, data):
 def bytes_per_step(run, handle) -> tuple[float, dict]:
     """(MB one rank sends in one optimizer step, calls by kind), on a variant used for nothing else."""
     with CommCounter() as comm:
-        unwatch = watch_deepspeed_comm(comm)  # harmless for torch variants: DeepSpeed is idle
+        unwatch = comm.watch_deepspeed()  # harmless for torch variants: DeepSpeed is idle
         ddp = getattr(getattr(handle, "strategy", None), "forward_module", None)
         if hasattr(ddp, "register_comm_hook"):  # DDP's reducer bypasses torch.distributed's Python functions
             comm.watch_ddp(ddp)
@@ -154,7 +153,7 @@ def main(argv=None):
                     "AdamW (torch instance), "
                     f"fp32, no clipping, {info.world_size} ranks gloo, {args.rounds} rounds x {args.steps} steps, "
                     "median, slowest rank",
-        "bytes": "CommCounter (torch.distributed + DDP hook) + watch_deepspeed_comm (DeepSpeed's comm backend), "
+        "bytes": "CommCounter (torch.distributed + DDP hook) + CommCounter.watch_deepspeed (DeepSpeed's comm backend), "
                  "each collective once, ring-model bytes one rank sends",
         "load_average_1min": {"before": load_before[0], "after": load_after[0], "cores": os.cpu_count()},
         "variants": result})

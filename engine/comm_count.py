@@ -5,6 +5,9 @@ sent per optimizer step). It patches the ``torch.distributed`` functions that FS
 DeepSpeed and the engine call, and, for DDP, whose reducer bypasses Python, wraps the
 gradient all-reduce in a comm hook (``watch_ddp``).
 
+DeepSpeed binds some ``torch.distributed`` functions at start-up: ``watch_deepspeed`` wraps
+its comm backend instead.
+
 ``sent_bytes`` estimates what one rank puts on the wire with ring algorithms: an
 all-reduce of n bytes sends 2·n·(W-1)/W, an all-gather or reduce-scatter whose full
 buffer is n bytes sends n·(W-1)/W, a broadcast sends n·(W-1)/W on average per rank.
@@ -65,14 +68,18 @@ class CommCounter:
         self.calls[kind] += 1
         self.bytes[kind] += nbytes
 
-    def _wrap(self, original, kind: str, index: int):
+    def _wrap(self, original, kind: str, index: int, keyword: str | None = None):
+        """``original`` counting its call, once: collectives it calls in turn are not counted."""
         @functools.wraps(original)
         def counted(*args, **kwargs):
             if getattr(self._inside, "active", False):
                 return original(*args, **kwargs)
             self._inside.active = True
             try:
-                buffer = args[index] if len(args) > index else next(iter(kwargs.values()), None)
+                if len(args) > index:
+                    buffer = args[index]
+                else:
+                    buffer = kwargs.get(keyword) if keyword else next(iter(kwargs.values()), None)
                 self.record(kind, _nbytes(buffer))
                 return original(*args, **kwargs)
             finally:
@@ -105,3 +112,38 @@ class CommCounter:
                 self._inside.active = False
 
         ddp_module.register_comm_hook(None, counting_hook)
+
+    def watch_deepspeed(self):
+        """Count DeepSpeed's collectives too (with the counter entered).
+
+        DeepSpeed binds some torch.distributed functions at start-up, so patching them misses
+        calls; every DeepSpeed collective goes through its comm backend object instead, whose
+        methods are wrapped here (in the counter's convention: full-buffer bytes). Returns a
+        function that removes the wrappers."""
+        from deepspeed.comm import comm as ds_comm
+
+        backend = ds_comm.cdb
+        # method -> (kind, index of the full-buffer argument, its keyword)
+        watched = {
+            "all_reduce": ("all_reduce", 0, "tensor"), "inference_all_reduce": ("all_reduce", 0, "tensor"),
+            "all_reduce_coalesced": ("all_reduce", 0, "tensors"), "reduce": ("reduce", 0, "tensor"),
+            "broadcast": ("broadcast", 0, "tensor"),
+            "all_gather": ("all_gather", 0, "tensor_list"), "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+            "all_gather_base": ("all_gather", 0, "output_tensor"),
+            "all_gather_coalesced": ("all_gather", 0, "output_tensors"),
+            "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+            "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor"),
+            "all_to_all_single": ("all_to_all", 1, "input"), "all_to_all": ("all_to_all", 1, "input_tensor_list"),
+        }
+        originals = {}
+        for name, (kind, index, keyword) in watched.items():
+            original = getattr(backend, name, None)
+            if original is not None:
+                originals[name] = original
+                setattr(backend, name, self._wrap(original, kind, index, keyword))
+
+        def unwatch():
+            for name in originals:
+                delattr(backend, name)  # the instance attribute: the class method shows again
+
+        return unwatch

@@ -105,3 +105,24 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 def state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rank_slice(batch, plan):
+    """This rank's contiguous share of a global batch (what DistributedBatches hands out)."""
+    sizes = plan.per_device_batch_sizes
+    start = sum(sizes[:plan.rank])
+    size = sizes[plan.rank]
+    if isinstance(batch, dict):
+        return {k: v[start:start + size] for k, v in batch.items()}
+    return tuple(t[start:start + size] for t in batch)
+
+
+def train_steps(eng, data, steps: int, loss_fn=mse) -> None:
+    """``steps`` optimizer steps of ``train_batch`` on ``data`` (re-iterated across epochs)."""
+    done = 0
+    while done < steps:
+        for batch in data:
+            eng.train_batch(batch, loss_fn)
+            done += 1
+            if done == steps:
+                return

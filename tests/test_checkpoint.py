@@ -17,7 +17,7 @@ import engine
 from engine.checkpoint import MANIFEST, CheckpointError
 from engine.data import DistributedBatches
 from tests.dist_utils import run_distributed
-from tests.reference import mlp, mse
+from tests.reference import mlp, mse, train_steps
 
 STAGES = [0, 1, 2, 3]
 GLOBAL_BATCH, STEPS, FIRST_PART = 8, 5, 2
@@ -43,14 +43,6 @@ def new_engine(stage, seed=0):
     return eng, DistributedBatches(dataset(), eng.plan, seed=11)
 
 
-def train(eng, data, steps):
-    done = 0
-    while done < steps:
-        for batch in data:
-            eng.train_batch(batch, mse)
-            done += 1
-            if done == steps:
-                break
 
 
 def optimizer_state(eng) -> dict:
@@ -99,10 +91,10 @@ def _straight_and_first_part(rank, world, root):
     results = {}
     for stage in STAGES:
         eng, data = new_engine(stage)
-        train(eng, data, STEPS)
+        train_steps(eng, data, STEPS)
         straight = snapshot(eng, data)
         eng, data = new_engine(stage)
-        train(eng, data, FIRST_PART)
+        train_steps(eng, data, FIRST_PART)
         eng.save_checkpoint(os.path.join(root, f"stage{stage}"), data=data,
                             client_state={"note": f"stage {stage}", "rank": rank})
         results[stage] = straight
@@ -115,7 +107,7 @@ def _resume(rank, world, root):
         eng, data = new_engine(stage, seed=99)  # another initialisation: the load must replace it
         client = eng.load_checkpoint(os.path.join(root, f"stage{stage}"), data=data)
         assert client == {"note": f"stage {stage}", "rank": 0}
-        train(eng, data, STEPS - FIRST_PART)
+        train_steps(eng, data, STEPS - FIRST_PART)
         results[stage] = snapshot(eng, data)
     return results
 
@@ -151,7 +143,7 @@ def test_resume_two_ranks_on_one_process(two_rank_runs, stage):
     eng, data = new_engine(stage, seed=99)
     assert eng.world_size == 1 and eng.plan.gradient_accumulation_steps == 4
     eng.load_checkpoint(os.path.join(root, f"stage{stage}"), data=data)
-    train(eng, data, STEPS - FIRST_PART)
+    train_steps(eng, data, STEPS - FIRST_PART)
     got, expected = snapshot(eng, data), straight[0][stage]
     assert expected["accumulation"] == 2 and got["accumulation"] == 4
     assert_same_run(got, expected, 1e-10, same_world=False)
@@ -163,7 +155,7 @@ def test_resume_two_ranks_on_one_process(two_rank_runs, stage):
 def _save_on_one_load_on_two(rank, world, path):
     eng, data = new_engine(stage=1, seed=99)
     eng.load_checkpoint(path, data=data)
-    train(eng, data, STEPS - FIRST_PART)
+    train_steps(eng, data, STEPS - FIRST_PART)
     return snapshot(eng, data)
 
 
@@ -173,9 +165,9 @@ def test_resume_one_process_on_two_ranks_zero1(tmp_path):
     """1 -> 2: the ZeRO-1 ranks each pick their parameters' state from a full one; rank 1
     did not exist, so its generators are re-seeded."""
     eng, data = new_engine(stage=0)
-    train(eng, data, FIRST_PART)
+    train_steps(eng, data, FIRST_PART)
     eng.save_checkpoint(tmp_path / "one", data=data)
-    train(eng, data, STEPS - FIRST_PART)
+    train_steps(eng, data, STEPS - FIRST_PART)
     expected = snapshot(eng, data)
     results = run_distributed(_save_on_one_load_on_two, world_size=2, args=(str(tmp_path / "one"),), timeout=90)
     for got in results:
@@ -193,7 +185,7 @@ def _failures_agree(rank, world, path):
         wrong.load_checkpoint(path)
     out["mismatch"] = str(mismatch.value)
     eng, data = new_engine(stage=2)
-    train(eng, data, 3)
+    train_steps(eng, data, 3)
     real_save = torch.save
 
     def disk_full(*args, **kwargs):
@@ -243,12 +235,12 @@ def randoms():
 
 def test_round_trip_with_loss_scaler_and_rng(tmp_path):
     eng, data = fp16_engine()
-    train(eng, data, 4)
+    train_steps(eng, data, 4)
     path = eng.save_checkpoint(tmp_path / "fp16", data=data, client_state={"epoch": 7, "t": torch.ones(2)})
     assert path == str(tmp_path / "fp16")
     scaler_state = eng.strategy.precision.scaler.state_dict()
     assert eng.skipped_steps > 0, "the test wants fp16 overflows in the saved history"
-    train(eng, data, 2)
+    train_steps(eng, data, 2)
     expected = snapshot(eng, data), eng.strategy.precision.scaler.state_dict(), randoms()
 
     torch.manual_seed(123)
@@ -258,7 +250,7 @@ def test_round_trip_with_loss_scaler_and_rng(tmp_path):
     client = fresh.load_checkpoint(tmp_path / "fp16", data=fresh_data)
     assert client["epoch"] == 7 and torch.equal(client["t"], torch.ones(2))
     assert fresh.strategy.precision.scaler.state_dict() == scaler_state
-    train(fresh, fresh_data, 2)
+    train_steps(fresh, fresh_data, 2)
     got = snapshot(fresh, fresh_data), fresh.strategy.precision.scaler.state_dict(), randoms()
     assert_same_run(got[0], expected[0], 0.0)
     assert torch.equal(got[0]["rand"], expected[0]["rand"])
@@ -269,7 +261,7 @@ def test_round_trip_with_loss_scaler_and_rng(tmp_path):
 
 def test_manifest_and_layout(tmp_path):
     eng, data = new_engine(stage=0)
-    train(eng, data, 1)
+    train_steps(eng, data, 1)
     eng.save_checkpoint(tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / MANIFEST).read_text())
     assert manifest["version"] == 1 and manifest["global_steps"] == 1 and manifest["world_size"] == 1
@@ -292,7 +284,7 @@ def test_save_and_load_only_at_a_boundary(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     eng, data = new_engine(stage=0)
-    train(eng, data, 2)
+    train_steps(eng, data, 2)
     eng.save_checkpoint(tmp_path / "c", data=data)
     return tmp_path / "c"
 
@@ -350,7 +342,7 @@ def test_foreign_checkpoints_are_refused_clearly(saved):
 
 def test_crash_during_save_keeps_the_previous_checkpoint(saved, monkeypatch):
     eng, data = new_engine(stage=0)
-    train(eng, data, 3)
+    train_steps(eng, data, 3)
 
     def crash(*args, **kwargs):
         raise OSError("disk full (simulated)")
@@ -372,7 +364,7 @@ def test_leftovers_of_a_killed_save_are_ignored_then_cleaned(saved):
     eng, data = new_engine(stage=0)
     eng.load_checkpoint(saved, data=data)
     assert eng.global_steps == 2
-    train(eng, data, 1)
+    train_steps(eng, data, 1)
     eng.save_checkpoint(saved, data=data)  # replaces the old checkpoint, sweeps the leftover
     assert sorted(os.listdir(parent)) == ["c"]
     fresh, _ = new_engine(stage=0)
@@ -420,6 +412,6 @@ def test_save_before_any_step_does_not_touch_the_optimizer(tmp_path, stage):
     reference, ref_data = new_engine(stage)
     resumed, res_data = new_engine(stage, seed=99)
     resumed.load_checkpoint(tmp_path / "zero", data=res_data)
-    train(reference, ref_data, 2)
-    train(resumed, res_data, 2)
+    train_steps(reference, ref_data, 2)
+    train_steps(resumed, res_data, 2)
     assert_same_run(snapshot(resumed, res_data), snapshot(reference, ref_data), 0.0)

@@ -31,18 +31,20 @@ from engine.strategies.deepspeed import deepspeed_config, unsupported
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.oom_models import tripwire_mlp
 from tests.reference import (
-    TinyLM,
     adamw,
     max_param_diff,
     mlp,
     mse,
+    rank_slice,
     reference_train,
     regression_batches,
     sgd,
     state,
+    TinyLM,
     token_batches,
     token_loss_mean,
     token_loss_sum,
+    train_steps,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,13 +82,6 @@ def reference(model, batches, loss_fn=mse, optimizer=sgd, **kwargs):
     return state(reference_train(copy.deepcopy(model).double(), doubled(batches), loss_fn, optimizer, **kwargs))
 
 
-def rank_slice(batch, plan):
-    sizes = plan.per_device_batch_sizes
-    start = sum(sizes[:plan.rank])
-    size = sizes[plan.rank]
-    if isinstance(batch, dict):
-        return {k: v[start:start + size] for k, v in batch.items()}
-    return tuple(t[start:start + size] for t in batch)
 
 
 def flat(state_dict) -> torch.Tensor:
@@ -207,14 +202,13 @@ def clipped_with_scheduler(rank, world, backend, stage):
 
 def collectives(rank, world, stage, reduce_every=False):
     """Collectives per micro-step of a manual-loop window of 4, counted at DeepSpeed's comm layer."""
-    from engine.strategies.deepspeed import watch_deepspeed_comm
 
     model, (batch,) = mlp(dtype=F32), regression_batches(1, 16, dtype=F32)
     eng = make_engine(copy.deepcopy(model), "deepspeed", stage, 16, 2,
                       zero_extra={"reduce_every_micro_step": reduce_every})
     per_micro_step = []
     with CommCounter() as comm:
-        unwatch = watch_deepspeed_comm(comm)
+        unwatch = comm.watch_deepspeed()
         try:
             for micro_batch in split_batch(rank_slice(batch, eng.plan), eng.plan.micro_batch_sizes):
                 comm.reset()
@@ -486,14 +480,6 @@ def ckpt_engine(stage, seed=0):
     return eng, DistributedBatches(ckpt_dataset(), eng.plan, seed=11)
 
 
-def ckpt_train(eng, data, steps):
-    done = 0
-    while done < steps:
-        for batch in data:
-            eng.train_batch(batch, mse)
-            done += 1
-            if done == steps:
-                return
 
 
 def ckpt_snapshot(eng, data):
@@ -508,14 +494,14 @@ def save_continue_resume(rank, world, root):
     for stage in STAGES:
         path = os.path.join(root, f"stage{stage}")
         eng, data = ckpt_engine(stage)
-        ckpt_train(eng, data, CKPT_FIRST)
+        train_steps(eng, data, CKPT_FIRST)
         eng.save_checkpoint(path, data=data, client_state={"note": stage})
-        ckpt_train(eng, data, CKPT_STEPS - CKPT_FIRST)
+        train_steps(eng, data, CKPT_STEPS - CKPT_FIRST)
         straight = ckpt_snapshot(eng, data)
         eng.close()
         eng, data = ckpt_engine(stage, seed=99)
         client = eng.load_checkpoint(path, data=data)
-        ckpt_train(eng, data, CKPT_STEPS - CKPT_FIRST)
+        train_steps(eng, data, CKPT_STEPS - CKPT_FIRST)
         out[stage] = {"straight": straight, "resumed": ckpt_snapshot(eng, data), "client": client}
         eng.close()
     return out
@@ -530,7 +516,7 @@ def resume_on_one_rank(rank, world, root):
         except CheckpointError as error:
             out[stage] = str(error)
         else:
-            ckpt_train(eng, data, CKPT_STEPS - CKPT_FIRST)
+            train_steps(eng, data, CKPT_STEPS - CKPT_FIRST)
             out[stage] = ckpt_snapshot(eng, data)
         eng.close()
     wrong_stage, _ = ckpt_engine(1)
@@ -539,9 +525,9 @@ def resume_on_one_rank(rank, world, root):
     out["wrong stage"] = str(error.value)
     for stage in (0, 3):  # saved on one rank, resumed on two (test_checkpoint_resumes_on_more_ranks)
         eng, data = ckpt_engine(stage)
-        ckpt_train(eng, data, CKPT_FIRST)
+        train_steps(eng, data, CKPT_FIRST)
         eng.save_checkpoint(os.path.join(root, f"one{stage}"), data=data)
-        ckpt_train(eng, data, CKPT_STEPS - CKPT_FIRST)
+        train_steps(eng, data, CKPT_STEPS - CKPT_FIRST)
         out[f"one{stage}"] = ckpt_snapshot(eng, data)
         eng.close()
     torch_engine = engine.initialize(mlp(dtype=F32), {**ckpt_config(2), "backend": "torch"})
@@ -556,7 +542,7 @@ def resume_on_two_ranks(rank, world, root):
     for stage in (0, 3):
         eng, data = ckpt_engine(stage, seed=99)
         eng.load_checkpoint(os.path.join(root, f"one{stage}"), data=data)
-        ckpt_train(eng, data, CKPT_STEPS - CKPT_FIRST)
+        train_steps(eng, data, CKPT_STEPS - CKPT_FIRST)
         out[stage] = ckpt_snapshot(eng, data)
         eng.close()
     return out

@@ -12,7 +12,7 @@ from engine.comm_count import CommCounter
 from engine.microbatch import split_batch
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import (
-    TinyLM, adamw, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state,
+    TinyLM, adamw, max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state,
     token_batches, token_loss_mean, token_loss_sum,
 )
 
@@ -26,14 +26,6 @@ def make_engine(model, stage, global_batch, micro, split="strict", optimizer=ada
     return engine.initialize(model, config, optimizer=optimizer)
 
 
-def rank_slice(batch, plan):
-    """This rank's contiguous share of a global batch (what DistributedBatches hands out)."""
-    sizes = plan.per_device_batch_sizes
-    start = sum(sizes[:plan.rank])
-    size = sizes[plan.rank]
-    if isinstance(batch, dict):
-        return {k: v[start:start + size] for k, v in batch.items()}
-    return tuple(t[start:start + size] for t in batch)
 
 
 def flat_params(eng) -> torch.Tensor:

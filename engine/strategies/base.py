@@ -68,12 +68,18 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None: ...
 
+    group = None  # process group of the strategy's gradient collectives (None: the default)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a small tensor over ranks (window statistics)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Maximum of a small tensor over ranks."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
     @abstractmethod
@@ -109,7 +115,9 @@ class Strategy(ABC):
         """Every rank calls this once per window attempt (a rank that raised PeerFailure from a
         guard already has) with its failure: 0 none, ``OUT_OF_MEMORY`` or ``OTHER_ERROR``.
         Returns {rank: failure} of the ranks that failed, the same everywhere."""
-        return {self.rank: failure} if failure else {}
+        if self.world_size == 1:
+            return {self.rank: failure} if failure else {}
+        return failure_vote(failure, self.rank, self.world_size, self.device, self.group)
 
     def discard_window(self) -> None:
         """Forget a window abandoned mid-way: its gradients and any half-done reduction."""
@@ -119,8 +127,6 @@ class Strategy(ABC):
 class TorchStrategy(Strategy):
     """Shared boundary logic of the strategies built on PyTorch's own machinery: a dynamic
     loss scaler from ``engine.precision`` and clipping by the global gradient norm."""
-
-    group = None  # process group of the strategy's gradient collectives (None: the default)
 
     def __init__(self, precision: Precision, device: torch.device):
         self.precision = precision
@@ -162,21 +168,6 @@ class TorchStrategy(Strategy):
         torch_checkpoint.load_training_state(self.module, self.optimizer, directory)
 
     # -- shared boundary logic ----------------------------------------------------------
-    def all_reduce_sum(self, tensor):
-        if self.world_size > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def all_reduce_max(self, tensor):
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor
-
-    def agree_on_failures(self, failure):
-        if self.world_size == 1:
-            return super().agree_on_failures(failure)
-        return failure_vote(failure, self.rank, self.world_size, self.device, self.group)
-
     def _any_rank(self, flag: torch.Tensor) -> bool:
         if self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

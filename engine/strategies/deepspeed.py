@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError
-from engine.strategies.base import StepResult, Strategy, failure_vote
+from engine.strategies.base import StepResult, Strategy
 
 log = logging.getLogger("engine")
 
@@ -256,17 +256,6 @@ class DeepSpeedStrategy(Strategy):
     def zero_grad(self):
         pass  # DeepSpeed clears gradients inside step()
 
-    # -- collectives for the engine's statistics ------------------------------------------------
-    def all_reduce_sum(self, tensor):
-        if self.world_size > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def all_reduce_max(self, tensor):
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor
-
     # -- surviving a failed micro-step ------------------------------------------------------------
     def enable_failure_guard(self):
         # Stages 0-2 without reduce_every_micro_step issue no collective inside a window once
@@ -275,11 +264,6 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError([("backend deepspeed: an automatic micro-batch size needs ZeRO stage 0, 1 or 2 "
                                 "without reduce_every_micro_step (see engine.strategies.deepspeed.unsupported)")])
         self._defer_reduction = True
-
-    def agree_on_failures(self, failed):
-        if self.world_size == 1:
-            return super().agree_on_failures(failed)
-        return failure_vote(failed, self.rank, self.world_size, self.device)
 
     def discard_window(self):
         """Forget this rank's gradients of the window in progress, without any collective (a
@@ -414,64 +398,6 @@ def _to_universal(source: str, target: str) -> None:
     args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     ds_to_universal.main(args)
-
-
-def watch_deepspeed_comm(counter):
-    """Count DeepSpeed's collectives into an ``engine.comm_count.CommCounter`` (entered).
-
-    DeepSpeed binds some torch.distributed functions at start-up, so patching them misses
-    calls; every DeepSpeed collective goes through its comm backend object instead, whose
-    methods are wrapped here (in the counter's convention: full-buffer bytes). Returns a
-    function that removes the wrappers."""
-    from deepspeed.comm import comm as ds_comm
-
-    backend = ds_comm.cdb
-    # method -> (kind, index of the full-buffer argument, its keyword)
-    watched = {
-        "all_reduce": ("all_reduce", 0, "tensor"), "inference_all_reduce": ("all_reduce", 0, "tensor"),
-        "all_reduce_coalesced": ("all_reduce", 0, "tensors"), "reduce": ("reduce", 0, "tensor"),
-        "broadcast": ("broadcast", 0, "tensor"),
-        "all_gather": ("all_gather", 0, "tensor_list"), "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-        "all_gather_base": ("all_gather", 0, "output_tensor"),
-        "all_gather_coalesced": ("all_gather", 0, "output_tensors"),
-        "reduce_scatter": ("reduce_scatter", 1, "input_list"),
-        "reduce_scatter_tensor": ("reduce_scatter", 1, "input_tensor"),
-        "all_to_all_single": ("all_to_all", 1, "input"), "all_to_all": ("all_to_all", 1, "input_tensor_list"),
-    }
-    originals = {}
-
-    def wrap(original, kind, index, keyword):
-        def counted(*args, **kwargs):
-            if getattr(counter._inside, "active", False):
-                return original(*args, **kwargs)
-            buffer = args[index] if len(args) > index else kwargs.get(keyword)
-            counter.record(kind, _nbytes(buffer))
-            counter._inside.active = True  # the torch.distributed call underneath counts once
-            try:
-                return original(*args, **kwargs)
-            finally:
-                counter._inside.active = False
-        return counted
-
-    for name, (kind, index, keyword) in watched.items():
-        original = getattr(backend, name, None)
-        if original is not None:
-            originals[name] = original
-            setattr(backend, name, wrap(original, kind, index, keyword))
-
-    def unwatch():
-        for name in originals:
-            delattr(backend, name)  # the instance attribute: the class method shows again
-
-    return unwatch
-
-
-def _nbytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
 
 
 def _cast_floating(tree, dtype):
