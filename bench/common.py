@@ -6,6 +6,7 @@ noise hits them alike, and each variant's per-step time is the median over round
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -36,6 +37,32 @@ def batch(size: int, width: int = 1024, seed: int = 1):
 def mse(model, micro_batch):
     x, y = micro_batch
     return torch.nn.functional.mse_loss(model(x), y)
+
+
+GLOBAL_BATCH = 64
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def start_ranks(description: str, rounds: int, argv=None):
+    """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``), the process
+    group, one thread per rank, and the workload: (args, dist info, model, this rank's share
+    of the global batch)."""
+    from engine.distributed import init_distributed, strip_local_rank_arg
+
+    strip_local_rank_arg(argv)
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    info = init_distributed()
+    torch.set_num_threads(1)
+    x, y = batch(GLOBAL_BATCH)
+    share = GLOBAL_BATCH // info.world_size
+    data = x[info.rank * share:(info.rank + 1) * share], y[info.rank * share:(info.rank + 1) * share]
+    return args, info, mlp(), data
 
 
 def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2,

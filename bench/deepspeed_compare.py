@@ -25,7 +25,6 @@ one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -35,14 +34,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import interleaved, mlp, mse, save
-from bench.distributed import GLOBAL_BATCH, adamw, local_batch
+from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
 from engine.comm_count import CommCounter
-from engine.distributed import init_distributed, strip_local_rank_arg
 from engine.strategies.deepspeed import (
     _import_deepspeed,
     _quiet_stdout,
@@ -117,15 +113,8 @@ def close(rows) -> None:
 
 
 def main(argv=None):
-    strip_local_rank_arg(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args(argv)
-    info = init_distributed()
-    torch.set_num_threads(1)
+    args, info, model, data = start_ranks(__doc__.splitlines()[0], rounds=6, argv=argv)
     load_before = os.getloadavg()
-    model, data = mlp(), local_batch(info.rank, info.world_size)
 
     counted = variants(model, data)
     traffic = {name: bytes_per_step(run, handle) for name, (_, run, handle) in counted.items()}

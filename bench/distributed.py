@@ -10,7 +10,6 @@ rank's time counts. Results: bench/results/distributed.json (rank 0 prints a tab
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,22 +25,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import engine
-from bench.common import batch, interleaved, mlp, mse, save
+from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
 from engine.comm_count import CommCounter
-from engine.distributed import init_distributed, strip_local_rank_arg
-
-GLOBAL_BATCH = 64
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4)
-
-
-def local_batch(rank, world):
-    x, y = batch(GLOBAL_BATCH)
-    share = GLOBAL_BATCH // world
-    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-
 
 # -- hand-written baselines -------------------------------------------------------------------
 def hand_ddp(model, data, accumulation):
@@ -185,14 +170,7 @@ def traffic_and_memory(model, data):
 
 
 def main(argv=None):
-    strip_local_rank_arg(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args(argv)
-    info = init_distributed()
-    torch.set_num_threads(1)
-    model, data = mlp(), local_batch(info.rank, info.world_size)
+    args, info, model, data = start_ranks(__doc__.splitlines()[0], rounds=8, argv=argv)
 
     traffic = traffic_and_memory(model, data)
     times = interleaved(variants(model, data), args.rounds, args.steps, warmup=1, distributed=True)

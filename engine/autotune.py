@@ -93,7 +93,7 @@ class MemoryMeter:
 
     def __init__(self, strategy):
         self.strategy = strategy
-        self.device = getattr(strategy, "device", torch.device("cpu"))
+        self.device = strategy.device
         self.peak = 0
 
     @contextlib.contextmanager

@@ -116,13 +116,13 @@ def _write_local_files(engine, tmp: Path, data, client_state) -> None:
 
 
 def _engine_state(engine, data_state, client_state) -> dict:
-    scaler = _loss_scaler(engine)
+    scaler = engine.strategy.loss_scaler
     plan = engine.plan
     return {
         "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
         "plan": dataclasses.asdict(plan.for_rank(0)),
         "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
-        "micro_batch_tuner": _state_of(getattr(engine, "micro_batch_tuner", None)),
+        "micro_batch_tuner": _state_of(engine.micro_batch_tuner),
         "world_size": engine.world_size,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -141,7 +141,7 @@ def _write_manifest(engine, tmp: Path) -> None:
         "global_samples": engine.global_samples,
         "world_size": engine.world_size,
         "train_batch_size": engine.plan.train_batch_size,
-        "strategy": getattr(engine.strategy, "name", type(engine.strategy).__name__),
+        "strategy": engine.strategy.name,
         "state_format": engine.strategy.checkpoint_format,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -312,18 +312,17 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
         raise CheckpointError(
             f"{target} holds model/optimizer state in the {manifest['state_format']!r} layout "
             f"(strategy {manifest['strategy']}); this engine's strategy "
-            f"{getattr(engine.strategy, 'name', '?')} reads {fmt!r}")
+            f"{engine.strategy.name} reads {fmt!r}")
 
 
 def _restore_engine(engine, saved: dict, manifest: dict) -> None:
     for name in COUNTERS:
         setattr(engine, name, saved["counters"][name])
     _restore_optional(engine.lr_scheduler, saved["lr_scheduler"], "lr scheduler")
-    _restore_optional(_loss_scaler(engine), saved["loss_scaler"], "fp16 loss scaler")
+    _restore_optional(engine.strategy.loss_scaler, saved["loss_scaler"], "fp16 loss scaler")
     _restore_micro_batch(engine, saved["micro_batch"])
-    tuner = getattr(engine, "micro_batch_tuner", None)
-    if saved.get("micro_batch_tuner") is not None and hasattr(tuner, "load_state_dict"):
-        tuner.load_state_dict(saved["micro_batch_tuner"])
+    if saved.get("micro_batch_tuner") is not None and engine.micro_batch_tuner is not None:
+        engine.micro_batch_tuner.load_state_dict(saved["micro_batch_tuner"])
     old_plan, plan = saved["plan"], engine.plan
     if manifest["world_size"] != engine.world_size:
         log.info("resuming a checkpoint of %d rank(s) on %d: global batch %d unchanged, gradient "
@@ -418,10 +417,6 @@ def _require_boundary(engine, what: str) -> None:
 def _state_of(obj):
     """``obj.state_dict()`` for objects that have one (e.g. the micro-batch tuner)."""
     return obj.state_dict() if hasattr(obj, "state_dict") else None
-
-
-def _loss_scaler(engine):
-    return getattr(getattr(engine.strategy, "precision", None), "scaler", None)
 
 
 def _agreed_token(target: Path) -> str:

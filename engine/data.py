@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import default_collate
 
+from engine.batch_plan import split_evenly
+
 
 class DistributedBatches:
     """Iterable over this rank's per-device batches, one per optimizer step.
@@ -110,10 +112,7 @@ class DistributedBatches:
         """Every rank's number of samples at ``step`` (differs only in a short last batch)."""
         self._check_step(step)
         n = min(self.train_batch_size, self.dataset_size - step * self.train_batch_size)
-        if n == self.train_batch_size:
-            return self.per_device_batch_sizes
-        base, extra = divmod(n, self.world_size)
-        return tuple(base + (1 if r < extra else 0) for r in range(self.world_size))
+        return split_evenly(n, self.world_size)  # the plan's own rule: first ranks get the extra
 
     def rank_indices(self, epoch: int, step: int, rank: int | None = None) -> list[int]:
         """The dataset indices ``rank`` (default: this rank) takes at ``step`` of ``epoch``."""

@@ -187,7 +187,7 @@ class Engine:
         window = self._window
         fewest, most = window.micro_steps, window.micro_steps
         if self.world_size > 1:  # one tiny collective: flushes are rare
-            counts = self.strategy.all_reduce_max(torch.tensor([-fewest, most], device=self._stats_device))
+            counts = self.strategy.all_reduce_max(torch.tensor([-fewest, most], device=self.strategy.device))
             fewest, most = -int(counts[0]), int(counts[1])
         if most == 0:
             return False
@@ -232,7 +232,6 @@ class Engine:
         self._close_window()
         return float(self.last_window.loss)
 
-    @torch.no_grad()
     def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
         """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
         over every rank's batch, per sample or per item like ``train_batch``."""
@@ -261,10 +260,6 @@ class Engine:
         self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
-    @property
-    def _stats_device(self) -> torch.device:
-        return getattr(self.strategy, "device", torch.device("cpu"))
-
     def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
@@ -296,7 +291,7 @@ class Engine:
         size = batch_size(batch)
         # Every rank runs the same number of forwards (sharded models gather parameters in
         # each); a rank with fewer samples repeats its last micro-batch with weight 0.
-        counts = self.strategy.all_reduce_max(torch.tensor([-(-size // micro), -size], device=self._stats_device))
+        counts = self.strategy.all_reduce_max(torch.tensor([-(-size // micro), -size], device=self.strategy.device))
         parts, fewest = int(counts[0]), -int(counts[1])
         if fewest == 0:
             raise EngineUsageError("eval_batch(): some rank got an empty batch; every rank needs at least one sample")
@@ -320,7 +315,7 @@ class Engine:
         finally:
             self.module.train(was_training)
             self.strategy.release_gathered_parameters()
-        stats = self.strategy.all_reduce_sum(total.to(self._stats_device))
+        stats = self.strategy.all_reduce_sum(total.to(self.strategy.device))
         return float(stats[0] / stats[1])
 
     def _split_for_window(self, batch):
@@ -395,8 +390,7 @@ class Engine:
             samples = plan.window_samples(window.micro_steps)
             loss, units = window.loss_total() / window.samples, samples
         target = plan.train_batch_size
-        groups = getattr(self.optimizer, "param_groups", None)
-        lr = float(groups[0]["lr"]) if groups else None
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         if window.item_weighted and float(units) == 0:
             # Nothing to average (every label ignored): a step would divide by zero.
             result = StepResult(applied=False)
@@ -429,7 +423,7 @@ class Engine:
 
     def _global_window_stats(self, window: _Window):
         """(mean loss, units, samples) of the window over every rank: one small all-reduce."""
-        device = self._stats_device
+        device = self.strategy.device
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
                              for value in (window.loss_total(), window.units(), float(window.samples))])
         stats = self.strategy.all_reduce_sum(stats)

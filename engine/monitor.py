@@ -153,7 +153,7 @@ class Monitor:
             "step_time": interval / steps,
             "micro_batch_size": eng.plan.train_micro_batch_size_per_gpu,
             "accumulation_steps": eng.plan.gradient_accumulation_steps,
-            "peak_memory_mb": peak_memory_mb(getattr(eng.strategy, "device", None)),
+            "peak_memory_mb": peak_memory_mb(eng.strategy.device),
             "skipped": not applied,
             "skipped_steps": eng.skipped_steps,
             "elapsed": now - self._start,

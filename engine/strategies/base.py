@@ -32,8 +32,11 @@ class StepResult:
 class Strategy(ABC):
     """One way of holding a model. Subclasses: one file each in ``engine/strategies``."""
 
+    name: str  # short name recorded in checkpoints ("ddp", "fsdp", ...)
     rank: int = 0
     world_size: int = 1
+    device: torch.device = torch.device("cpu")  # where the model and small collectives live
+    loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
 
     @abstractmethod
     def setup(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -135,6 +138,10 @@ class TorchStrategy(Strategy):
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
 
+    @property
+    def loss_scaler(self):
+        return self.precision.scaler
+
     def forward(self, *args, **kwargs):
         with self.precision.autocast():
             return self.forward_module(*args, **kwargs)
@@ -168,16 +175,11 @@ class TorchStrategy(Strategy):
         torch_checkpoint.load_training_state(self.module, self.optimizer, directory)
 
     # -- shared boundary logic ----------------------------------------------------------
-    def _any_rank(self, flag: torch.Tensor) -> bool:
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def step(self, multiplier, max_norm, want_norm=False):
         grads = self.local_gradients()
         scaler = self.precision.scaler
         if scaler is not None:
-            overflow = self._any_rank(scaler.unscale_(grads, multiplier))
+            overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier)).item())
             scaler.update(overflow)
             if overflow:
                 return StepResult(applied=False)
@@ -196,13 +198,9 @@ class TorchStrategy(Strategy):
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of the whole gradient, identical on every rank."""
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            squares = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
-        else:
-            squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        squares = sum_of_squares(grads, self.device)
         if self.gradients_are_sharded():
-            squares = self.all_reduce_sum(squares.to(self.device))
+            squares = self.all_reduce_sum(squares)
         return squares.sqrt()
 
 
@@ -223,6 +221,14 @@ def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -
     votes[rank] = int(failure)
     dist.all_reduce(votes, group=group)
     return {r: int(votes[r]) for r in torch.nonzero(votes).flatten().tolist()}
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ of the squared elements of ``tensors``, a float64 scalar on ``device``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.to(torch.float64) for n in norms]).square().sum().to(device)
 
 
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, strategy: TorchStrategy) -> torch.Tensor:

@@ -42,6 +42,17 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
             tensor.copy_(reduced)
 
 
+@torch.no_grad()
+def broadcast_(tensors: list[torch.Tensor], src: int) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket."""
+    for bucket in buckets(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        dist.broadcast(flat, src=src)
+        if dist.get_rank() != src:
+            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(value)
+
+
 class DataParallel(TorchStrategy):
     name = "ddp"
 

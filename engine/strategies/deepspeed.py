@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError
-from engine.strategies.base import StepResult, Strategy
+from engine.strategies.base import StepResult, Strategy, sum_of_squares
 
 log = logging.getLogger("engine")
 
@@ -237,7 +237,7 @@ class DeepSpeedStrategy(Strategy):
             if factor != 1.0 and grads:
                 torch._foreach_mul_(grads, factor)
             if wants_norm:  # DeepSpeed computes it at stage 0 but does not expose it
-                norm = _norm(grads) / _loss_scale(self.engine.optimizer)
+                norm = sum_of_squares(grads, self.device).sqrt() / _loss_scale(self.engine.optimizer)
             self.engine.step()
         else:
             scaler = self.engine.optimizer
@@ -374,12 +374,6 @@ class DeepSpeedStrategy(Strategy):
             self.discard_window()
             self._close_block()  # no gradient left: its flush reduces nothing
         self.engine.destroy()
-
-
-def _norm(grads) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack([n.double() for n in torch._foreach_norm(grads, 2.0)]).square().sum().sqrt()
 
 
 def _loss_scale(optimizer) -> float:

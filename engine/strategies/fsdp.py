@@ -17,13 +17,12 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from engine.strategies.base import PeerFailure, TorchStrategy, failure_vote
-from engine.strategies.ddp import buckets
+from engine.strategies.ddp import broadcast_
 
 
 def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,15 +34,6 @@ def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
             units += [child for child in container if any(True for _ in child.parameters())]
     return [m for m in reversed(units) if m is not module]
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(module: torch.nn.Module) -> None:
-    for bucket in buckets([t for t in (*module.parameters(), *module.buffers())]):
-        flat = _flatten_dense_tensors(bucket)
-        dist.broadcast(flat, src=0)
-        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            tensor.copy_(value)
 
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
@@ -97,7 +87,7 @@ class FullyShardedDataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         module = module.to(self.device)
-        _broadcast_from_rank0(module)  # as DDP does: every rank starts from rank 0's model
+        broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
         names = {id(p): name for name, p in module.named_parameters()}
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         reshard_after_forward = self.stage == 3

@@ -9,10 +9,8 @@ owner broadcasts its updated parameters.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from engine.strategies.ddp import DataParallel, buckets
+from engine.strategies.ddp import DataParallel, broadcast_
 
 
 def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
@@ -33,18 +31,12 @@ class ShardedOptimizerDataParallel(DataParallel):
         super().setup(module, optimizer)
         params = [p for p in self.module.parameters() if p.requires_grad]
         owners = partition(params, self.world_size)
-        self.owner_of = {id(p): r for p, r in zip(params, owners)}
+        owner_of = {id(p): r for p, r in zip(params, owners)}
         self.params_by_owner = [[p for p, r in zip(params, owners) if r == rank] for rank in range(self.world_size)]
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if self.owner_of.get(id(p)) == self.rank]
+            group["params"] = [p for p in group["params"] if owner_of.get(id(p)) == self.rank]
 
     def optimizer_step(self):
         self.optimizer.step()
-        with torch.no_grad():
-            for owner, params in enumerate(self.params_by_owner):
-                for bucket in buckets(params):
-                    flat = _flatten_dense_tensors(bucket)
-                    dist.broadcast(flat, src=owner)
-                    if owner != self.rank:
-                        for param, updated in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                            param.copy_(updated)
+        for owner, params in enumerate(self.params_by_owner):
+            broadcast_(params, src=owner)
