@@ -162,8 +162,9 @@ class MicroBatchTuner:
         self.eval_micro_batch_size = state["eval_micro_batch_size"]
 
     # -- training -----------------------------------------------------------------------
-    def run_window(self, eng, batch, loss_fn) -> None:
+    def run_window(self, batch, loss_fn) -> None:
         """Forward and backward of a whole window, shrinking the micro size until it fits."""
+        eng = self.engine
         if self.pending_explore:
             self.explore(batch, loss_fn)
         metered = self._metered(loss_fn)
@@ -175,7 +176,8 @@ class MicroBatchTuner:
                 eng._discard_window()
                 self._shrink(failure)
 
-    def run_eval(self, eng, batch, loss_fn) -> float:
+    def run_eval(self, batch, loss_fn) -> float:
+        eng = self.engine
         micro = self.eval_micro_batch_size or eng.plan.train_micro_batch_size_per_gpu
         while True:
             try:

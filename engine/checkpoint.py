@@ -116,7 +116,6 @@ def _write_local_files(engine, tmp: Path, data, client_state) -> None:
 
 
 def _engine_state(engine, data_state, client_state) -> dict:
-    scaler = engine.strategy.loss_scaler
     plan = engine.plan
     return {
         "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
@@ -124,8 +123,8 @@ def _engine_state(engine, data_state, client_state) -> dict:
         "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
         "micro_batch_tuner": _state_of(engine.micro_batch_tuner),
         "world_size": engine.world_size,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": _state_of(engine.lr_scheduler),
+        "loss_scaler": _state_of(engine.strategy.loss_scaler),
         "config": engine.config.to_dict(),
         "data": data_state,
         "client_state": client_state,
@@ -415,8 +414,8 @@ def _require_boundary(engine, what: str) -> None:
 
 
 def _state_of(obj):
-    """``obj.state_dict()`` for objects that have one (e.g. the micro-batch tuner)."""
-    return obj.state_dict() if hasattr(obj, "state_dict") else None
+    """``obj.state_dict()``, or None for an absent part (no scheduler, no loss scaler, ...)."""
+    return obj.state_dict() if obj is not None else None
 
 
 def _agreed_token(target: Path) -> str:

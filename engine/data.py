@@ -116,23 +116,22 @@ class DistributedBatches:
 
     def rank_indices(self, epoch: int, step: int, rank: int | None = None) -> list[int]:
         """The dataset indices ``rank`` (default: this rank) takes at ``step`` of ``epoch``."""
-        rank = self.rank if rank is None else rank
+        self._check_step(step)
+        return self._rank_share(self.epoch_order(epoch), step, self.rank if rank is None else rank)
+
+    def _rank_share(self, order: list[int], step: int, rank: int) -> list[int]:
+        """``rank``'s contiguous slice of global batch ``step`` of an epoch's ``order``."""
         sizes = self.rank_sizes(step)
-        start = sum(sizes[:rank])
-        return self.global_batch_indices(epoch, step)[start:start + sizes[rank]]
+        start = step * self.train_batch_size + sum(sizes[:rank])
+        return order[start:start + sizes[rank]]
 
     # ------------------------------------------------------------------ iteration and position
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._epoch
-        order = self.epoch_order(epoch)
-        G = self.train_batch_size
+        order = self.epoch_order(epoch)  # once per epoch, not per batch
         for step in range(self._step, len(self)):
-            sizes = self.rank_sizes(step)
-            start = step * G + sum(sizes[:self.rank])
-            batch = self.collate_fn(
-                [self.dataset[i] for i in order[start:start + sizes[self.rank]]]
-            )
+            batch = self.collate_fn([self.dataset[i] for i in self._rank_share(order, step, self.rank)])
             # Advance before handing the batch out: a checkpoint taken while the caller
             # trains on it must resume at the next one.
             if step + 1 < len(self):

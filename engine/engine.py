@@ -223,7 +223,7 @@ class Engine:
             )
         try:
             if self.micro_batch_tuner is not None:
-                self.micro_batch_tuner.run_window(self, batch, loss_fn)
+                self.micro_batch_tuner.run_window(batch, loss_fn)
             else:
                 self._run_window(batch, loss_fn)
         except BaseException:
@@ -237,7 +237,7 @@ class Engine:
         over every rank's batch, per sample or per item like ``train_batch``."""
         loss_fn = self._loss_fn(loss_fn)
         if self.micro_batch_tuner is not None:
-            return self.micro_batch_tuner.run_eval(self, batch, loss_fn)
+            return self.micro_batch_tuner.run_eval(batch, loss_fn)
         return self._evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
 
     # -- state ----------------------------------------------------------------------------

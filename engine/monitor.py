@@ -66,12 +66,11 @@ class Monitor:
         self._stream = stream
         self._clock = clock
         self._start = self._last_record = clock()
-        self._last_step = 0  # global_steps at the last window seen
         self._pending_samples = 0  # since the last record
         self._pending_items: torch.Tensor | float | None = None
         self._pending_steps = 0
         self._steps_seen = 0  # windows seen since attach (for the ETA)
-        self._attached = False
+        self._engine = None  # set by attach
         self._resumed = False
         self._files: dict[str, Any] = {}
         self._csv_writer = None
@@ -87,12 +86,11 @@ class Monitor:
         creation). Attach on every rank: the engine's window statistics become a collective
         when a monitor is set."""
         self.rank = eng.rank
-        self._last_step = eng.global_steps
+        self._engine = eng
         self._resumed = eng.global_steps > 0
         if restart_clock:
             self._steps_seen = 0
             self._start = self._last_record = self._clock()
-        self._attached = True
         if self.is_writer:
             self._tensorboard_writer()  # create the log dir now, or warn now that it can't be
         return self
@@ -107,7 +105,8 @@ class Monitor:
         """Whether the coming step should compute the gradient norm. Depends only on the
         config and the step count, so it is the same on every rank (the norm may be a
         collective)."""
-        return self.config.grad_norm and self._records(self._last_step + 1)
+        done = self._engine.global_steps if self._engine is not None else 0
+        return self.config.grad_norm and self._records(done + 1)
 
     def _records(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.total_steps
@@ -115,11 +114,10 @@ class Monitor:
     # -- the engine's hook -----------------------------------------------------------------
     def on_window(self, eng, report) -> None:
         """Called by the engine after every closed window, on every rank."""
-        if not self._attached:
+        if self._engine is None:
             self.attach(eng, restart_clock=False)
         now = self._clock()
         step = eng.global_steps
-        self._last_step = step
         self._steps_seen += 1
         if not self.is_writer:
             return
@@ -283,7 +281,7 @@ class Monitor:
             per_step = record["elapsed"] / max(self._steps_seen, 1)
             parts.append(f"ETA {_duration(per_step * (total - step))}")
         if record["skipped"]:
-            parts.append("SKIPPED (fp16 overflow)")
+            parts.append("SKIPPED (overflow or no items)")
         return " | ".join(parts)
 
     # -- end ---------------------------------------------------------------------------------
