@@ -17,7 +17,7 @@ Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulati
 
 Every variant trains its own copy; all variants alternate round by round and the slowest
 rank's time counts (median over rounds). Bytes: one optimizer step per variant counted by
-``engine.comm_count.CommCounter`` (torch.distributed calls, DDP's hook) plus
+``bench.comm_count.CommCounter`` (torch.distributed calls, DDP's hook) plus
 ``CommCounter.watch_deepspeed`` (DeepSpeed's comm backend, which
 binds some torch functions at start-up): every collective is counted once, as the bytes
 one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed_compare.json.
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import engine
 from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
-from engine.comm_count import CommCounter
+from bench.comm_count import CommCounter
 from engine.strategies.deepspeed import (
     _import_deepspeed,
     _quiet_stdout,

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import engine
 from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
-from engine.comm_count import CommCounter
+from bench.comm_count import CommCounter
 
 # -- hand-written baselines -------------------------------------------------------------------
 def hand_ddp(model, data, accumulation):

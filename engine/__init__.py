@@ -1,14 +1,15 @@
 """Microstep: a config-first PyTorch training engine with exact gradient accumulation."""
 
-from engine.autotune import OutOfMemoryAtMicroBatchOne
-from engine.batch_plan import BatchConfigError, BatchPlan, plan_from_config, resolve_batch_plan
+from engine.batch_plan import BatchPlan, plan_from_config, resolve_batch_plan
 from engine.build import initialize
-from engine.checkpoint import CheckpointError
-from engine.config import Config, ConfigError, load_config
+from engine.config import Config, load_config
 from engine.data import DistributedBatches
 from engine.distributed import init_distributed, strip_local_rank_arg
-from engine.engine import Engine, EngineUsageError
-from engine.microbatch import BatchError
+from engine.engine import Engine
+from engine.errors import (
+    BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
+    OutOfMemoryAtMicroBatchOne, PeerError,
+)
 
 __all__ = [
     "initialize",
@@ -23,8 +24,10 @@ __all__ = [
     "DistributedBatches",
     "init_distributed",
     "strip_local_rank_arg",
+    "MicrostepError",
     "EngineUsageError",
     "BatchError",
     "CheckpointError",
     "OutOfMemoryAtMicroBatchOne",
+    "PeerError",
 ]

@@ -22,16 +22,16 @@ fastest one that fits, then behaves like ``auto``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from engine.strategies.base import OTHER_ERROR, OUT_OF_MEMORY, PeerFailure
+from engine.collectives import OTHER_ERROR, OUT_OF_MEMORY
+from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
+from engine.memory import PeakMeter, memory_limit_bytes
 
 log = logging.getLogger("engine")
 
@@ -42,14 +42,6 @@ MAX_CANDIDATES = 12
 
 class MemoryLimitExceeded(RuntimeError):
     """A micro-step's measured peak memory exceeded ``auto_memory_limit``."""
-
-
-class OutOfMemoryAtMicroBatchOne(RuntimeError):
-    """Even one sample per micro-batch does not fit."""
-
-
-class PeerError(RuntimeError):
-    """Another rank failed with an error that is not out-of-memory: everyone stops."""
 
 
 class WindowFailed(Exception):
@@ -73,57 +65,6 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def memory_limit_bytes(limit: float | None, device: torch.device) -> int | None:
-    """``auto_memory_limit`` in bytes: > 1 is bytes, (0, 1] a fraction of device memory."""
-    if limit is None:
-        return None
-    if limit > 1:
-        return int(limit)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(limit * total)
-
-
-class MemoryMeter:
-    """Peak memory of a micro-step's forward. CUDA: the allocator's peak. CPU has no peak
-    counter, so the estimate is the bytes of parameters, gradients and optimizer state held
-    by this rank plus the activations the forward saves for backward."""
-
-    def __init__(self, strategy):
-        self.strategy = strategy
-        self.device = strategy.device
-        self.peak = 0
-
-    @contextlib.contextmanager
-    def measure(self):
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            yield
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            return
-        saved: dict[int, int] = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            yield
-        self.peak = self._resident_bytes() + sum(saved.values())
-
-    def _resident_bytes(self) -> int:
-        def nbytes(t):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        params = list(self.strategy.module.parameters())
-        state = [v for s in self.strategy.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return 2 * sum(nbytes(p) for p in params) + sum(nbytes(v) for v in state)
-
-
 @dataclass
 class Candidate:
     """One measured micro-batch size."""
@@ -142,7 +83,7 @@ class MicroBatchTuner:
 
     def __init__(self, engine, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
         self.engine = engine
-        self.meter = MemoryMeter(engine.strategy)
+        self.meter = PeakMeter(engine.strategy)
         self.limit = memory_limit_bytes(memory_limit, self.meter.device)
         self.warmup, self.repeats = warmup, repeats
         self.pending_explore = engine.plan.micro_batch_mode == "explore"
@@ -150,6 +91,7 @@ class MicroBatchTuner:
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
         engine.strategy.enable_failure_guard()
+        engine.micro_step_guard = self._guarded
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the current size itself lives in the plan)."""
@@ -170,10 +112,10 @@ class MicroBatchTuner:
         metered = self._metered(loss_fn)
         while True:
             try:
-                self._guarded(lambda: eng._run_window(batch, metered))
+                eng.run_window(batch, metered)
                 return
             except WindowFailed as failure:
-                eng._discard_window()
+                eng.discard_window()
                 self._shrink(failure)
 
     def run_eval(self, batch, loss_fn) -> float:
@@ -181,9 +123,9 @@ class MicroBatchTuner:
         micro = self.eval_micro_batch_size or eng.plan.train_micro_batch_size_per_gpu
         while True:
             try:
-                loss = eng._evaluate(batch, loss_fn, micro, guarded=self._guarded)
+                loss = eng.evaluate(batch, loss_fn, micro)
             except WindowFailed as failure:
-                eng.strategy.discard_window()
+                eng.discard_window()
                 if micro == 1:
                     raise self._too_large(failure) from None
                 log.warning("eval micro-batch size %d -> %d after %s", micro, micro // 2, failure)
@@ -194,13 +136,14 @@ class MicroBatchTuner:
 
     # -- the agreement --------------------------------------------------------------------
     def _guarded(self, work) -> None:
-        """Run ``work`` (no collectives of its own besides guarded ones) and vote: raises
-        WindowFailed on every rank when any rank ran out of memory. Any other error is voted
-        too, so the peers stop with PeerError instead of waiting, and is re-raised here."""
+        """The engine's ``micro_step_guard``: run ``work`` (no collectives of its own besides
+        guarded ones) and vote: raises WindowFailed on every rank when any rank ran out of
+        memory. Any other error is voted too, so the peers stop with PeerError instead of
+        waiting, and is re-raised here."""
         reason = None
         try:
             work()
-        except PeerFailure as peer:
+        except PeerError as peer:
             self._raise_for(peer.failures, "out of memory")
         except BaseException as error:
             if not isinstance(error, Exception) or not is_out_of_memory(error):
@@ -217,8 +160,8 @@ class MicroBatchTuner:
     def _raise_for(failures: dict[int, int], reason: str):
         broken = [rank for rank, failure in failures.items() if failure == OTHER_ERROR]
         if broken:
-            raise PeerError(f"rank(s) {', '.join(map(str, broken))} stopped with an error in this window "
-                            "(see that rank's traceback); this rank stops too") from None
+            raise PeerError(failures, f"rank(s) {', '.join(map(str, broken))} stopped with an error in this "
+                                      "window (see that rank's traceback); this rank stops too") from None
         raise WindowFailed(tuple(failures), reason) from None
 
     def _metered(self, loss_fn, *, track_peak: bool = False):
@@ -229,12 +172,14 @@ class MicroBatchTuner:
         self.window_peak = 0
 
         def metered(model, micro_batch):
-            with self.meter.measure():
+            self.meter.start()
+            with self.meter.forward():
                 output = loss_fn(model, micro_batch)
-            self.window_peak = max(self.window_peak, self.meter.peak)
-            if self.limit is not None and self.meter.peak > self.limit:
+            peak = self.meter.peak
+            self.window_peak = max(self.window_peak, peak)
+            if self.limit is not None and peak > self.limit:
                 raise MemoryLimitExceeded(
-                    f"micro-step peak memory {self.meter.peak / 2**20:.1f} MiB exceeds "
+                    f"micro-step peak memory {peak / 2**20:.1f} MiB exceeds "
                     f"auto_memory_limit {self.limit / 2**20:.1f} MiB")
             return output
 
@@ -246,7 +191,7 @@ class MicroBatchTuner:
         smaller = old.next_smaller_micro_size()
         if smaller is None:
             raise self._too_large(failure) from None
-        eng.plan = old.with_micro_batch_size(smaller)
+        eng.replan(old.with_micro_batch_size(smaller))
         self._record(old, eng.plan, failure.reason, failure.ranks)
 
     def _record(self, old, new, reason: str, ranks=()) -> None:
@@ -276,12 +221,12 @@ class MicroBatchTuner:
         rows = []
         try:
             for size in _thin(_capped(start.candidate_micro_sizes(), start)):
-                eng.plan = start.with_micro_batch_size(size)
+                eng.replan(start.with_micro_batch_size(size))
                 rows.append(self._measure(batch, loss_fn))
                 if not rows[-1].fits:
                     break  # larger sizes need more memory still
         finally:
-            eng.plan = start
+            eng.replan(start)
             snapshot.restore()
         self.pending_explore = False
         fitting = [row for row in rows if row.fits]
@@ -295,7 +240,7 @@ class MicroBatchTuner:
         self.explored = rows
         chosen = start.with_micro_batch_size(best.micro_batch_size)
         if chosen != start:
-            eng.plan = chosen
+            eng.replan(chosen)
             self._record(start, chosen, "explore: fastest that fits")
         return rows
 
@@ -307,12 +252,12 @@ class MicroBatchTuner:
         for attempt in range(self.warmup + self.repeats):
             began = time.perf_counter()
             try:
-                self._guarded(lambda: eng._run_window(batch, metered))
+                eng.run_window(batch, metered)
             except WindowFailed:
-                eng._discard_window()
+                eng.discard_window()
                 return Candidate(plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps, fits=False)
             elapsed = time.perf_counter() - began
-            eng._discard_window()
+            eng.discard_window()
             if attempt >= self.warmup:
                 seconds.append(elapsed)
         # The slowest rank sets the pace; the fullest rank's peak is reported.

@@ -18,14 +18,12 @@ import logging
 import math
 from dataclasses import dataclass
 
+from engine.errors import BatchConfigError
+
 logger = logging.getLogger("engine")
 
 SPLIT_MODES = ("strict", "balanced")
 SEARCH_MODES = ("auto", "explore")
-
-
-class BatchConfigError(ValueError):
-    """The batch numbers cannot form a valid plan."""
 
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
-import os
-import random
 from typing import Any
 
 import torch
 
+from engine.adapters import deepspeed_internals
 from engine.autotune import MicroBatchTuner
 from engine.batch_plan import plan_from_config
+from engine.checkpoint import Checkpointer
 from engine.config import ConfigError, load_config
+from engine.distributed import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.rank_consistency import check_same_settings
+from engine.rng import seed_everything
 from engine.strategies import make_strategy
 
 log = logging.getLogger("engine")
@@ -40,34 +42,29 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
     config = load_config(config, overrides)
     if config.seed is not None:
-        _seed_everything(config.seed)
-    _configure_logging(int(os.environ.get("RANK", 0)))
-    strategy, world_size, rank = make_strategy(config)
-    plan = plan_from_config(config, world_size, rank)
+        seed_everything(config.seed)
+    if config.backend == "deepspeed":
+        deepspeed_internals.require_installed()
+    dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
+                                 group_for_one_process=config.backend == "deepspeed",
+                                 agreement_timeout_seconds=config.distributed.agreement_timeout_seconds)
+    _configure_logging(dist_info.rank)
+    strategy = make_strategy(config, dist_info)
+    plan = plan_from_config(config, dist_info.world_size, dist_info.rank)
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later: check as if it were > 1
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps
                             if plan.micro_batch_mode == "fixed" else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
-    monitor = Monitor(config.monitor, rank=rank) if config.monitor.enabled else None
+    monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
+    eng.checkpointer = Checkpointer(eng)
     if plan.micro_batch_mode != "fixed":
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     return eng
-
-
-def _seed_everything(seed: int) -> None:
-    """The same seed for torch, Python's ``random`` and NumPy (when installed), on every rank."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
 
 
 def _configure_logging(rank: int) -> None:

@@ -21,7 +21,6 @@ data, like every PyTorch checkpoint: load only checkpoints you trust.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -35,8 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.batch_plan import BatchConfigError
+from engine.collectives import agree, describe
 from engine.distributed import control_group
+from engine.errors import CheckpointError, EngineUsageError
+from engine.rng import restore_rng_state, rng_state, seed_everything
+
+__all__ = ["Checkpointer", "CheckpointError", "MANIFEST"]
 
 log = logging.getLogger("engine")
 
@@ -45,16 +48,25 @@ VERSION = 1
 MANIFEST = "manifest.json"
 ENGINE_STATE = "engine_state.pt"
 STATE_DIR = "model_optimizer"
-COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>\d+-\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read: incomplete, corrupt, or not this run's."""
 
 
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
+
+
+class Checkpointer:
+    """Saves and restores one engine at window boundaries: its ``state_dict()``, its
+    strategy's model and optimizer state, the random generators and a data position."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def save(self, path, *, data=None, client_state: dict | None = None) -> str:
+        return save_checkpoint(self.engine, path, data=data, client_state=client_state)
+
+    def load(self, path, *, data=None) -> dict:
+        return load_checkpoint(self.engine, path, data=data)
 
 
 # =========================================================================== save
@@ -112,23 +124,13 @@ def _write_local_files(engine, tmp: Path, data, client_state) -> None:
     data_state = data.state_dict() if data is not None else None
     if engine.rank == 0:
         _save(tmp / ENGINE_STATE, _engine_state(engine, data_state, client_state))
-    _save(tmp / rank_file(engine.rank), {"rng": _rng_state(), "data": data_state})
+    _save(tmp / rank_file(engine.rank), {"rng": rng_state(), "data": data_state})
 
 
 def _engine_state(engine, data_state, client_state) -> dict:
-    plan = engine.plan
-    return {
-        "counters": {name: int(getattr(engine, name)) for name in COUNTERS},
-        "plan": dataclasses.asdict(plan.for_rank(0)),
-        "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
-        "micro_batch_tuner": _state_of(engine.micro_batch_tuner),
-        "world_size": engine.world_size,
-        "lr_scheduler": _state_of(engine.lr_scheduler),
-        "loss_scaler": _state_of(engine.strategy.loss_scaler),
-        "config": engine.config.to_dict(),
-        "data": data_state,
-        "client_state": client_state,
-    }
+    """engine_state.pt: the engine's own state, plus what the run was and what the caller added."""
+    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.to_dict(),
+            "data": data_state, "client_state": client_state}
 
 
 def _write_manifest(engine, tmp: Path) -> None:
@@ -250,10 +252,8 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
         if data is not None:
             data.load_state_dict(data_before)
         raise
-    _restore_engine(engine, saved, manifest)
+    engine.load_state_dict(saved)
     _restore_rng(engine, mine, manifest)
-    if engine.monitor is not None:  # count steps (and time) from the resumed position
-        engine.monitor.attach(engine)
     if engine.rank == 0:
         log.info("loaded checkpoint %s (global step %d, saved on %d rank(s)) in %.2f s", target,
                  engine.global_steps, manifest["world_size"], time.perf_counter() - started)
@@ -314,87 +314,15 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
             f"{engine.strategy.name} reads {fmt!r}")
 
 
-def _restore_engine(engine, saved: dict, manifest: dict) -> None:
-    for name in COUNTERS:
-        setattr(engine, name, saved["counters"][name])
-    _restore_optional(engine.lr_scheduler, saved["lr_scheduler"], "lr scheduler")
-    _restore_optional(engine.strategy.loss_scaler, saved["loss_scaler"], "fp16 loss scaler")
-    _restore_micro_batch(engine, saved["micro_batch"])
-    if saved.get("micro_batch_tuner") is not None and engine.micro_batch_tuner is not None:
-        engine.micro_batch_tuner.load_state_dict(saved["micro_batch_tuner"])
-    old_plan, plan = saved["plan"], engine.plan
-    if manifest["world_size"] != engine.world_size:
-        log.info("resuming a checkpoint of %d rank(s) on %d: global batch %d unchanged, gradient "
-                 "accumulation %d -> %d, micro-batch %d -> %d", manifest["world_size"],
-                 engine.world_size, plan.train_batch_size, old_plan["gradient_accumulation_steps"],
-                 plan.gradient_accumulation_steps, old_plan["train_micro_batch_size_per_gpu"],
-                 plan.train_micro_batch_size_per_gpu)
-
-
-def _restore_optional(obj, state, what: str) -> None:
-    if obj is not None and state is not None:
-        obj.load_state_dict(state)
-    elif obj is not None:
-        log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
-    elif state is not None:
-        log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
-
-
-def _restore_micro_batch(engine, saved: dict) -> None:
-    """A micro size found by auto / explore is kept when it suits the current plan."""
-    size, plan = saved["size"], engine.plan
-    if saved["mode"] == "fixed" or size == plan.train_micro_batch_size_per_gpu:
-        return
-    if plan.micro_batch_mode == "fixed":
-        log.info("the checkpoint's micro-batch size %d (%s) is not restored: the config fixes it "
-                 "at %d", size, saved["mode"], plan.train_micro_batch_size_per_gpu)
-        return
-    try:
-        engine.plan = plan.with_micro_batch_size(size)
-    except BatchConfigError as error:
-        log.info("the checkpoint's micro-batch size %d does not fit this plan (%s); keeping %d",
-                 size, error, plan.train_micro_batch_size_per_gpu)
-
-
 # =========================================================================== RNG
-def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": None, "cuda": None}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    numpy = _numpy()
-    if numpy is not None:
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))
-    return state
-
-
 def _restore_rng(engine, mine: dict | None, manifest: dict) -> None:
     if mine is None:
         seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
         log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
                  "re-seeded with %d", engine.rank, manifest["world_size"], seed)
-        torch.manual_seed(seed)
-        random.seed(seed)
-        if _numpy() is not None:
-            _numpy().random.seed(seed)
+        seed_everything(seed)
         return
-    state = mine["rng"]
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    random.setstate(state["python"])
-    numpy = _numpy()
-    if state["numpy"] is not None and numpy is not None:
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    restore_rng_state(mine["rng"])
     if engine.rank == 0 and manifest["world_size"] > engine.world_size:
         log.info("the random generator states of checkpoint ranks %d..%d are not used",
                  engine.world_size, manifest["world_size"] - 1)
@@ -402,20 +330,13 @@ def _restore_rng(engine, mine: dict | None, manifest: dict) -> None:
 
 # =========================================================================== shared helpers
 def _require_boundary(engine, what: str) -> None:
-    from engine.engine import EngineUsageError
-
-    done = engine._window.micro_steps
+    done = engine.window_micro_steps
     if done:
         raise EngineUsageError(
             f"{what}() called in the middle of an accumulation window ({done} of "
             f"{engine.plan.gradient_accumulation_steps} micro-steps done): a checkpoint holds a "
             f"window boundary only; call it after the step() that closes the window "
             f"(eng.is_gradient_accumulation_boundary() tells which one)")
-
-
-def _state_of(obj):
-    """``obj.state_dict()``, or None for an absent part (no scheduler, no loss scaler, ...)."""
-    return obj.state_dict() if obj is not None else None
 
 
 def _agreed_token(target: Path) -> str:
@@ -431,38 +352,6 @@ def _agreed_token(target: Path) -> str:
     if len(paths) > 1:
         raise CheckpointError(f"ranks passed different checkpoint paths: {paths}; every rank must pass the same one")
     return everyone[0][1]
-
-
-def agree(problem: str | None, cause: BaseException | None = None) -> None:
-    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
-    group = control_group()
-    if group is None:
-        everyone = [problem]
-    else:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problem, group=group)
-    failed = [(rank, text) for rank, text in enumerate(everyone) if text]
-    if not failed:
-        return
-    texts = sorted({text for _, text in failed})
-    if len(texts) == 1:
-        ranks = "every rank" if len(failed) == len(everyone) > 1 else \
-            f"rank {', '.join(str(r) for r, _ in failed)}" if len(everyone) > 1 else ""
-        message = texts[0] + (f" [{ranks}]" if ranks else "")
-    else:
-        message = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-    raise CheckpointError(message) from cause
-
-
-def describe(error: BaseException) -> str:
-    """One line for an exception, unwrapping DCP's per-rank CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, (inner, _trace) = next(iter(sorted(failures.items(), key=lambda item: item[0])))
-        return f"{type(inner).__name__}: {inner} (rank {rank})"
-    if isinstance(error, CheckpointError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
 
 
 def _save(path: Path, obj) -> None:

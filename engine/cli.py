@@ -9,11 +9,9 @@ import argparse
 import sys
 import warnings
 
-from engine.autotune import OutOfMemoryAtMicroBatchOne
-from engine.engine import EngineUsageError
-from engine.microbatch import BatchError
-from engine.batch_plan import BatchConfigError, plan_from_config
-from engine.config import Config, ConfigError, load_config
+from engine.batch_plan import plan_from_config
+from engine.config import Config, load_config
+from engine.errors import MicrostepError
 
 USAGE_ERROR = 2
 
@@ -39,7 +37,7 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-class FactoryError(ValueError):
+class FactoryError(MicrostepError, ValueError):
     """A ``module:function`` reference that cannot be loaded."""
 
 
@@ -187,8 +185,7 @@ def main(argv=None) -> int:
         warnings.simplefilter("always")
         try:
             status = args.run(args)
-        except (ConfigError, BatchConfigError, FactoryError, OutOfMemoryAtMicroBatchOne, EngineUsageError,
-                BatchError) as error:
+        except MicrostepError as error:
             print(f"error: {error}" if "\n" not in str(error) else f"error:\n{error}",
                   file=sys.stderr)
             status = USAGE_ERROR

@@ -107,10 +107,22 @@ class SchedulerConfig(Section):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+def _defer_reduction(value):
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"expected true, false or 'auto', got {value!r}")
+
+
 class ZeroConfig(_DeepSpeedSection):
     stage: Annotated[int, Field(ge=0, le=3)] = 0
-    # Reduce gradients after every micro-step (saves memory under ZeRO-2/3, costs traffic).
-    reduce_every_micro_step: bool = False
+    # Stages 2/3: false keeps ZeRO's memory (gradients reduce-scattered into shards after every
+    # micro-step); true holds full-size gradients for one reduction per window; "auto" defers
+    # while the measured peak with the extra gradient fits the memory limit.
+    defer_reduction: Annotated[Union[bool, Literal["auto"]], PlainValidator(_defer_reduction)] = False
+    # Stages 2/3 (torch backend): consecutive layers are sharded together until a unit holds at
+    # least this many parameters (fewer, larger collectives; DeepSpeed's bucket sizes play the
+    # same part). A larger unit costs its size in gathered parameters at stage 3.
+    shard_unit_size: PositiveInt = 16_000_000
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_ZERO_KEYS
 
 
@@ -134,6 +146,9 @@ class BF16Config(_DeepSpeedSection):
 
 class DistributedConfig(Section):
     timeout_seconds: PositiveFloat = 1800.0
+    # How long an agreement between ranks (a checkpoint's, a flush's micro-step count) waits
+    # for a peer that may have died or run different micro-steps, before a clear error.
+    agreement_timeout_seconds: PositiveFloat = 600.0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
@@ -320,6 +335,14 @@ def _section_model(annotation) -> Optional[type[BaseModel]]:
     return None
 
 
+# Keys of earlier Microstep versions: {path: what to write instead}.
+REPLACED_KEYS = {
+    ("zero_optimization", "reduce_every_micro_step"): (
+        "replaced by defer_reduction: reducing after every micro-step is now the default "
+        "(defer_reduction: false); reduce_every_micro_step: false is defer_reduction: true"),
+}
+
+
 def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, data,
                        problems: list[str]) -> None:
     """Report and remove unknown keys, so the schema reports only type problems."""
@@ -334,6 +357,10 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
             section = _section_model(model.model_fields[name].annotation)
             if section is not None:
                 _drop_unknown_keys(raw, section, path + (name,), data[key], problems)
+        elif path + (name,) in REPLACED_KEYS:
+            problems.append(f"{raw.where(path + (name,))}: {'.'.join(path + (name,))}: "
+                            f"{REPLACED_KEYS[path + (name,)]}")
+            del data[key]
         elif name not in extras:
             match = difflib.get_close_matches(name, sorted(suggestions), n=1)
             hint = f"; did you mean {match[0]}?" if match else ""

@@ -16,17 +16,11 @@ from typing import Any
 
 import yaml
 
+from engine.errors import ConfigError
+
+__all__ = ["ConfigError", "KeyPath", "RawConfig", "parse_scalar", "read_file"]
+
 KeyPath = tuple  # of str: ("zero_optimization", "stage")
-
-
-class ConfigError(ValueError):
-    """An invalid config. ``problems`` holds one line per problem:
-    ``<source>[:line]: <key.path>: <problem>``."""
-
-    def __init__(self, problems):
-        # A str (also what unpickling passes back) is split into its lines.
-        self.problems = problems.splitlines() if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 class _Loader(yaml.SafeLoader):

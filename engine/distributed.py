@@ -25,14 +25,12 @@ from typing import Mapping, MutableSequence
 import torch
 import torch.distributed as dist
 
+from engine.errors import DistributedEnvError
+
 LAUNCH_HINT = (
     "Launch with `python -m launch --nproc-per-node N script.py` (or torchrun, the deepspeed "
     "launcher, or `srun` under Slurm), or unset RANK and WORLD_SIZE to run as one process."
 )
-
-
-class DistributedEnvError(RuntimeError):
-    """The launch environment is incomplete or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +194,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 _owns_group = False  # True when init_distributed created the default group
 _atexit_registered = False
-_control_group: dist.ProcessGroup | None = None
+_control: tuple | None = None  # (the default group it belongs to, the control group)
+AGREEMENT_TIMEOUT_SECONDS = 600.0
 
 
 def _device_for(local_rank: int) -> torch.device:
@@ -214,13 +213,24 @@ def _device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_distributed(timeout_seconds: float = 1800, backend: str = "auto") -> DistInfo:
-    """Join (or create) the default process group described by the environment.
+def init_distributed(timeout_seconds: float = 1800, backend: str = "auto", *,
+                     group_for_one_process: bool = False,
+                     agreement_timeout_seconds: float = AGREEMENT_TIMEOUT_SECONDS) -> DistInfo:
+    """Join (or create) the default process group described by the environment, and the
+    control group beside it (see :func:`control_group`). Collective.
 
-    Without a launcher this is a single process and no group is created (``backend`` None).
-    An already-initialised group is reused as it is. ``backend="auto"`` picks nccl when CUDA
-    is available, gloo otherwise.
+    Without a launcher this is a single process and no group is created (``backend`` None),
+    unless ``group_for_one_process`` (a backend such as DeepSpeed needs a group even then):
+    a one-rank gloo group on an in-memory store. An already-initialised group is reused as it
+    is. ``backend="auto"`` picks nccl when CUDA is available, gloo otherwise.
     """
+    info = _join_default_group(timeout_seconds, backend, group_for_one_process)
+    if info.backend is not None:
+        _ensure_control_group(agreement_timeout_seconds)
+    return info
+
+
+def _join_default_group(timeout_seconds: float, backend: str, group_for_one_process: bool) -> DistInfo:
     global _owns_group, _atexit_registered
     if dist.is_available() and dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -229,30 +239,32 @@ def init_distributed(timeout_seconds: float = 1800, backend: str = "auto") -> Di
                         _device_for(local_rank), dist.get_backend())
 
     env = read_launch_env()
-    if env.source == "none":
+    if env.source == "none" and not group_for_one_process:
         return DistInfo(0, 0, 1, 1, _device_for(0), None)
     if not dist.is_available():
         raise DistributedEnvError("this torch build has no torch.distributed support.")
-
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = _device_for(env.local_rank)
-    # env:// reads these; exporting them (Slurm case) also lets later tools see the job.
-    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
-                        ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                        ("LOCAL_RANK", env.local_rank),
-                        ("LOCAL_WORLD_SIZE", env.local_world_size)):
-        os.environ.setdefault(name, str(value))
-    dist.init_process_group(
-        backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_seconds),
-    )
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    if env.source == "none":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        info = DistInfo(0, 0, 1, 1, _device_for(0), "gloo")
+    else:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = _device_for(env.local_rank)
+        # env:// reads these; exporting them (Slurm case) also lets later tools see the job.
+        for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port),
+                            ("RANK", env.rank), ("WORLD_SIZE", env.world_size),
+                            ("LOCAL_RANK", env.local_rank),
+                            ("LOCAL_WORLD_SIZE", env.local_world_size)):
+            os.environ.setdefault(name, str(value))
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+        info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend)
     _owns_group = True
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
-    return DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size,
-                    device, backend)
+    return info
 
 
 def shutdown(barrier_timeout_seconds: float = 30) -> None:
@@ -263,7 +275,7 @@ def shutdown(barrier_timeout_seconds: float = 30) -> None:
     process with "terminate called without an active exception". A group this module did
     not create is left to its owner.
     """
-    global _owns_group, _control_group
+    global _owns_group, _control
     if not (_owns_group and dist.is_initialized()):
         _owns_group = False
         return
@@ -272,13 +284,13 @@ def shutdown(barrier_timeout_seconds: float = 30) -> None:
             _bounded_barrier(barrier_timeout_seconds)
         except Exception:  # a peer has already gone; tear down our side anyway
             pass
-    _control_group = None
+    _control = None
     dist.destroy_process_group()
     _owns_group = False
 
 
 def _bounded_barrier(timeout_seconds: float) -> None:
-    group = _control_group or (dist.group.WORLD if dist.get_backend() == "gloo" else None)
+    group = _control[1] if _control is not None else (dist.group.WORLD if dist.get_backend() == "gloo" else None)
     if group is None:
         # nccl without a gloo side group: bounded by the group's own timeout
         dist.barrier(device_ids=[torch.cuda.current_device()])
@@ -314,20 +326,34 @@ def barrier() -> None:
 
 
 def control_group() -> dist.ProcessGroup | None:
-    """A gloo group for small CPU-side collectives (flags, counts, strings).
+    """A gloo group for agreements: small CPU-side collectives (flags, counts, strings) whose
+    waits are bounded by the agreement timeout, not the training group's.
 
-    On gloo this is the default group; on nccl a gloo group over all ranks is created on
-    first use, which is itself a collective: every rank must make the first call together.
-    None when not distributed.
+    It is a communicator of its own even when training uses gloo, so that an agreement a
+    rank enters while a peer is still inside a training collective (ranks that ran different
+    numbers of micro-steps, or a peer that died) times out with a clear error instead of
+    mixing with that collective. :func:`init_distributed` creates it; a first use without
+    it creates it then, which is itself a collective. None when not distributed.
     """
-    global _control_group
     if not is_distributed():
         return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    if _control_group is None:
-        _control_group = dist.new_group(backend="gloo")
-    return _control_group
+    if _control is None or _control[0] is not dist.group.WORLD:
+        _ensure_control_group(AGREEMENT_TIMEOUT_SECONDS)
+    return _control[1]
+
+
+def _ensure_control_group(timeout_seconds: float) -> None:
+    global _control
+    if _control is not None and _control[0] is dist.group.WORLD:
+        return
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    _control = (dist.group.WORLD, group)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """A collective that gave up waiting (gloo and nccl word it differently)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 _LOCAL_RANK_FLAG = re.compile(r"--local[_-]rank(?:=(.*))?")

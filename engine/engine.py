@@ -7,28 +7,35 @@ world size and G the planned global batch. At the boundary the gradient is multi
 ``G / U``, U being the window's real total of units over every rank. For a full window of
 mean losses U = G and nothing is done; a short window, unequal batches or token counts get
 one in-place multiply of the gradient, once per optimizer step.
+
+Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
+an optional monitor (told about every closed window), an optional micro-batch tuner
+(``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
+``micro_step_guard``) and the checkpointer (``engine.checkpoint``: it saves and restores
+``state_dict()`` and the strategy's state).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from engine import checkpoint
 from engine.batch_plan import BatchPlan, split_evenly
+from engine.collectives import max_over_ranks
+from engine.distributed import is_timeout
+from engine.errors import BatchConfigError, EngineUsageError
+from engine.memory import PeakMeter
 from engine.microbatch import batch_size, split_batch
 from engine.strategies.base import StepResult, Strategy
 
 log = logging.getLogger("engine")
 
 LossFn = Callable[[Any, Any], Any]
-
-
-class EngineUsageError(RuntimeError):
-    """The engine was driven in an order it cannot honour (e.g. ``step`` without ``backward``)."""
+COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
 
 
 @dataclass
@@ -43,6 +50,8 @@ class _Window:
     loss_weights: list = field(default_factory=list)  # samples (mean losses) or 1 (sums)
     counts: list = field(default_factory=list)  # items of (sum, count) losses
     exact_counts: bool = False  # units must be summed over ranks at the boundary
+    backward_since_step: bool = False
+    forwarded: bool = False
 
     def loss_total(self) -> torch.Tensor:
         """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
@@ -54,8 +63,6 @@ class _Window:
         if not self.item_weighted:
             return self.samples
         return sum(torch.as_tensor(c, dtype=torch.float64) for c in self.counts)
-    backward_since_step: bool = False
-    forwarded: bool = False
 
 
 @dataclass
@@ -67,6 +74,11 @@ class WindowReport:
     items: torch.Tensor | None = None
     step: StepResult = field(default_factory=lambda: StepResult(applied=False))
     lr: float | None = None  # the learning rate this window's update used (first param group)
+    peak_memory_bytes: int | None = None  # measured when the monitor records the window
+
+
+def _run(work: Callable[[], None]) -> None:
+    work()
 
 
 class Engine:
@@ -79,16 +91,22 @@ class Engine:
         self.strategy = strategy
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
-        self.monitor = monitor  # told about every closed window (engine.monitor)
-        self.micro_batch_tuner = None  # set for "auto" / "explore" micro sizes (engine.autotune)
+        self.monitor = monitor
+        self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune)
+        self.checkpointer = None  # saves and restores this engine (engine.checkpoint)
+        # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
+        # size replaces it with one that makes every rank agree on a failure before going on.
+        self.micro_step_guard: Callable[[Callable[[], None]], None] = _run
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
         self.last_window = WindowReport()
         self._window = _Window()
-        self._splitting = False  # inside train_batch: micro-batch sizes are the engine's own
+        self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
         self._size_warned = False
+        self._peak = PeakMeter(strategy)  # a recorded window's peak memory (engine.memory)
+        self._recording = False
 
     # -- what the model is ------------------------------------------------------------
     @property
@@ -107,17 +125,30 @@ class Engine:
     def rank(self) -> int:
         return self.strategy.rank
 
+    @property
+    def window_micro_steps(self) -> int:
+        """Micro-steps done in the window in progress (0 at a boundary)."""
+        return self._window.micro_steps
+
     # -- the manual loop ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
-        if torch.is_grad_enabled():  # a forward for a backward: plan its gradient sync
-            window = self._window
-            self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
-            window.forwarded = True
-            if not self._splitting:
-                self._check_manual_micro_batch(args)
-        return self.strategy.forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return self.strategy.forward(*args, **kwargs)
+        window = self._window  # a forward for a backward: plan its gradient sync
+        if window.micro_steps == 0 and not window.forwarded:  # the window's first
+            self._recording = self.monitor is not None and self.monitor.records(self.global_steps + 1)
+            if self._recording:
+                self._peak.start()
+        self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
+        window.forwarded = True
+        if not self._splitting:
+            self._check_manual_micro_batch(args)
+        if not self._recording:
+            return self.strategy.forward(*args, **kwargs)
+        with self._peak.forward():
+            return self.strategy.forward(*args, **kwargs)
 
     def _check_manual_micro_batch(self, args) -> None:
         """The manual loop weights the k-th micro-step as the plan's k-th micro-batch: say so
@@ -162,14 +193,11 @@ class Engine:
 
     def step(self, flush: bool = False) -> bool:
         """Close the window if this micro-step is its last; otherwise change nothing.
-
-        ``flush=True`` closes a window that holds fewer micro-steps than planned (end of the
-        data in a manual loop); it is weighted by the samples it really holds. Returns True
-        when a window was closed (``skipped_steps`` tells whether fp16 overflow discarded it).
-        """
-        window = self._window
+        Returns True when a window was closed (``skipped_steps`` tells whether an fp16
+        overflow discarded it). ``step(flush=True)`` is :meth:`flush`."""
         if flush:
-            return self._flush()
+            return self.flush()
+        window = self._window
         if not window.backward_since_step:
             raise EngineUsageError(
                 "step() called without a backward() since the last step(): each micro-step is "
@@ -181,19 +209,28 @@ class Engine:
         self._close_window()
         return True
 
-    def _flush(self) -> bool:
-        """Close a window early. Every rank must call it, holding the same number of
-        micro-steps (sharded models reduce gradients collectively)."""
+    def flush(self) -> bool:
+        """Close a window that holds fewer micro-steps than planned (the end of the data in a
+        manual loop), weighted by the samples it really holds. Every rank must call it,
+        holding the same number of micro-steps (sharded models reduce collectively). Returns
+        False when there was nothing to close."""
         window = self._window
-        fewest, most = window.micro_steps, window.micro_steps
-        if self.world_size > 1:  # one tiny collective: flushes are rare
-            counts = self.strategy.all_reduce_max(torch.tensor([-fewest, most], device=self.strategy.device))
-            fewest, most = -int(counts[0]), int(counts[1])
+        try:  # on the control group: a peer still inside a micro-step's collective times out clearly
+            negative_fewest, most = max_over_ranks([-window.micro_steps, window.micro_steps])
+        except RuntimeError as error:
+            if not is_timeout(error):
+                raise
+            raise EngineUsageError(
+                f"flush(): not every rank reached flush() within distributed.agreement_timeout_seconds "
+                f"({self.config.distributed.agreement_timeout_seconds:g} s) while this rank held "
+                f"{window.micro_steps} micro-steps: every rank must run the same number of micro-steps "
+                "(give each rank the same number of batches, e.g. engine.data.DistributedBatches)") from error
+        fewest = -negative_fewest
         if most == 0:
             return False
         if fewest != most:
             raise EngineUsageError(
-                f"step(flush=True): the ranks hold between {fewest} and {most} micro-steps in this window; "
+                f"flush(): the ranks hold between {fewest} and {most} micro-steps in this window; "
                 "every rank must run the same number of micro-steps (give each rank the same number of "
                 "batches, e.g. engine.data.DistributedBatches)")
         window.backward_since_step = False
@@ -225,9 +262,9 @@ class Engine:
             if self.micro_batch_tuner is not None:
                 self.micro_batch_tuner.run_window(batch, loss_fn)
             else:
-                self._run_window(batch, loss_fn)
+                self.run_window(batch, loss_fn)
         except BaseException:
-            self._discard_window()  # a failed batch leaves no half window behind
+            self.discard_window()  # a failed batch leaves no half window behind
             raise
         self._close_window()
         return float(self.last_window.loss)
@@ -238,60 +275,45 @@ class Engine:
         loss_fn = self._loss_fn(loss_fn)
         if self.micro_batch_tuner is not None:
             return self.micro_batch_tuner.run_eval(batch, loss_fn)
-        return self._evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
+        return self.evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
 
-    # -- state ----------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole, unsharded model state as CPU tensors, on every rank."""
-        return self.strategy.full_state_dict()
-
-    def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
-        """Save everything needed to resume at this boundary (see engine.checkpoint). ``data``:
-        an object with ``state_dict()`` (e.g. DistributedBatches) whose position is saved."""
-        return checkpoint.save_checkpoint(self, path, data=data, client_state=client_state)
-
-    def load_checkpoint(self, path, *, data=None) -> dict:
-        """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``."""
-        return checkpoint.load_checkpoint(self, path, data=data)
-
-    def close(self) -> None:
-        if self.monitor is not None:
-            self.monitor.close()
-        self.strategy.close()
-
-    # -- internals --------------------------------------------------------------------------
-    def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
-        loss_fn = loss_fn or self.loss_fn
-        if loss_fn is None:
-            raise EngineUsageError(
-                "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
-                "or to engine.initialize(..., loss_fn=...)"
-            )
-        return loss_fn
-
-    def _run_window(self, batch, loss_fn: LossFn) -> None:
-        """Forward and backward of every micro-batch of one window (no optimizer step)."""
+    # -- windows, for the micro-batch tuner ---------------------------------------------
+    def run_window(self, batch, loss_fn: LossFn) -> None:
+        """Forward and backward of every micro-batch of one window as the plan splits
+        ``batch`` (no optimizer step), inside ``micro_step_guard``."""
         self._splitting = True
         try:
-            for micro_batch, size in self._split_for_window(batch):
-                self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+            self.micro_step_guard(lambda: self._micro_steps(batch, loss_fn))
         finally:
             self._splitting = False
 
-    def _discard_window(self) -> None:
+    def discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.strategy.discard_window()
         self.micro_steps -= self._window.micro_steps
         self._window = _Window()
 
+    def replan(self, plan: BatchPlan) -> None:
+        """Run from the next window on with ``plan``: another micro-batch size for the same
+        global batch, world size and rank (an automatic size, or a resumed run's)."""
+        old = self.plan
+        if (plan.train_batch_size, plan.world_size, plan.rank) != (old.train_batch_size, old.world_size, old.rank):
+            raise EngineUsageError(
+                f"replan() keeps the global batch, world size and rank ({old.train_batch_size}, "
+                f"{old.world_size}, {old.rank}); got ({plan.train_batch_size}, {plan.world_size}, {plan.rank})")
+        if self._window.micro_steps:
+            raise EngineUsageError("replan() called in the middle of a window: call it between windows")
+        self.plan = plan
+
     @torch.no_grad()
-    def _evaluate(self, batch, loss_fn: LossFn, micro: int, guarded=None) -> float:
-        """Evaluate in micro-batches of at most ``micro``; ``guarded(work)`` runs the forwards
-        (the micro-batch tuner's failure agreement), plain call by default."""
+    def evaluate(self, batch, loss_fn: LossFn, micro_batch_size: int) -> float:
+        """Evaluate ``batch`` in micro-batches of at most ``micro_batch_size`` (forwards inside
+        ``micro_step_guard``); the mean loss over every rank, per sample or per item."""
         size = batch_size(batch)
         # Every rank runs the same number of forwards (sharded models gather parameters in
         # each); a rank with fewer samples repeats its last micro-batch with weight 0.
-        counts = self.strategy.all_reduce_max(torch.tensor([-(-size // micro), -size], device=self.strategy.device))
+        counts = self.strategy.all_reduce_max(
+            torch.tensor([-(-size // micro_batch_size), -size], device=self.strategy.device))
         parts, fewest = int(counts[0]), -int(counts[1])
         if fewest == 0:
             raise EngineUsageError("eval_batch(): some rank got an empty batch; every rank needs at least one sample")
@@ -311,12 +333,99 @@ class Engine:
         was_training = self.module.training
         self.module.eval()
         try:
-            (guarded or _call)(forwards)
+            self.micro_step_guard(forwards)
         finally:
             self.module.train(was_training)
             self.strategy.release_gathered_parameters()
         stats = self.strategy.all_reduce_sum(total.to(self.strategy.device))
         return float(stats[0] / stats[1])
+
+    # -- state ----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded model state as CPU tensors, on every rank."""
+        return self.strategy.full_state_dict()
+
+    def state_dict(self) -> dict:
+        """The engine's own state at a boundary: counters, plan, micro-batch size and its
+        tuner, scheduler and loss scaler (the model and optimizer are the strategy's)."""
+        plan = self.plan
+        return {
+            "counters": {name: int(getattr(self, name)) for name in COUNTERS},
+            "plan": dataclasses.asdict(plan.for_rank(0)),
+            "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
+            "micro_batch_tuner": _state_of(self.micro_batch_tuner),
+            "lr_scheduler": _state_of(self.lr_scheduler),
+            "loss_scaler": _state_of(self.strategy.loss_scaler),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``, possibly saved on another world size (same global batch)."""
+        if self._window.micro_steps:
+            raise EngineUsageError("load_state_dict() called in the middle of a window: call it between windows")
+        for name in COUNTERS:
+            setattr(self, name, state["counters"][name])
+        _restore_optional(self.lr_scheduler, state["lr_scheduler"], "lr scheduler")
+        _restore_optional(self.strategy.loss_scaler, state["loss_scaler"], "fp16 loss scaler")
+        self._restore_micro_batch(state["micro_batch"])
+        if state.get("micro_batch_tuner") is not None and self.micro_batch_tuner is not None:
+            self.micro_batch_tuner.load_state_dict(state["micro_batch_tuner"])
+        saved, plan = state["plan"], self.plan
+        if saved["world_size"] != plan.world_size:
+            log.info("resuming a checkpoint of %d rank(s) on %d: global batch %d unchanged, gradient "
+                     "accumulation %d -> %d, micro-batch %d -> %d", saved["world_size"], plan.world_size,
+                     plan.train_batch_size, saved["gradient_accumulation_steps"],
+                     plan.gradient_accumulation_steps, saved["train_micro_batch_size_per_gpu"],
+                     plan.train_micro_batch_size_per_gpu)
+        if self.monitor is not None:  # count steps (and time) from the resumed position
+            self.monitor.attach(self)
+
+    def _restore_micro_batch(self, saved: dict) -> None:
+        """A micro size found by auto / explore is kept when it suits the current plan."""
+        size, plan = saved["size"], self.plan
+        if saved["mode"] == "fixed" or size == plan.train_micro_batch_size_per_gpu:
+            return
+        if plan.micro_batch_mode == "fixed":
+            log.info("the checkpoint's micro-batch size %d (%s) is not restored: the config fixes it "
+                     "at %d", size, saved["mode"], plan.train_micro_batch_size_per_gpu)
+            return
+        try:
+            self.replan(plan.with_micro_batch_size(size))
+        except BatchConfigError as error:
+            log.info("the checkpoint's micro-batch size %d does not fit this plan (%s); keeping %d",
+                     size, error, plan.train_micro_batch_size_per_gpu)
+
+    def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
+        """Save everything needed to resume at this boundary (see engine.checkpoint). ``data``:
+        an object with ``state_dict()`` (e.g. DistributedBatches) whose position is saved."""
+        return self._checkpointer().save(path, data=data, client_state=client_state)
+
+    def load_checkpoint(self, path, *, data=None) -> dict:
+        """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``."""
+        return self._checkpointer().load(path, data=data)
+
+    def _checkpointer(self):
+        if self.checkpointer is None:
+            raise EngineUsageError("this Engine has no checkpointer: build engines with engine.initialize")
+        return self.checkpointer
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+        self.strategy.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise EngineUsageError(
+                "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
+                "or to engine.initialize(..., loss_fn=...)"
+            )
+        return loss_fn
+
+    def _micro_steps(self, batch, loss_fn: LossFn) -> None:
+        for micro_batch, size in self._split_for_window(batch):
+            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 
     def _split_for_window(self, batch):
         plan = self.plan
@@ -382,32 +491,14 @@ class Engine:
         self.micro_steps += 1
 
     def _close_window(self) -> None:
-        window, plan = self._window, self.plan
+        """Reduce, weigh and apply the window's gradient, then count and report it."""
+        window = self._window
         self.strategy.reduce_gradients()
-        if window.exact_counts or self.monitor is not None:
-            loss, units, samples = self._global_window_stats(window)
-        else:  # the manual loop's planned sizes: no collective, no host sync
-            samples = plan.window_samples(window.micro_steps)
-            loss, units = window.loss_total() / window.samples, samples
-        target = plan.train_batch_size
+        recorded = self.monitor is not None and self.monitor.records(self.global_steps + 1)
+        loss, units, samples = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
-        if window.item_weighted and float(units) == 0:
-            # Nothing to average (every label ignored): a step would divide by zero.
-            result = StepResult(applied=False)
-            self.strategy.discard_window()
-            log.warning("the window of global step %d holds no items (e.g. every label is -100): skipped",
-                        self.global_steps + 1)
-        else:
-            if window.item_weighted:
-                multiplier = target / units
-            else:
-                multiplier = 1.0 if samples == target else target / samples
-            result = self.strategy.step(multiplier, self.config.gradient_clipping,
-                                        want_norm=self.monitor is not None and self.monitor.wants_grad_norm)
-            self.strategy.zero_grad()
-            if not result.applied:
-                log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
-                            self.global_steps + 1)
+        result = self._apply_update(window, units, samples,
+                                    want_norm=recorded and self.monitor.config.grad_norm)
         if result.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -416,22 +507,59 @@ class Engine:
         self.global_steps += 1
         self.global_samples += samples
         self.last_window = WindowReport(loss=loss, samples=samples, step=result, lr=lr,
-                                        items=units if window.item_weighted else None)
-        self._window = _Window()
+                                        items=units if window.item_weighted else None,
+                                        peak_memory_bytes=self._peak.peak if self._recording else None)
+        self._window, self._recording = _Window(), False
         if self.monitor is not None:
             self.monitor.on_window(self, self.last_window)
 
-    def _global_window_stats(self, window: _Window):
-        """(mean loss, units, samples) of the window over every rank: one small all-reduce."""
+    def _window_totals(self, window: _Window, *, over_all_ranks: bool):
+        """(mean loss, units, samples) of the window. Over all ranks: one small all-reduce
+        (real counts, or a record the monitor makes). Otherwise the manual loop's planned
+        sizes: no collective, no host sync, and the loss is this rank's."""
+        if not over_all_ranks:
+            samples = self.plan.window_samples(window.micro_steps)
+            return window.loss_total() / window.samples, samples, samples
         device = self.strategy.device
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
                              for value in (window.loss_total(), window.units(), float(window.samples))])
         stats = self.strategy.all_reduce_sum(stats)
         return stats[0] / stats[1], stats[1], int(stats[2].item())
 
+    def _apply_update(self, window: _Window, units, samples: int, *, want_norm: bool) -> StepResult:
+        """Multiply the reduced gradient to the global mean, clip, step — or skip the window
+        when it holds nothing to average or overflowed."""
+        if window.item_weighted and float(units) == 0:
+            # Nothing to average (every label ignored): a step would divide by zero.
+            self.strategy.discard_window()
+            log.warning("the window of global step %d holds no items (e.g. every label is -100): skipped",
+                        self.global_steps + 1)
+            return StepResult(applied=False)
+        target = self.plan.train_batch_size
+        if window.item_weighted:
+            multiplier = target / units
+        else:
+            multiplier = 1.0 if samples == target else target / samples
+        result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm)
+        self.strategy.zero_grad()
+        if not result.applied:
+            log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
+                        self.global_steps + 1)
+        return result
 
-def _call(work) -> None:
-    work()
+
+def _state_of(obj):
+    """``obj.state_dict()``, or None for an absent part (no scheduler, no loss scaler, ...)."""
+    return obj.state_dict() if obj is not None else None
+
+
+def _restore_optional(obj, state, what: str) -> None:
+    if obj is not None and state is not None:
+        obj.load_state_dict(state)
+    elif obj is not None:
+        log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
+    elif state is not None:
+        log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
 
 
 def _check_loss(loss) -> None:

@@ -13,9 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-
-class BatchError(ValueError):
-    """The batch cannot be split: no tensors, or tensors that disagree on the batch size."""
+from engine.errors import BatchError
 
 
 def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:

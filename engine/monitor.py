@@ -32,8 +32,9 @@ from typing import Any, TextIO
 import torch
 
 from engine.config import MonitorConfig
+from engine.distributed import get_rank
 
-__all__ = ["Monitor", "FIELDS", "peak_memory_mb"]
+__all__ = ["Monitor", "FIELDS"]
 
 # Every train record has exactly these keys (None when not known), in this order (CSV).
 FIELDS = (
@@ -62,7 +63,7 @@ class Monitor:
         self.total_steps: int | None = config.total_steps
         self.history: list[dict[str, Any]] = []  # train records (rank 0)
         self.eval_history: list[dict[str, Any]] = []  # log_eval records (rank 0)
-        self.rank = _default_rank() if rank is None else rank
+        self.rank = get_rank() if rank is None else rank
         self._stream = stream
         self._clock = clock
         self._start = self._last_record = clock()
@@ -106,9 +107,11 @@ class Monitor:
         config and the step count, so it is the same on every rank (the norm may be a
         collective)."""
         done = self._engine.global_steps if self._engine is not None else 0
-        return self.config.grad_norm and self._records(done + 1)
+        return self.config.grad_norm and self.records(done + 1)
 
-    def _records(self, step: int) -> bool:
+    def records(self, step: int) -> bool:
+        """Whether optimizer step ``step`` gets a record (the same answer on every rank, so
+        the engine gathers the window's statistics over all ranks only for those)."""
         return step % self.config.log_every == 0 or step == self.total_steps
 
     # -- the engine's hook -----------------------------------------------------------------
@@ -126,7 +129,7 @@ class Monitor:
         if report.items is not None:
             self._pending_items = report.items if self._pending_items is None \
                 else self._pending_items + report.items
-        if not self._records(step):
+        if not self.records(step):
             return
         record = self._make_record(eng, report, step, now)
         self.history.append(record)
@@ -151,7 +154,7 @@ class Monitor:
             "step_time": interval / steps,
             "micro_batch_size": eng.plan.train_micro_batch_size_per_gpu,
             "accumulation_steps": eng.plan.gradient_accumulation_steps,
-            "peak_memory_mb": peak_memory_mb(eng.strategy.device),
+            "peak_memory_mb": None if report.peak_memory_bytes is None else report.peak_memory_bytes / 2**20,
             "skipped": not applied,
             "skipped_steps": eng.skipped_steps,
             "elapsed": now - self._start,
@@ -306,28 +309,6 @@ class Monitor:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _default_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def peak_memory_mb(device: torch.device | None = None) -> float | None:
-    """Peak memory of this process in MiB: CUDA's peak allocation on a CUDA device, else
-    the peak resident set size of the process (None where it cannot be read)."""
-    if device is not None and torch.device(device).type == "cuda":
-        try:
-            return torch.cuda.max_memory_allocated(device) / 2**20
-        except (RuntimeError, AssertionError):
-            return None
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
-
-
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())

@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from engine.adapters.torch_internals import foreach_mul_, non_finite_check_and_unscale_
+
 
 class LossScaler:
     """DeepSpeed-style dynamic loss scaling (or a static scale when ``static_scale`` > 0).
@@ -39,7 +41,7 @@ class LossScaler:
         for (device, _dtype), group in _by_device_and_dtype(grads).items():
             inv = torch.as_tensor(multiplier, dtype=torch.float32, device=device) / self.scale
             found = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.reshape(1))
+            non_finite_check_and_unscale_(group, found, inv.reshape(1))
             found_inf = found_inf + found.to(found_inf.device).squeeze()
         return found_inf
 
@@ -82,7 +84,7 @@ def scale_(grads: list[torch.Tensor], multiplier: float | torch.Tensor) -> None:
     """Multiply ``grads`` in place (one fused pass per device and dtype)."""
     for (device, dtype), group in _by_device_and_dtype(grads).items():
         factor = multiplier if isinstance(multiplier, float) else multiplier.to(device=device, dtype=dtype)
-        torch._foreach_mul_(group, factor)
+        foreach_mul_(group, factor)
 
 
 class Precision:

@@ -85,11 +85,11 @@ def test_memory_limit_treated_like_out_of_memory():
     train(probe, regression_batches(1, 16))  # optimizer state now counts too
     peaks = {}
     for micro in (8, 4):
-        probe.plan = probe.plan.with_micro_batch_size(micro)
+        probe.replan(probe.plan.with_micro_batch_size(micro))
         tuner = probe.micro_batch_tuner
         metered = tuner._metered(mse, track_peak=True)
-        probe._run_window(regression_batches(1, 16)[0], metered)
-        probe._discard_window()
+        probe.run_window(regression_batches(1, 16)[0], metered)
+        probe.discard_window()
         peaks[micro] = tuner.window_peak
     assert peaks[8] > peaks[4]
     batches = regression_batches(2, 16)

@@ -391,7 +391,7 @@ def test_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
 
 def test_auto_micro_batch_size_is_restored_when_it_fits(tmp_path, caplog):
     eng = engine.initialize(mlp(), config(train_micro_batch_size_per_gpu="auto"))
-    eng.plan = eng.plan.with_micro_batch_size(4)  # what the tuner would have settled on
+    eng.replan(eng.plan.with_micro_batch_size(4))  # what the tuner would have settled on
     eng.save_checkpoint(tmp_path / "auto")
     resumed = engine.initialize(mlp(), config(train_micro_batch_size_per_gpu="auto"))
     resumed.load_checkpoint(tmp_path / "auto")

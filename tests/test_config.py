@@ -45,7 +45,7 @@ def test_deepspeed_json_loads_unchanged():
     assert config.optimizer.model_dump() == original["optimizer"]
     assert config.scheduler.model_dump() == original["scheduler"]
     assert config.zero_optimization.model_dump() == {
-        **original["zero_optimization"], "reduce_every_micro_step": False}
+        **original["zero_optimization"], "defer_reduction": False, "shard_unit_size": 16_000_000}
     assert config.zero_optimization.model_extra["overlap_comm"] is True
     assert config.deepspeed_extras == {"steps_per_print": 10, "wall_clock_breakdown": False}
     plan = plan_from_config(config, world_size=2)
@@ -206,7 +206,7 @@ BAD_CONFIGS = [
     ("c.yaml", "zero_optimization:\n  stage: 2\n  overlap_com: true\n",
      "{path}:3: zero_optimization.overlap_com: unknown key; did you mean overlap_comm?"),
     ("c.yaml", "distributed:\n  port: 1\n",
-     "{path}:2: distributed.port: unknown key; expected one of: timeout_seconds, backend"),
+     "{path}:2: distributed.port: unknown key; expected one of: timeout_seconds, agreement_timeout_seconds, backend"),
     ("c.yaml", "seed: abc\n", "{path}:1: seed: expected an integer, got 'abc' (str)"),
     ("c.yaml", "gradient_accumulation_steps: true\n",
      "{path}:1: gradient_accumulation_steps: expected an integer, got True (bool)"),

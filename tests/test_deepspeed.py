@@ -23,7 +23,7 @@ import torch
 
 import engine
 from engine.checkpoint import CheckpointError
-from engine.comm_count import CommCounter
+from bench.comm_count import CommCounter
 from engine.config import load_config
 from engine.data import DistributedBatches
 from engine.microbatch import split_batch
@@ -139,7 +139,7 @@ def short_windows(rank, world, backend, stage, reduce_every=False):
     flushed = tuple(t[:8] for t in batches[1])  # each rank runs 2 of its 4 micro-steps
     short = tuple(t[:12] for t in batches[2])  # 6 of the planned 8 per rank
     expected = reference(model, [batches[0], flushed, short])
-    eng = make_engine(copy.deepcopy(model), backend, stage, 16, 2, zero_extra={"reduce_every_micro_step": reduce_every})
+    eng = make_engine(copy.deepcopy(model), backend, stage, 16, 2, zero_extra={"defer_reduction": not reduce_every})
     for micro_batch in split_batch(rank_slice(batches[0], eng.plan), eng.plan.micro_batch_sizes):
         eng.backward(mse(eng, micro_batch))
         eng.step()
@@ -156,7 +156,7 @@ def failed_batch(rank, world, backend, stage, reduce_every=False):
     trains as if it had never run (gradients already reduced or accumulated are dropped)."""
     model, batches = mlp(dtype=F32), regression_batches(3, 16, dtype=F32)
     expected = reference(model, [batches[0], batches[2]])
-    eng = make_engine(copy.deepcopy(model), backend, stage, 16, 2, zero_extra={"reduce_every_micro_step": reduce_every})
+    eng = make_engine(copy.deepcopy(model), backend, stage, 16, 2, zero_extra={"defer_reduction": not reduce_every})
     eng.train_batch(rank_slice(batches[0], eng.plan), mse)
     calls = [0]
 
@@ -205,7 +205,7 @@ def collectives(rank, world, stage, reduce_every=False):
 
     model, (batch,) = mlp(dtype=F32), regression_batches(1, 16, dtype=F32)
     eng = make_engine(copy.deepcopy(model), "deepspeed", stage, 16, 2,
-                      zero_extra={"reduce_every_micro_step": reduce_every})
+                      zero_extra={"defer_reduction": not reduce_every})
     per_micro_step = []
     with CommCounter() as comm:
         unwatch = comm.watch_deepspeed()
@@ -261,7 +261,7 @@ def bf16_overflow(rank, world, stage):
 def offload_case(rank, world, stage, reduce_every=False):
     """DeepSpeed-only knobs pass through: optimizer (and at ZeRO-3 parameter) offload to CPU,
     with the torch optimizer instance Microstep hands over."""
-    extra = {"offload_optimizer": {"device": "cpu"}, "reduce_every_micro_step": reduce_every}
+    extra = {"offload_optimizer": {"device": "cpu"}, "defer_reduction": not reduce_every}
     if stage == 3:
         extra["offload_param"] = {"device": "cpu"}
     model, batches = mlp(dtype=F32), regression_batches(2, 16, dtype=F32)
@@ -280,7 +280,7 @@ def auto_oom(rank, world, stage, **tripwire):
     expected = reference(tripwire_mlp().float(), batches, optimizer=adamw)
     eng = engine.initialize(model, {"backend": "deepspeed", "train_batch_size": 16,
                                     "train_micro_batch_size_per_gpu": "auto",
-                                    "zero_optimization": zero(stage)}, optimizer=adamw)
+                                    "zero_optimization": zero(stage, defer_reduction=stage == 2)}, optimizer=adamw)
     for batch in batches:
         eng.train_batch(rank_slice(batch, eng.plan), mse)
     return finish(eng, expected, micro=eng.plan.micro_batch_sizes, changes=eng.micro_batch_tuner.changes)
@@ -618,7 +618,7 @@ def test_checkpoint_resumes_on_more_ranks(checkpoint_runs):
 # -- without processes --------------------------------------------------------------------------
 def test_config_translation_leaves_accumulation_to_microstep():
     config = load_config({"backend": "deepspeed", "train_batch_size": 64, "gradient_accumulation_steps": 4,
-                          "zero_optimization": {"stage": 2, "reduce_every_micro_step": True, "overlap_comm": True,
+                          "zero_optimization": {"stage": 2, "defer_reduction": False, "overlap_comm": True,
                                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}},
                           "bf16": {"enabled": True}, "steps_per_print": 7, "wall_clock_breakdown": True,
                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -668,7 +668,7 @@ def test_the_zero3_yaml_config_translates():
     ds = deepspeed_config(config, world_size=2)
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["overlap_comm"] is True
     assert ds["zero_optimization"]["memory_efficient_linear"] is False
-    assert "reduce_every_micro_step" not in ds["zero_optimization"]
+    assert "defer_reduction" not in ds["zero_optimization"] and "shard_unit_size" not in ds["zero_optimization"]
     assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 1.0
 
 
@@ -680,8 +680,10 @@ def test_what_deepspeed_cannot_do_is_refused_before_it_starts():
     assert "auto with backend deepspeed needs ZeRO stage 0, 1 or 2" in problems(
         train_micro_batch_size_per_gpu="auto", zero_optimization={"stage": 3})
     assert "explore" in problems(train_micro_batch_size_per_gpu="explore",
-                                 zero_optimization={"stage": 2, "reduce_every_micro_step": True})
-    assert problems(train_micro_batch_size_per_gpu="auto", zero_optimization={"stage": 2}) == ""
+                                 zero_optimization={"stage": 2, "defer_reduction": False})
+    assert "needs zero_optimization.defer_reduction: true" in problems(train_micro_batch_size_per_gpu="auto",
+                                                                     zero_optimization={"stage": 2})
+    assert problems(train_micro_batch_size_per_gpu="auto", zero_optimization={"stage": 2, "defer_reduction": True}) == ""
     assert problems(zero_optimization={"stage": 3}) == ""
 
 

@@ -199,7 +199,9 @@ def _describe_rank(rank, world_size):
     return {"info": (info.rank, info.local_rank, info.world_size, info.backend),
             "helpers": (distributed.get_rank(), distributed.get_world_size(),
                         distributed.is_distributed()),
-            "control_is_world": distributed.control_group() is dist.group.WORLD,
+            # agreements get a gloo communicator of their own, over every rank
+            "control_is_world": distributed.control_group() is not dist.group.WORLD
+            and dist.get_world_size(distributed.control_group()) == world_size,
             "sum": total.item(), "env": os.environ.get("MICROSTEP_PROBE")}
 
 

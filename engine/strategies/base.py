@@ -1,7 +1,9 @@
 """The strategy interface: how the model is held and how gradients move between ranks.
 
 The engine counts micro-steps, weights losses and decides boundaries; a strategy does the
-backend-specific parts. The engine never asks which strategy it runs on.
+backend-specific parts. The engine never asks which strategy it runs on. Every strategy is
+built as ``Strategy(config, dist)``: the validated config and the one ``DistInfo`` that
+``engine.initialize`` got from joining the process group.
 
 Gradient convention: every strategy leaves the *mean over ranks* of the per-rank
 accumulated gradients (what DDP, FSDP and DeepSpeed all produce), so the engine weights
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.adapters import torch_internals
+from engine.collectives import failure_vote, sum_of_squares
+from engine.distributed import DistInfo
 from engine.precision import Precision, scale_
 from engine.strategies import torch_checkpoint
 
@@ -29,14 +34,22 @@ class StepResult:
     grad_norm: torch.Tensor | None = None
 
 
+def cpu_state_dict(state: dict) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of a state dict (what ``full_state_dict`` hands out)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 class Strategy(ABC):
     """One way of holding a model. Subclasses: one file each in ``engine/strategies``."""
 
     name: str  # short name recorded in checkpoints ("ddp", "fsdp", ...)
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")  # where the model and small collectives live
+    checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
+    group = None  # process group of the strategy's gradient collectives (None: the default)
+
+    def __init__(self, config, dist_info: DistInfo):
+        self.config = config
+        self.rank, self.world_size, self.device = dist_info.rank, dist_info.world_size, dist_info.device
 
     @abstractmethod
     def setup(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -71,8 +84,6 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None: ...
 
-    group = None  # process group of the strategy's gradient collectives (None: the default)
-
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a small tensor over ranks (window statistics)."""
         if self.world_size > 1:
@@ -89,12 +100,17 @@ class Strategy(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state as CPU tensors, on every rank."""
 
+    def held_tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor this rank holds for training: parameters, gradients, optimizer state
+        (and a framework's gathered copies). ``engine.memory.held_bytes`` counts their storages."""
+        params = list(self.module.parameters())
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return params + [p.grad for p in params] + state
+
     def close(self) -> None:
         """Release backend resources (called when the engine is closed)."""
 
     # -- checkpoints (engine.checkpoint) ---------------------------------------------------
-    checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
-
     def save_training_state(self, directory: str) -> None:
         """Write the model and optimizer state into ``directory`` (which may not exist yet).
         Collective: every rank calls it with the same path on a filesystem all ranks share.
@@ -103,19 +119,19 @@ class Strategy(ABC):
 
     def load_training_state(self, directory: str) -> None:
         """Restore what ``save_training_state`` wrote, possibly on another world size.
-        Collective. Raises ``engine.checkpoint.CheckpointError`` on every rank, naming what
-        differs (model keys or shapes, optimizer), before changing anything."""
+        Collective. Raises ``engine.CheckpointError`` on every rank, naming what differs
+        (model keys or shapes, optimizer), before changing anything."""
         raise NotImplementedError(f"{type(self).__name__} cannot load checkpoints")
 
     # -- surviving a failed micro-step (automatic micro-batch size) --------------------------
     def enable_failure_guard(self) -> None:
         """From now on a rank that fails mid-window must not leave its peers blocked in a
         collective: every collective a window issues is preceded by a check of the peers'
-        failure flags (raising PeerFailure), and gradient reduction waits for the end of the
-        window, after ``agree_on_failures``."""
+        failure flags (``collectives.check_peers``, raising PeerError), or waits for the end
+        of the window, after ``agree_on_failures``."""
 
     def agree_on_failures(self, failure: int) -> dict[int, int]:
-        """Every rank calls this once per window attempt (a rank that raised PeerFailure from a
+        """Every rank calls this once per window attempt (a rank that raised PeerError from a
         guard already has) with its failure: 0 none, ``OUT_OF_MEMORY`` or ``OTHER_ERROR``.
         Returns {rank: failure} of the ranks that failed, the same everywhere."""
         if self.world_size == 1:
@@ -131,12 +147,14 @@ class TorchStrategy(Strategy):
     """Shared boundary logic of the strategies built on PyTorch's own machinery: a dynamic
     loss scaler from ``engine.precision`` and clipping by the global gradient norm."""
 
-    def __init__(self, precision: Precision, device: torch.device):
-        self.precision = precision
-        self.device = device
-        if dist.is_initialized():
-            self.rank = dist.get_rank()
-            self.world_size = dist.get_world_size()
+    # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any
+    # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
+    checkpoint_format = "torch-dcp"
+
+    def __init__(self, config, dist_info: DistInfo):
+        torch_internals.check()
+        super().__init__(config, dist_info)
+        self.precision = Precision(config, self.device.type)
 
     @property
     def loss_scaler(self):
@@ -162,11 +180,7 @@ class TorchStrategy(Strategy):
         self.optimizer.step()
 
     def full_state_dict(self):
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-
-    # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any
-    # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
-    checkpoint_format = "torch-dcp"
+        return cpu_state_dict(self.module.state_dict())
 
     def save_training_state(self, directory):
         torch_checkpoint.save_training_state(self.module, self.optimizer, directory)
@@ -186,7 +200,10 @@ class TorchStrategy(Strategy):
         elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
             scale_(grads, multiplier)
         if max_norm > 0:
-            norm = clip_grad_norm_(grads, max_norm, self)
+            norm = self.global_grad_norm(grads)
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ rule
+            if grads:
+                scale_(grads, coefficient)
         else:
             norm = self.global_grad_norm(grads) if want_norm else None
         self.optimizer_step()
@@ -202,40 +219,3 @@ class TorchStrategy(Strategy):
         if self.gradients_are_sharded():
             squares = self.all_reduce_sum(squares)
         return squares.sqrt()
-
-
-OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
-
-
-class PeerFailure(RuntimeError):
-    """Raised on a healthy rank when a peer failed mid-window (e.g. ran out of memory)."""
-
-    def __init__(self, failures: dict[int, int]):
-        super().__init__(f"rank(s) {', '.join(map(str, failures))} failed in this window")
-        self.failures = failures
-
-
-def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -> dict[int, int]:
-    """One all-reduce of a per-rank vector: {rank: failure} of the ranks reporting one."""
-    votes = torch.zeros(world_size, dtype=torch.int32, device=device)
-    votes[rank] = int(failure)
-    dist.all_reduce(votes, group=group)
-    return {r: int(votes[r]) for r in torch.nonzero(votes).flatten().tolist()}
-
-
-def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ of the squared elements of ``tensors``, a float64 scalar on ``device``."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([n.to(torch.float64) for n in norms]).square().sum().to(device)
-
-
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, strategy: TorchStrategy) -> torch.Tensor:
-    """Scale ``grads`` so the global norm is at most ``max_norm``, with the same coefficient
-    as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1)."""
-    norm = strategy.global_grad_norm(grads)
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if grads:
-        scale_(grads, coefficient)
-    return norm

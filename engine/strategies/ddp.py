@@ -2,55 +2,18 @@
 
 DDP decides in the *forward* whether the coming backward all-reduces, so the engine calls
 ``prepare_micro_step`` before every forward; only the micro-step that closes the window
-syncs. A window that ends without such a micro-step (``step(flush=True)``) or whose sync
-was deliberately deferred is all-reduced afterwards, in buckets, by ``reduce_gradients``.
+syncs. A window that ends without such a micro-step (``flush()``) or whose sync was
+deliberately deferred is all-reduced afterwards, in buckets, by ``reduce_gradients``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.adapters.torch_internals import set_ddp_gradient_sync
+from engine.collectives import all_reduce_mean_
 from engine.strategies.base import TorchStrategy
-
-BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES):
-    """Consecutive runs of same-dtype, same-device tensors of at most ``limit`` bytes."""
-    bucket, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > limit or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
-    """Replace each tensor by its mean over ranks, one flat all-reduce per bucket."""
-    for bucket in buckets(tensors):
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        for tensor, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            tensor.copy_(reduced)
-
-
-@torch.no_grad()
-def broadcast_(tensors: list[torch.Tensor], src: int) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket."""
-    for bucket in buckets(tensors):
-        flat = _flatten_dense_tensors(bucket)
-        dist.broadcast(flat, src=src)
-        if dist.get_rank() != src:
-            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                tensor.copy_(value)
 
 
 class DataParallel(TorchStrategy):
@@ -68,12 +31,13 @@ class DataParallel(TorchStrategy):
 
     def prepare_micro_step(self, closes_window):
         syncs = closes_window and not self._defer_reduction
-        self.forward_module.require_backward_grad_sync = syncs
+        set_ddp_gradient_sync(self.forward_module, syncs)
         self._backward_syncs = syncs
 
     def enable_failure_guard(self):
         # No collective inside a window at all: the all-reduce runs after the window's vote,
         # so a rank failing in its backward can never leave a peer inside DDP's reducer.
+        # (ZeRO-0 holds full-size gradients anyway: deferring costs no memory.)
         self._defer_reduction = True
 
     def reduce_gradients(self):

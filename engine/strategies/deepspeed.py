@@ -7,14 +7,16 @@ weighted by the engine, and ``set_gradient_accumulation_boundary`` is set before
 micro-step. Gradient reduction per window:
 
 * stage 0: all-reduce in the backward of the closing micro-step;
-* stages 1–3: backwards run inside DeepSpeed's ``coalesce_grad_reduction`` (gradients stay
-  local, full size) and one reduction pass runs at the boundary — as on the torch backend.
-  ``reduce_every_micro_step: true`` at stages 2/3 gives DeepSpeed's native behaviour:
-  reduce after every micro-step, partitioned gradients.
+* stage 1: backwards run inside DeepSpeed's ``coalesce_grad_reduction`` (gradients stay
+  local and full-size, as ZeRO-1 holds them anyway) and one reduction pass runs at the
+  boundary;
+* stages 2/3: DeepSpeed's own ZeRO — gradients reduced into partitions after every
+  micro-step — unless ``defer_reduction`` holds them full-size for one coalesced reduction
+  per window (``true``, or ``"auto"`` when it fits, see ``engine.strategies.deferral``).
 
 A gradient multiplier known only at the boundary (short windows, token counts) goes
-through the ZeRO optimizer's loss scale at stages 1–3 (it divides gradients by it before
-clipping and stepping; no extra communication) and straight into ``.grad`` at stage 0.
+through the ZeRO optimizer's loss scale at stages 1–3 and straight into ``.grad`` at
+stage 0 (``engine.adapters.deepspeed_internals``).
 
 What DeepSpeed cannot do under this contract is refused when the engine is built, never
 mid-training: see ``unsupported`` and docs/deepspeed.md.
@@ -22,7 +24,6 @@ mid-training: see ``unsupported`` and docs/deepspeed.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -30,25 +31,24 @@ import logging
 import os
 import shutil
 import tempfile
-import warnings
 
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError
-from engine.strategies.base import StepResult, Strategy, sum_of_squares
+from engine.adapters import deepspeed_internals as internals
+from engine.adapters.torch_internals import foreach_mul_
+from engine.collectives import sum_of_squares
+from engine.errors import CheckpointError, ConfigError
+from engine.strategies.base import StepResult, Strategy, cpu_state_dict
+from engine.strategies.deferral import ReductionDeferral
 
 log = logging.getLogger("engine")
 
 # Microstep keys that do not exist in DeepSpeed's zero_optimization section.
-_OUR_ZERO_KEYS = {"reduce_every_micro_step"}
-# The optimizers DeepSpeed wraps a torch optimizer in at ZeRO-1/2/3 whose loss scale
-# divides the gradient before clipping and stepping (how a window's multiplier is applied).
-_ZERO_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+_OUR_ZERO_KEYS = {"defer_reduction", "shard_unit_size"}
 TAG = "deepspeed"  # the DeepSpeed checkpoint tag (a sub-directory of model_optimizer/)
 STATE_FILE = "microstep_deepspeed.json"  # what the checkpoint was saved with
-INSTALL_HINT = ("backend: deepspeed needs the deepspeed package: pip install 'microstep[deepspeed]' "
-                "(or set backend: torch)")
+INSTALL_HINT = internals.INSTALL_HINT
 
 
 def deepspeed_config(config, world_size: int) -> dict:
@@ -85,32 +85,26 @@ def deepspeed_config(config, world_size: int) -> dict:
 def unsupported(config) -> list[str]:
     """What this backend refuses, as config problems (checked before DeepSpeed starts)."""
     problems = []
-    stage = config.zero_optimization.stage
+    zero = config.zero_optimization
     op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
     if op != "mean":
         problems.append(
             f"gradient_allreduce_op: {op!r}: Microstep weights every micro-batch loss by its share of the "
             "global batch and relies on DeepSpeed averaging gradients over ranks; remove the key")
     micro = config.train_micro_batch_size_per_gpu
-    if micro in ("auto", "explore") and (stage == 3 or stage == 2 and config.zero_optimization.reduce_every_micro_step):
+    if micro in ("auto", "explore") and zero.stage == 3:
         problems.append(
-            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed needs ZeRO stage 0, 1 or 2 "
-            "without reduce_every_micro_step: DeepSpeed communicates inside every ZeRO-3 forward (and "
-            "inside every backward with reduce_every_micro_step), where one rank's out-of-memory cannot "
-            "be agreed on without a hang. Give a number, or use backend: torch (its ZeRO-3 supports auto)")
+            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed needs ZeRO stage 0, 1 or 2: "
+            "DeepSpeed's ZeRO-3 communicates inside every forward, where one rank's out-of-memory cannot be "
+            "agreed on without a hang. Give a number, or use backend: torch (its ZeRO-3 supports auto and "
+            "keeps ZeRO-3 memory)")
+    elif micro in ("auto", "explore") and zero.stage == 2 and zero.defer_reduction is not True:
+        problems.append(
+            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed at ZeRO stage 2 needs "
+            "zero_optimization.defer_reduction: true: DeepSpeed's ZeRO-2 reduces inside every backward, where "
+            "one rank's out-of-memory cannot be agreed on without a hang; deferring holds full-size gradients "
+            "until the window's end instead. Or use backend: torch, whose ZeRO-2 keeps its memory under auto")
     return problems
-
-
-def _import_deepspeed():
-    try:
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
-    except ImportError:
-        raise ConfigError([INSTALL_HINT]) from None
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    return deepspeed
 
 
 @contextlib.contextmanager
@@ -138,16 +132,13 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     checkpoint_format = "deepspeed"
 
-    def __init__(self, config, device: torch.device, world_size: int, rank: int):
+    def __init__(self, config, dist_info):
         problems = unsupported(config)
         if problems:
             raise ConfigError(problems)
-        self.config = config
-        self.device = device
-        self.world_size, self.rank = world_size, rank
+        super().__init__(config, dist_info)
         self.stage = config.zero_optimization.stage
-        self.coalesce = self.stage >= 1 and not (config.zero_optimization.reduce_every_micro_step and self.stage >= 2)
-        self.deepspeed = _import_deepspeed()
+        self.deepspeed = internals.import_deepspeed()
         if config.fp16.enabled and not self.deepspeed.get_accelerator().is_fp16_supported():
             raise ConfigError([(
                 f"fp16.enabled: DeepSpeed's {self.deepspeed.get_accelerator().device_name()} accelerator has no "
@@ -155,7 +146,8 @@ class DeepSpeedStrategy(Strategy):
                 "backend: torch (its fp16 autocast and loss scaler work here)")])
         self._block = None  # the open coalesce_grad_reduction block
         self._closes = True
-        self._defer_reduction = False
+        self._guarded = False
+        self._window_coalesces = None  # decided at a window's first micro-step
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, module, optimizer):
@@ -164,64 +156,68 @@ class DeepSpeedStrategy(Strategy):
                 "backend deepspeed: the model has float64 parameters. DeepSpeed cannot reduce float64 gradients "
                 "at ZeRO stage 0 (it fails in the first boundary's backward) and keeps fp32 master copies at "
                 "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
-        if not dist.is_initialized():
-            _init_single_process_group()
+        gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         ds_config = deepspeed_config(self.config, self.world_size)
         try:
             # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets
             # unless the config does: any torch optimizer steps exactly as on the torch backend.
             untested = "zero_allow_untested_optimizer" not in self.config.deepspeed_extras
             with _quiet_stdout(), _without_log(self.deepspeed.utils.logger, "untested optimizer", untested):
-                self.engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
-                                                            dist_init_required=False)
+                self.ds_engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                                               dist_init_required=False)
         except (AssertionError, ValueError, NotImplementedError) as error:
             raise ConfigError([(f"backend deepspeed: DeepSpeed refused the configuration: {error} "
                                 f"(the DeepSpeed config Microstep built: {ds_config})")]) from error
-        self.module = self.engine.module
-        self.forward_module = self.engine
+        self.module = self.ds_engine.module
+        self.forward_module = self.ds_engine
         self.optimizer = optimizer  # DeepSpeed steps it; schedulers and the monitor read its lr
         self._cast_inputs = torch.bfloat16 if self.config.bf16.enabled else \
             torch.float16 if self.config.fp16.enabled else None
-        chosen = type(self.engine.optimizer).__name__
-        if self.stage >= 1 and chosen not in _ZERO_OPTIMIZERS:
-            self.engine.destroy()
-            raise ConfigError([(
-                f"backend deepspeed: at ZeRO stage {self.stage} DeepSpeed chose {chosen} instead of its ZeRO "
-                "optimizer (bf16 with data_types.grad_accum_dtype: fp32 does that at stage 1). Microstep applies a "
-                "window's exact weight through the ZeRO optimizer's loss scale, which this optimizer ignores, and "
-                "it cannot defer gradient reduction to the window's end: remove data_types.grad_accum_dtype")])
+        problem = internals.check_optimizer(self.ds_engine.optimizer, self.stage)
+        if problem:
+            self.ds_engine.destroy()
+            raise ConfigError([f"backend deepspeed: {problem}"])
+        self.deferral = ReductionDeferral(self.config.zero_optimization.defer_reduction if self.stage >= 2 else False,
+                                          self, extra_bytes=gradient_bytes, memory_limit=self.config.auto_memory_limit)
 
     def forward(self, *args, **kwargs):
         if self._cast_inputs is not None:  # DeepSpeed's half-precision models want half inputs
             args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
-        return self.engine(*args, **kwargs)
+        return self.ds_engine(*args, **kwargs)
 
     # -- a window -----------------------------------------------------------------------------
+    def _coalesces(self) -> bool:
+        """Whether this window's backwards keep gradients local for one reduction at its end."""
+        if self._window_coalesces is None:
+            self._window_coalesces = self.stage == 1 or self.stage >= 2 and self.deferral.deferring
+        return self._window_coalesces
+
     def prepare_micro_step(self, closes_window):
         # The block opens before the first forward, so that every rank that started a window
         # holds one, even when its forward then fails (see discard_window).
         self._open_block()
-        self._closes = closes_window and not self._defer_reduction
-        self.engine.set_gradient_accumulation_boundary(self._closes)
+        self._closes = closes_window and not self._guarded
+        self.ds_engine.set_gradient_accumulation_boundary(self._closes)
 
     def backward(self, loss, weight):
         self._open_block()
-        self.engine.backward(loss * weight, scale_wrt_gas=False)
+        self.ds_engine.backward(loss * weight, scale_wrt_gas=False)
+        self.deferral.observe()
 
     def reduce_gradients(self):
         if self._block is not None:  # leaving the block runs the one reduction pass
             self._close_block()
-            self.engine.set_gradient_accumulation_boundary(True)  # the block restored its own value
+            self.ds_engine.set_gradient_accumulation_boundary(True)  # the block restored its own value
         elif not self._closes:  # a window closed early, or reduction deferred
-            self.engine.set_gradient_accumulation_boundary(True)
+            self.ds_engine.set_gradient_accumulation_boundary(True)
             if self.stage >= 2:  # every backward reduced already: only the boundary's bookkeeping is left
-                self.engine.optimizer.finalize_gradient_accumulation_boundary()
+                internals.finish_reduced_boundary(self.ds_engine)
             else:
-                self.engine.allreduce_gradients()
+                self.ds_engine.allreduce_gradients()
 
     def _open_block(self):
-        if self.coalesce and self._block is None:
-            self._block = self.engine.coalesce_grad_reduction()
+        if self._block is None and self._coalesces():
+            self._block = self.ds_engine.coalesce_grad_reduction()
             self._block.__enter__()
 
     def _close_block(self):
@@ -235,74 +231,53 @@ class DeepSpeedStrategy(Strategy):
         if self.stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             if factor != 1.0 and grads:
-                torch._foreach_mul_(grads, factor)
+                foreach_mul_(grads, factor)
             if wants_norm:  # DeepSpeed computes it at stage 0 but does not expose it
-                norm = sum_of_squares(grads, self.device).sqrt() / _loss_scale(self.engine.optimizer)
-            self.engine.step()
+                norm = sum_of_squares(grads, self.device).sqrt() / internals.stage0_loss_scale(self.ds_engine.optimizer)
+            self.ds_engine.step()
         else:
-            scaler = self.engine.optimizer
-            if factor != 1.0:
-                scaler.loss_scale = scaler.loss_scale / factor  # gradients are divided by it
-            try:
-                self.engine.step()
-            finally:
-                if factor != 1.0:
-                    scaler.loss_scale = scaler.loss_scale * factor  # keeps DeepSpeed's own updates
+            with internals.scaled_step(self.ds_engine, factor):
+                self.ds_engine.step()
             if wants_norm:
-                value = self.engine.get_global_grad_norm()
+                value = self.ds_engine.get_global_grad_norm()
                 norm = None if value is None else torch.as_tensor(float(value), dtype=torch.float64)
-        return StepResult(applied=self.engine.was_step_applied(), grad_norm=norm)
+        self.deferral.review()
+        self._window_coalesces = None
+        return StepResult(applied=self.ds_engine.was_step_applied(), grad_norm=norm)
 
     def zero_grad(self):
         pass  # DeepSpeed clears gradients inside step()
 
     # -- surviving a failed micro-step ------------------------------------------------------------
     def enable_failure_guard(self):
-        # Stages 0-2 without reduce_every_micro_step issue no collective inside a window once
-        # its reduction is deferred to the boundary (``unsupported`` refuses the others).
-        if self.stage == 3 or not self.coalesce and self.stage >= 2:
-            raise ConfigError([("backend deepspeed: an automatic micro-batch size needs ZeRO stage 0, 1 or 2 "
-                                "without reduce_every_micro_step (see engine.strategies.deepspeed.unsupported)")])
-        self._defer_reduction = True
+        # ``unsupported`` leaves only windows that issue no collective once the reduction waits
+        # for the boundary: stage 0 (no boundary backward), stage 1 and deferred stage 2 (coalesced).
+        self._guarded = True
 
     def discard_window(self):
         """Forget this rank's gradients of the window in progress, without any collective (a
         failed window is discarded by every rank after a vote, or by one rank whose batch
-        raised). This is the clean-up DeepSpeed itself runs when it skips an overflowing step.
-        A coalesce block stays open: the next window continues in it and its one reduction
-        runs at that window's end."""
-        optimizer = self.engine.optimizer
-        self.engine.zero_grad()  # parameters' .grad (first: ZeRO-3's zero_grad fails on CPU gradients)
-        if self.stage >= 1:
-            optimizer.zero_grad(set_to_none=True)  # grad_accum; ZeRO-3: its micro-step count
-            if self.stage <= 2:
-                optimizer.micro_step_id = -1  # as after step(): the next reduction copies, not adds
-                optimizer._release_preflattened_grad_buffers()
-            if getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
-                optimizer.reset_cpu_buffers()  # offload: the accumulated CPU copies
-            elif self.stage <= 2:
-                for key in list(optimizer.averaged_gradients):
-                    optimizer.averaged_gradients[key] = None
-                    optimizer.all_grad_tensors[key] = None
-            else:
-                optimizer.averaged_gradients = {}
+        raised). A coalesce block stays open: the next window continues in it and its one
+        reduction runs at that window's end."""
+        internals.drop_window_gradients(self.ds_engine, self.stage)
 
     # -- state ------------------------------------------------------------------------------------
+    def held_tensors(self):
+        return list(internals.held_tensors(self.ds_engine))
+
     def full_state_dict(self):
         with self.deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None,
                                                     enabled=self.stage == 3):
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+            return cpu_state_dict(self.module.state_dict())
 
     def save_training_state(self, directory):
         directory = str(directory)
-        self.engine.save_checkpoint(directory, tag=TAG, client_state={}, save_latest=False)
+        self.ds_engine.save_checkpoint(directory, tag=TAG, client_state={}, save_latest=False)
         if self.rank == 0:
             with open(os.path.join(directory, STATE_FILE), "w") as f:
                 json.dump({"stage": self.stage, "world_size": self.world_size}, f)
 
     def load_training_state(self, directory):
-        from engine.checkpoint import CheckpointError
-
         directory = str(directory)
         try:
             with open(os.path.join(directory, STATE_FILE)) as f:
@@ -319,8 +294,8 @@ class DeepSpeedStrategy(Strategy):
             self._load_universal(directory, saved["world_size"])
             return
         try:
-            path, _ = self.engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=False)
+            path, _ = self.ds_engine.load_checkpoint(directory, tag=TAG, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=False)
         except Exception as error:  # DeepSpeed raises many kinds; say what it was
             raise CheckpointError(f"DeepSpeed could not load {directory}: {type(error).__name__}: {error}") from error
         if path is None:
@@ -329,8 +304,6 @@ class DeepSpeedStrategy(Strategy):
     def _load_universal(self, directory: str, saved_world: int) -> None:
         """ZeRO-1/2/3 state saved on another number of ranks: rank 0 converts it to DeepSpeed's
         universal checkpoint (next to the checkpoint, removed afterwards), every rank loads it."""
-        from engine.checkpoint import CheckpointError
-
         outcome = [None, None]  # [universal directory, error]
         if self.rank == 0:
             checkpoint = os.path.dirname(os.path.abspath(directory))
@@ -338,7 +311,7 @@ class DeepSpeedStrategy(Strategy):
                 outcome[0] = tempfile.mkdtemp(prefix=f".{os.path.basename(checkpoint)}.universal-",
                                               dir=os.path.dirname(checkpoint))
                 with _quiet_stdout():
-                    _to_universal(os.path.join(directory, TAG), os.path.join(outcome[0], TAG))
+                    internals.to_universal(os.path.join(directory, TAG), os.path.join(outcome[0], TAG))
             except Exception as error:  # noqa: BLE001 - reported on every rank below
                 outcome[1] = f"{type(error).__name__}: {error}"
         if self.world_size > 1:
@@ -346,16 +319,13 @@ class DeepSpeedStrategy(Strategy):
         universal, problem = outcome
         try:
             if problem is None:
-                config = self.engine._config
-                config.load_universal_checkpoint = True
                 try:
-                    path, _ = self.engine.load_checkpoint(universal, tag=TAG, load_optimizer_states=True,
-                                                          load_lr_scheduler_states=False)
+                    with internals.universal_checkpoint_loading(self.ds_engine):
+                        path, _ = self.ds_engine.load_checkpoint(universal, tag=TAG, load_optimizer_states=True,
+                                                                 load_lr_scheduler_states=False)
                     problem = None if path is not None else "no model state found"
                 except Exception as error:  # noqa: BLE001
                     problem = f"{type(error).__name__}: {error}"
-                finally:
-                    config.load_universal_checkpoint = False
         finally:
             if self.world_size > 1:
                 dist.barrier()
@@ -373,25 +343,7 @@ class DeepSpeedStrategy(Strategy):
         if self._block is not None:  # a window abandoned with the engine
             self.discard_window()
             self._close_block()  # no gradient left: its flush reduces nothing
-        self.engine.destroy()
-
-
-def _loss_scale(optimizer) -> float:
-    """The loss scale of DeepSpeed's stage-0 fp16 optimizers (1 for a plain torch optimizer)."""
-    for owner in (optimizer, getattr(optimizer, "loss_scale_config", None)):
-        scale = getattr(owner, "cur_scale", None)
-        if isinstance(scale, (int, float)):
-            return float(scale)
-    return 1.0
-
-
-def _to_universal(source: str, target: str) -> None:
-    """DeepSpeed's ``ds_to_universal`` (missing universal metadata injected), in-process."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    ds_to_universal.main(args)
+        self.ds_engine.destroy()
 
 
 def _cast_floating(tree, dtype):
@@ -402,16 +354,3 @@ def _cast_floating(tree, dtype):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_cast_floating(v, dtype) for v in tree)
     return tree
-
-
-def _init_single_process_group() -> None:
-    """DeepSpeed needs a process group even for one process: a local one-rank gloo group."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
-                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
-    dist.init_process_group("gloo", rank=0, world_size=1)

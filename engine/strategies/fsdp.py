@@ -1,14 +1,24 @@
 """ZeRO stages 2 and 3 on FSDP2 (``fully_shard``): parameters, gradients and optimizer
 state sharded across ranks.
 
-Stage 2 keeps parameters gathered from forward to backward; stage 3 reshards them after
-each forward (less memory, an all-gather again in the backward). Inside a window the
-gradient reduce-scatter and the resharding after backward are both deferred, so unsharded
-gradients accumulate locally and a window costs one reduce-scatter per shard group
-(stage 2: also one all-gather; stage 3: one in the first forward and one per backward,
-since parameters stay gathered from a backward to the next forward). ``reduce_every_micro_step`` reduce-scatters after every micro-step instead,
-accumulating sharded gradients; at stage 3 it also frees the gathered parameters after
-every backward: ZeRO-3's memory profile, for more traffic.
+Shard units. The layers of the model's outermost ``ModuleList`` / ``Sequential`` (its
+transformer blocks, an MLP's layers) are sharded in groups of consecutive layers holding at
+least ``zero_optimization.shard_unit_size`` parameters; the root unit takes the rest. Fewer,
+larger units mean fewer, larger collectives, as DeepSpeed's bucket sizes do.
+
+Memory, by default (``defer_reduction: false``): every backward reduce-scatters its
+gradients into shards, so no rank holds a full-size gradient between micro-steps.
+* Stage 2 keeps parameters gathered from a window's first forward to its last backward
+  (ZeRO-2 holds them whole anyway): one all-gather per window, one reduce-scatter per
+  micro-step.
+* Stage 3 frees gathered parameters after every forward and every backward and gathers
+  them again for the next — except the root unit's, kept from its forward to its backward
+  (FSDP2's rule: they would be gathered again at once).
+
+``defer_reduction: true`` trades memory for traffic: gradients accumulate full-size and
+parameters stay gathered for the whole window, which then costs one all-gather and one
+reduce-scatter per unit whatever its number of micro-steps. ``"auto"`` chooses per window
+(``engine.strategies.deferral``).
 """
 
 from __future__ import annotations
@@ -16,24 +26,59 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from engine.strategies.base import PeerFailure, TorchStrategy, failure_vote
-from engine.strategies.ddp import broadcast_
+from engine.adapters.torch_internals import (
+    drop_unreduced_gradients, fsdp_held_tensors, guarded_comms, reduce_accumulated_gradients,
+)
+from engine.collectives import broadcast_, check_peers
+from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.deferral import ReductionDeferral
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
-def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The submodules sharded as units of their own (bottom-up order): the entries of every
-    ``ModuleList`` / ``Sequential`` that hold parameters, e.g. transformer blocks. Whatever
-    they leave out belongs to the root's unit."""
+def _parameter_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _layers(container: torch.nn.Module):
+    """A container's entries, with nested containers opened up."""
+    for child in container.children():
+        if isinstance(child, _CONTAINERS):
+            yield from _layers(child)
+        else:
+            yield child
+
+
+def _outermost_containers(module: torch.nn.Module):
+    if isinstance(module, _CONTAINERS):
+        yield module
+        return
+    for child in module.children():
+        yield from _outermost_containers(child)
+
+
+def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.Module]]:
+    """Groups of consecutive layers of the outermost containers, each closed once it holds
+    ``unit_size`` parameters (a container's last group may hold fewer). Layers without
+    parameters join whichever group is open. A group holding the whole model is left to the
+    root unit."""
     units = []
-    for container in module.modules():
-        if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-            units += [child for child in container if any(True for _ in child.parameters())]
-    return [m for m in reversed(units) if m is not module]
+    for container in _outermost_containers(module):
+        group, size = [], 0
+        for layer in _layers(container):
+            group.append(layer)
+            size += _parameter_count(layer)
+            if size >= unit_size:
+                units.append(group)
+                group, size = [], 0
+        if size:
+            units.append(group)
+    total = _parameter_count(module)
+    return [group for group in units if sum(map(_parameter_count, group)) < total]
 
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
@@ -48,124 +93,104 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
 
-def _check_peers(group, *, rank: int, world_size: int, device) -> None:
-    failures = failure_vote(0, rank, world_size, device, group)
-    if failures:
-        raise PeerFailure(failures)
-
-
-class _GuardedAllGather:
-    """FSDP2's all-gather (custom-comm interface), preceded by a check of the peers' flags.
-    Buffers are allocated before ``__call__``, so a rank that runs out of memory allocating
-    them fails before the check, which its vote then answers."""
-
-    def __init__(self, guard):
-        self.guard = guard
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.guard(group)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _GuardedReduceScatter(_GuardedAllGather):
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.guard(group)
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-
-
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
 
-    def __init__(self, precision, device, *, stage: int, reduce_every_micro_step: bool = False):
-        super().__init__(precision, device)
-        self.stage = stage
-        self.reduce_every_micro_step = reduce_every_micro_step
-        self._backward_closes_window = True
+    def __init__(self, config, dist_info):
+        super().__init__(config, dist_info)
+        self.stage = config.zero_optimization.stage
+        self._flags = None  # (gradient sync, reshard after backward, reshard after forward) last set
+        self._window_defers = None  # decided at a window's first micro-step
 
     def setup(self, module, optimizer):
         module = module.to(self.device)
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
         names = {id(p): name for name, p in module.named_parameters()}
+        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        everything = sum(p.numel() * p.element_size() for p in module.parameters())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        reshard_after_forward = self.stage == 3
-        for unit in shard_units(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.inner_units = []
+        for group in shard_units(module, self.config.zero_optimization.shard_unit_size):
+            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3)
+            self.inner_units.append(group[0])  # the modules of one group share their FSDP state
+        # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
+        fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False)
         _repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
         self.group = mesh.get_group()
-        self._defer_reduction = False
-        self._flags = None  # (requires_gradient_sync, reshard_after_backward) last set
+        # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
+        self.deferral = ReductionDeferral(self.config.zero_optimization.defer_reduction, self,
+                                          extra_bytes=trainable + (everything if self.stage == 3 else 0),
+                                          memory_limit=self.config.auto_memory_limit)
 
+    def _units(self) -> list[FSDPModule]:
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+
+    # -- a window -----------------------------------------------------------------------------
     def prepare_micro_step(self, closes_window):
-        closes = closes_window and not self._defer_reduction
-        # Keep parameters gathered between the window's micro-steps (no all-gather in the next
-        # forward); reshard at its end so the optimizer updates the shards while no stale
-        # unsharded copy is registered. ZeRO-3 asked to save memory (reduce_every_micro_step)
-        # frees them after every backward instead.
-        lean = self.reduce_every_micro_step and self.stage == 3
-        flags = (closes or self.reduce_every_micro_step, closes or lean)
-        if flags != self._flags:  # each setter walks every module: only when they change
-            self.module.set_requires_gradient_sync(flags[0])
-            self.module.set_reshard_after_backward(flags[1])
-            self._flags = flags
-        self._backward_closes_window = closes
+        if self._window_defers is None:  # the window's first micro-step
+            self._window_defers = self.deferral.deferring
+        defers = self._window_defers
+        flags = (closes_window or not defers,  # reduce-scatter in this backward
+                 closes_window or (self.stage == 3 and not defers),  # free gathered parameters after it
+                 self.stage == 3 and not defers)  # free them after each forward (non-root units)
+        if flags == self._flags:  # each setter walks every module: only when they change
+            return
+        sync, after_backward, after_forward = flags
+        self.module.set_requires_gradient_sync(sync)
+        self.module.set_reshard_after_backward(after_backward)
+        if self._flags is None or after_forward != self._flags[2]:
+            for unit in self.inner_units:
+                unit.set_reshard_after_forward(after_forward, recurse=False)
+        self._flags = flags
+
+    def backward(self, loss, weight):
+        super().backward(loss, weight)
+        self.deferral.observe()
+
+    def reduce_gradients(self):
+        sync, after_backward, _ = self._flags
+        if not sync:  # a deferred window closed early (flush): reduce and reshard now
+            reduce_accumulated_gradients(self.module)
+            self._flags = None
+        elif not after_backward:  # parameters still gathered: the step updates the shards
+            self.release_gathered_parameters()
+
+    def step(self, multiplier, max_norm, want_norm=False):
+        result = super().step(multiplier, max_norm, want_norm)
+        self.deferral.review()
+        self._window_defers = None
+        return result
 
     def release_gathered_parameters(self):
         for unit in self._units():
             unit.reshard()
 
+    # -- surviving a failed micro-step ----------------------------------------------------------
     def enable_failure_guard(self):
-        # All-gathers happen inside forward and backward: each first checks the peers' flags.
-        # The window's reduce-scatter waits for the end-of-window vote (reduce_gradients).
-        self._defer_reduction = True
-        guard = functools.partial(_check_peers, rank=self.rank, world_size=self.world_size, device=self.device)
+        # Every all-gather and reduce-scatter first checks the peers' flags, so gradients can
+        # still be reduced after every micro-step (ZeRO memory) under an automatic micro size.
+        guard = functools.partial(check_peers, rank=self.rank, world_size=self.world_size, device=self.device)
         for unit in self._units():
-            unit.set_custom_all_gather(_GuardedAllGather(guard))
-            unit.set_custom_reduce_scatter(_GuardedReduceScatter(guard))
+            all_gather, reduce_scatter = guarded_comms(guard)
+            unit.set_custom_all_gather(all_gather)
+            unit.set_custom_reduce_scatter(reduce_scatter)
 
     def discard_window(self):
-        # reset_iter_state drops FSDP's half-finished forward/backward bookkeeping but keeps
-        # the unsharded gradients accumulated so far: clear those by hand.
-        self.module.reset_iter_state()
-        for unit in self._units():
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    if hasattr(param, "_unsharded_param"):
-                        param._unsharded_param.grad = None
-                    param.unsharded_accumulated_grad = None
+        drop_unreduced_gradients(self.module, self._units())
         self.zero_grad()
-        self._backward_closes_window = True
+        self._window_defers = None
 
-    def _units(self) -> list[FSDPModule]:
-        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
-
-    def reduce_gradients(self):
-        if not self._backward_closes_window:
-            self._finish_backward_now()
-
-    def _finish_backward_now(self) -> None:
-        """Reduce-scatter the gradients accumulated without sync and reshard, as the end of
-        a closing backward would have. FSDP2 has no public call for this; its end-of-backward
-        callback does exactly it (tested in tests/test_distributed.py, short windows)."""
-        self.module.set_requires_gradient_sync(True)
-        self.module.set_reshard_after_backward(True)
-        self._flags = (True, True)
-        state = self.module._get_fsdp_state()
-        state._state_ctx.is_last_backward = True
-        state._root_post_backward_final_callback()
-        self._backward_closes_window = True
-
+    # -- what this rank holds ---------------------------------------------------------------------
     def local_gradients(self):
         return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
 
     def gradients_are_sharded(self):
         return True
 
+    def held_tensors(self):
+        return super().held_tensors() + list(fsdp_held_tensors(self._units()))
+
     def full_state_dict(self):
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return cpu_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)))

@@ -13,8 +13,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from engine.checkpoint import CheckpointError, agree, describe
+from engine.collectives import agree, describe
 from engine.distributed import control_group
+from engine.errors import CheckpointError
 
 
 def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:

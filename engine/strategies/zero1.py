@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.strategies.ddp import DataParallel, broadcast_
+from engine.collectives import broadcast_
+from engine.strategies.ddp import DataParallel
 
 
 def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:

@@ -1,0 +1,136 @@
+"""The torch internals Microstep uses, checked once when a strategy is built.
+
+Supported: torch 2.11 (what the GPU machines ship) through 2.13 (CI). Each entry below is
+either a private name (leading underscore) or a semi-public attribute whose meaning is not
+documented as stable; what was checked in the 2.11 and 2.13 sources is written next to it
+(docs/compatibility.md has the whole audit). A torch outside the tested range, or one
+missing a name, is refused at ``engine.initialize`` with the tested versions named, instead
+of failing mid-training (``drop_unreduced_gradients`` runs only after an out-of-memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._utils
+
+from engine.errors import UnsupportedFrameworkError
+
+TESTED = ((2, 11), (2, 13))  # inclusive, major.minor
+
+# -- tensors (stable private helpers, used by torch.nn.utils and the optimizers) -----------
+flatten = torch._utils._flatten_dense_tensors
+unflatten = torch._utils._unflatten_dense_tensors
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+# GradScaler's fused kernel: multiply by inv_scale and flag non-finite values in one pass.
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+def version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check() -> None:
+    """Refuse a torch this adapter was not tested with, or one lacking a name it uses."""
+    (low, high), found = TESTED, version()
+    tested = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    if not low <= found <= high:
+        raise UnsupportedFrameworkError(
+            f"torch {torch.__version__} is not supported: Microstep is tested with torch {tested} and "
+            "relies on torch internals that change between releases; install a tested version "
+            "(e.g. pip install torch==2.13.0)")
+    missing = [name for name, present in _required() if not present]
+    if missing:
+        raise UnsupportedFrameworkError(
+            f"torch {torch.__version__} lacks {', '.join(missing)}, which Microstep relies on "
+            f"(tested with torch {tested}); install a tested version")
+
+
+def _required():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    yield "FSDPModule._get_fsdp_state", hasattr(FSDPModule, "_get_fsdp_state")
+    yield "FSDPModule.reset_iter_state", hasattr(FSDPModule, "reset_iter_state")
+    yield "FSDPModule.set_custom_all_gather", hasattr(FSDPModule, "set_custom_all_gather")
+    yield "FSDPModule.set_custom_reduce_scatter", hasattr(FSDPModule, "set_custom_reduce_scatter")
+    yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+
+
+# -- DDP -------------------------------------------------------------------------------------
+def set_ddp_gradient_sync(ddp, enabled: bool) -> None:
+    """Whether DDP's next backward all-reduces: the flag ``no_sync()`` toggles (DDP reads it in
+    the forward); set directly because a micro-step's forward and backward are separate calls."""
+    ddp.require_backward_grad_sync = enabled
+
+
+# -- FSDP2 -------------------------------------------------------------------------------------
+def fsdp_params(unit):
+    """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch versions with one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    for group in groups:
+        yield from group.fsdp_params
+
+
+def drop_unreduced_gradients(root, units) -> None:
+    """Forget a window abandoned mid-way. ``reset_iter_state`` (on the root) drops FSDP's
+    half-finished forward/backward bookkeeping but keeps the unsharded gradients accumulated
+    without reduction: those are cleared by hand."""
+    root.reset_iter_state()
+    for unit in units:
+        for param in fsdp_params(unit):
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
+
+
+def reduce_accumulated_gradients(root) -> None:
+    """Reduce-scatter the gradients accumulated without sync, and reshard, as the end of a
+    syncing backward would have. FSDP2 has no public call for this; the root's end-of-backward
+    callback does exactly it once the gradient sync is switched on and the backward is marked
+    last (tested: short windows with ``defer_reduction: true``)."""
+    root.set_requires_gradient_sync(True)
+    root.set_reshard_after_backward(True)
+    root.set_is_last_backward(True)
+    root._get_fsdp_state()._root_post_backward_final_callback()
+
+
+def guarded_comms(guard):
+    """FSDP2 all-gather and reduce-scatter (its custom-comm interface, see
+    ``set_custom_all_gather``) that call ``guard(group)`` before communicating. The buffers
+    are allocated by FSDP before the call, so a rank that runs out of memory allocating them
+    fails before its guard, and its failure vote answers its peers' guards."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class GuardedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            guard(group)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class GuardedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            guard(group)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return GuardedAllGather(), GuardedReduceScatter()
+
+
+def fsdp_held_tensors(units):
+    """What FSDP2 holds beside the module's (sharded) parameters: each parameter's sharded
+    copy and gradient, and, while gathered, its unsharded copy, that copy's gradient and a
+    gradient accumulated without reduction. Storages freed by resharding count 0 bytes."""
+    for unit in units:
+        for param in fsdp_params(unit):
+            yield param.sharded_param
+            yield param.sharded_param.grad
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                yield unsharded
+                yield unsharded.grad
+            yield param.unsharded_accumulated_grad

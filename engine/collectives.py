@@ -1,0 +1,128 @@
+"""Collectives shared by the strategies, the engine and the checkpoints.
+
+* bucketed flat reductions and broadcasts of many tensors (DDP-style buckets);
+* small statistics (a few numbers summed or maxed over ranks);
+* failure votes: every rank learns which ranks failed in a window before anyone enters the
+  next collective, so no rank is left waiting for one that has given up;
+* ``agree``: the same for errors found while checkpointing, raised on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
+from engine.distributed import control_group
+from engine.errors import CheckpointError, PeerError
+
+BUCKET_BYTES = 25 * 1024 * 1024
+OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
+
+
+# -- many tensors ------------------------------------------------------------------------------
+def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES):
+    """Consecutive runs of same-dtype, same-device tensors of at most ``limit`` bytes."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > limit or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
+    """Replace each tensor by its mean over ranks, one flat all-reduce per bucket."""
+    for bucket in buckets(tensors):
+        flat = flatten(bucket)
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        for tensor, reduced in zip(bucket, unflatten(flat, bucket)):
+            tensor.copy_(reduced)
+
+
+@torch.no_grad()
+def broadcast_(tensors: list[torch.Tensor], src: int) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket."""
+    for bucket in buckets(tensors):
+        flat = flatten(bucket)
+        dist.broadcast(flat, src=src)
+        if dist.get_rank() != src:
+            for tensor, value in zip(bucket, unflatten(flat, bucket)):
+                tensor.copy_(value)
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ of the squared elements of ``tensors``, a float64 scalar on ``device``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = foreach_norm(tensors, 2.0)
+    return torch.stack([n.to(torch.float64) for n in norms]).square().sum().to(device)
+
+
+def max_over_ranks(values: list[int]) -> list[int]:
+    """Element-wise maximum of a few integers over ranks, on the control group: a peer that
+    never joins makes it raise after the agreement timeout instead of waiting forever."""
+    group = control_group()
+    if group is None:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+# -- failures inside a window ---------------------------------------------------------------
+def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -> dict[int, int]:
+    """One all-reduce of a per-rank vector: {rank: failure} of the ranks reporting one
+    (0 = none, ``OUT_OF_MEMORY``, ``OTHER_ERROR``); the same on every rank."""
+    votes = torch.zeros(world_size, dtype=torch.int32, device=device)
+    votes[rank] = int(failure)
+    dist.all_reduce(votes, group=group)
+    return {r: int(votes[r]) for r in torch.nonzero(votes).flatten().tolist()}
+
+
+def check_peers(group, *, rank: int, world_size: int, device) -> None:
+    """Vote "no failure" before a collective; raise PeerError when a peer voted one instead.
+    A failed rank's own vote answers whichever check its peers reach next."""
+    failures = failure_vote(0, rank, world_size, device, group)
+    if failures:
+        raise PeerError(failures)
+
+
+# -- failures while checkpointing ----------------------------------------------------------
+def agree(problem: str | None, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+    group = control_group()
+    if group is None:
+        everyone: list[Any] = [problem]
+    else:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problem, group=group)
+    failed = [(rank, text) for rank, text in enumerate(everyone) if text]
+    if not failed:
+        return
+    texts = sorted({text for _, text in failed})
+    if len(texts) == 1:
+        ranks = "every rank" if len(failed) == len(everyone) > 1 else \
+            f"rank {', '.join(str(r) for r, _ in failed)}" if len(everyone) > 1 else ""
+        message = texts[0] + (f" [{ranks}]" if ranks else "")
+    else:
+        message = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+    raise CheckpointError(message) from cause
+
+
+def describe(error: BaseException) -> str:
+    """One line for an exception, unwrapping DCP's per-rank CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures and not isinstance(error, PeerError):
+        rank, (inner, _trace) = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+        return f"{type(inner).__name__}: {inner} (rank {rank})"
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,94 @@
+"""Memory, measured the same way everywhere it is used: the automatic micro-batch size, the
+``defer_reduction: auto`` decision, the monitor's ``peak_memory_mb`` and the benchmarks.
+
+*Held bytes*: the bytes of the distinct tensor storages a strategy holds for training —
+parameters, gradients, optimizer state and a sharding framework's gathered copies
+(``Strategy.held_tensors``). Deterministic, so tests can assert on it.
+
+*Peak of a micro-step*: on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
+CPU has no allocator peak counter, so there it is the held bytes at the end of the forward,
+plus the activations the forward saved for backward, plus the gradients the backward has
+yet to allocate. Both are bytes of tensors (never the process's resident set size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard;
+    None entries are skipped; views of one storage count once)."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def held_bytes(strategy) -> int:
+    return storage_bytes(strategy.held_tensors())
+
+
+def memory_limit_bytes(limit: float | None, device: torch.device) -> int | None:
+    """A configured limit in bytes: > 1 is bytes, (0, 1] a fraction of device memory (on
+    CPU, of the machine's physical memory); None stays None."""
+    if limit is None:
+        return None
+    if limit > 1:
+        return int(limit)
+    return int(limit * device_memory_bytes(device))
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class PeakMeter:
+    """Peak memory over a span of micro-steps: ``start()``, run each forward inside
+    ``forward()``, then read ``peak`` (bytes, see the module docstring)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.device = strategy.device
+        self._cpu_peak = 0
+
+    def start(self) -> None:
+        self._cpu_peak = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def forward(self):
+        if self.device.type == "cuda":  # the allocator keeps the peak itself
+            yield
+            return
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        now = held_bytes(self.strategy) + sum(saved.values()) + self._gradients_to_come()
+        self._cpu_peak = max(self._cpu_peak, now)
+
+    @property
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._cpu_peak
+
+    def _gradients_to_come(self) -> int:
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.strategy.module.parameters()]
+        return sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
