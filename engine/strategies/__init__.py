@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 
 from engine.distributed import DistInfo
-from engine.strategies.base import StepResult, Strategy, TorchStrategy
 
 log = logging.getLogger("engine")
 
-__all__ = ["make_strategy", "Strategy", "StepResult", "TorchStrategy"]
+__all__ = ["make_strategy"]
 
 
-def make_strategy(config, dist_info: DistInfo) -> Strategy:
+def make_strategy(config, dist_info: DistInfo):
     """The strategy for ``config`` on the process group ``dist_info`` describes (imported
     lazily: ``import engine`` never imports DeepSpeed or FSDP)."""
     stage = config.zero_optimization.stage

@@ -22,7 +22,7 @@ from engine.adapters import torch_internals
 from engine.collectives import failure_vote, sum_of_squares
 from engine.distributed import DistInfo
 from engine.precision import Precision, scale_
-from engine.strategies import torch_checkpoint
+from engine.strategies.torch_checkpoint import load_training_state, save_training_state
 
 
 @dataclass(frozen=True)
@@ -183,10 +183,10 @@ class TorchStrategy(Strategy):
         return cpu_state_dict(self.module.state_dict())
 
     def save_training_state(self, directory):
-        torch_checkpoint.save_training_state(self.module, self.optimizer, directory)
+        save_training_state(self.module, self.optimizer, directory)
 
     def load_training_state(self, directory):
-        torch_checkpoint.load_training_state(self.module, self.optimizer, directory)
+        load_training_state(self.module, self.optimizer, directory)
 
     # -- shared boundary logic ----------------------------------------------------------
     def step(self, multiplier, max_norm, want_norm=False):

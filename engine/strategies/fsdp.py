@@ -26,12 +26,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from engine.adapters.torch_internals import (
-    drop_unreduced_gradients, fsdp_held_tensors, guarded_comms, reduce_accumulated_gradients,
+    drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
 from engine.collectives import broadcast_, check_peers
 from engine.strategies.base import TorchStrategy, cpu_state_dict
@@ -119,6 +120,9 @@ class FullyShardedDataParallel(TorchStrategy):
         self.module = self.forward_module = module
         self.optimizer = optimizer
         self.group = mesh.get_group()
+        self._gloo = dist.get_backend(self.group) == "gloo"
+        if self._gloo:
+            self._set_comms(guard=None)
         # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
         self.deferral = ReductionDeferral(self.config.zero_optimization.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
@@ -171,9 +175,12 @@ class FullyShardedDataParallel(TorchStrategy):
     def enable_failure_guard(self):
         # Every all-gather and reduce-scatter first checks the peers' flags, so gradients can
         # still be reduced after every micro-step (ZeRO memory) under an automatic micro size.
-        guard = functools.partial(check_peers, rank=self.rank, world_size=self.world_size, device=self.device)
+        self._set_comms(functools.partial(check_peers, rank=self.rank, world_size=self.world_size,
+                                          device=self.device))
+
+    def _set_comms(self, guard) -> None:
         for unit in self._units():
-            all_gather, reduce_scatter = guarded_comms(guard)
+            all_gather, reduce_scatter = fsdp_comms(guard, all_to_all_reduce_scatter=self._gloo)
             unit.set_custom_all_gather(all_gather)
             unit.set_custom_reduce_scatter(reduce_scatter)
 

@@ -1,0 +1,94 @@
+"""The library's import structure: layers point down, no cycle (function-level imports
+counted), every module imports on its own."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "engine"
+
+# Lower layers never import higher ones. A new module must be placed here.
+LAYERS = {
+    0: ["engine.errors", "engine.rng", "engine.distributed", "engine.config_loaders", "engine.config",
+        "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
+        "engine.collectives", "engine.memory"],
+    1: ["engine.batch_plan", "engine.microbatch", "engine.data", "engine.optim", "engine.precision",
+        "engine.rank_consistency"],
+    2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
+        "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",
+        "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.deepspeed"],
+    3: ["engine.engine"],
+    4: ["engine.checkpoint", "engine.autotune", "engine.monitor", "engine.explore_report"],
+    5: ["engine.build", "engine.cli", "engine", "engine.__main__"],
+}
+LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names[name] = path
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the engine modules it imports anywhere in its text (functions included)."""
+    names = module_names()
+    graph = {name: set() for name in names}
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {target for target in targets if target in names and target != name}
+    return graph
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(set(module_names()) - set(LAYER_OF))
+    assert not missing, f"place these modules in tests/test_layering.py LAYERS: {missing}"
+
+
+def test_imports_point_down():
+    upward = [(module, target) for module, targets in import_graph().items() for target in targets
+              if LAYER_OF.get(target, 0) > LAYER_OF.get(module, 0)]
+    assert not upward, f"imports from a lower layer to a higher one: {upward}"
+
+
+def test_no_import_cycle():
+    graph, state, cycles = import_graph(), {}, []
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_every_module_imports_on_its_own():
+    """Each module in an interpreter where no other engine module was imported first."""
+    code = ("import importlib, sys\n"
+            f"for name in {sorted(set(module_names()) - {'engine.__main__'})!r}:  # __main__ runs the CLI\n"
+            "    for loaded in [m for m in sys.modules if m == 'engine' or m.startswith('engine.')]:\n"
+            "        del sys.modules[loaded]\n"
+            "    importlib.import_module(name)\n"
+            "assert 'deepspeed' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
