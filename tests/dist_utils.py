@@ -47,12 +47,13 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Mapping
+
+from launch.cli import free_port
 
 DEFAULT_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
     else "spawn"
@@ -64,13 +65,6 @@ PORT_RETRIES = 2  # free_port() can race with another process grabbing the same 
 
 class DistributedRunError(AssertionError):
     """A rank raised, died without a result, or the run timed out."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- child side

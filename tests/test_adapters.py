@@ -1,0 +1,230 @@
+"""Every entry of the framework adapters (engine/adapters), exercised on the installed,
+pinned versions: a torch or DeepSpeed upgrade that moves an internal fails here, cheaply,
+instead of at the first out-of-memory of a user's run."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.adapters import deepspeed_internals, torch_internals
+from engine.errors import ConfigError, PeerError, UnsupportedFrameworkError
+from tests.dist_utils import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".cache", "torch_extensions"))}
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+# -- torch: versions and tensor helpers ---------------------------------------------------------
+def test_torch_version_is_checked(monkeypatch):
+    torch_internals.check()  # the installed torch is a tested one
+    for version in ((2, 10), (2, 14)):
+        monkeypatch.setattr(torch_internals, "version", lambda v=version: v)
+        with pytest.raises(UnsupportedFrameworkError, match=r"tested with torch 2\.11 to 2\.13"):
+            torch_internals.check()
+
+
+def test_torch_missing_internal_is_named(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    with pytest.raises(UnsupportedFrameworkError, match="lacks FSDPModule.reset_iter_state"):
+        torch_internals.check()
+
+
+def test_tensor_helpers():
+    tensors = [torch.arange(6.0).view(2, 3), torch.tensor([3.0, 4.0])]
+    flat = torch_internals.flatten(tensors)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 3, 4]
+    assert all(torch.equal(a, b) for a, b in zip(torch_internals.unflatten(flat, tensors), tensors))
+    assert [n.item() for n in torch_internals.foreach_norm(tensors, 2.0)] == pytest.approx([math.sqrt(55), 5.0])
+    torch_internals.foreach_mul_(tensors, 2.0)
+    assert tensors[1].tolist() == [6.0, 8.0]
+    found = torch.zeros(1)
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+    torch_internals.non_finite_check_and_unscale_(grads, found, torch.tensor([0.5]))
+    assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
+
+
+# -- torch: DDP and FSDP2, on two ranks -----------------------------------------------------------
+def _ddp_gradient_sync(rank, world):
+    model = torch.nn.Linear(2, 1, bias=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    grads = []
+    for sync in (False, True):
+        model.zero_grad()
+        torch_internals.set_ddp_gradient_sync(ddp, sync)
+        ddp(torch.full((1, 2), float(rank + 1))).sum().backward()
+        grads.append(model.weight.grad.clone())
+    return grads
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ddp_gradient_sync_switch():
+    (local0, synced0), (local1, synced1) = run_distributed(_ddp_gradient_sync, world_size=2, timeout=90)
+    assert not torch.equal(local0, local1)  # no all-reduce
+    assert torch.equal(synced0, synced1) and synced0.tolist() == [[1.5, 1.5]]  # the mean over ranks
+
+
+def _fsdp_entries(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.memory import storage_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = [model[0], model]
+    x = torch.full((2, 4), float(rank + 1))
+    out = {"params": sum(1 for unit in units for _ in torch_internals.fsdp_params(unit))}
+
+    # A gradient accumulated without reduction, then dropped: nothing is left anywhere.
+    model.set_requires_gradient_sync(False)
+    model(x).sum().backward()
+    out["unreduced_bytes"] = storage_bytes(torch_internals.fsdp_held_tensors(units))
+    torch_internals.drop_unreduced_gradients(model, units)
+    model.reshard()
+    out["after_drop"] = storage_bytes(torch_internals.fsdp_held_tensors(units))
+
+    # Accumulated without reduction, then reduced by hand: the mean over ranks, sharded.
+    model(x).sum().backward()
+    torch_internals.reduce_accumulated_gradients(model)
+    out["reduced"] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    # The custom comms: guarded, and the all-to-all reduce-scatter, give the same gradient.
+    calls = []
+    for unit in units:
+        all_gather, reduce_scatter = torch_internals.fsdp_comms(lambda group: calls.append(group.size()),
+                                                                all_to_all_reduce_scatter=True)
+        unit.set_custom_all_gather(all_gather)
+        unit.set_custom_reduce_scatter(reduce_scatter)
+    model.set_requires_gradient_sync(True)
+    model(x).sum().backward()
+    out["custom"] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    out["guard_calls"] = len(calls)
+    out["held"] = storage_bytes(torch_internals.fsdp_held_tensors(units))
+
+    # A guard that finds a failed peer stops the collective on every rank.
+    def failing_guard(group):
+        raise PeerError({1: 1})
+
+    for unit in units:
+        unit.set_custom_all_gather(torch_internals.fsdp_comms(failing_guard)[0])
+    model.reshard()
+    try:
+        model(x)
+    except PeerError:
+        out["guard_raised"] = True
+    torch_internals.drop_unreduced_gradients(model, units)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_fsdp2_entries():
+    results = run_distributed(_fsdp_entries, world_size=2, timeout=90)
+    for out in results:
+        assert out["params"] == 4
+        # sharded parameters (4 + 2 + 2 + ... values) stay; gathered copies and their gradients go
+        assert out["after_drop"] < out["unreduced_bytes"] / 2
+        assert out["guard_calls"] >= 2 and out["held"] > 0 and out["guard_raised"]
+        for name, reduced in out["reduced"].items():
+            assert torch.allclose(reduced, out["custom"][name]), name
+    # the mean over ranks: identical on both ranks
+    for name in results[0]["reduced"]:
+        assert torch.equal(results[0]["reduced"][name], results[1]["reduced"][name])
+
+
+# -- DeepSpeed --------------------------------------------------------------------------------------
+@needs_deepspeed
+def test_deepspeed_version_is_checked(monkeypatch):
+    import deepspeed
+
+    deepspeed_internals.require_installed()
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(UnsupportedFrameworkError, match=r"tested with deepspeed 0\.19\.x"):
+        deepspeed_internals.import_deepspeed()
+
+
+def test_missing_deepspeed_names_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(ConfigError, match=r"pip install 'microstep\[deepspeed\]'"):
+        deepspeed_internals.require_installed()
+
+
+def _deepspeed_entries(rank, world, root):
+    ds = deepspeed_internals.import_deepspeed()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "memory_efficient_linear": False}
+        ds_engine, *_ = ds.initialize(model=model, optimizer=optimizer, dist_init_required=False, config={
+            "train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0})
+        row = {"check": deepspeed_internals.check_optimizer(ds_engine.optimizer, stage),
+               "held": sum(1 for t in deepspeed_internals.held_tensors(ds_engine) if t is not None)}
+        if stage == 0:
+            row["stage0_scale"] = deepspeed_internals.stage0_loss_scale(ds_engine.optimizer)
+            row["check_foreign"] = deepspeed_internals.check_optimizer(object(), 1)
+        else:
+            before = ds_engine.optimizer.loss_scale
+            with deepspeed_internals.scaled_step(ds_engine, 4.0):
+                row["scaled"] = ds_engine.optimizer.loss_scale / before
+            row["restored"] = ds_engine.optimizer.loss_scale == before
+        ds_engine.backward(ds_engine(torch.ones(1, 4)).sum())
+        deepspeed_internals.drop_window_gradients(ds_engine, stage)
+        row["grads_after_drop"] = [p.grad for p in ds_engine.module.parameters() if p.grad is not None]
+        if stage >= 2:
+            ds_engine.set_gradient_accumulation_boundary(False)
+            ds_engine.backward(ds_engine(torch.ones(1, 4)).sum())
+            ds_engine.set_gradient_accumulation_boundary(True)
+            deepspeed_internals.finish_reduced_boundary(ds_engine)
+            ds_engine.step()
+            row["stepped"] = ds_engine.was_step_applied()
+        if stage == 1:
+            path = os.path.join(root, "ds")
+            ds_engine.save_checkpoint(path, tag="t", save_latest=False)
+            if rank == 0:
+                deepspeed_internals.to_universal(os.path.join(path, "t"), os.path.join(root, "universal", "t"))
+            dist.barrier()
+            with deepspeed_internals.universal_checkpoint_loading(ds_engine):
+                row["flag_inside"] = ds_engine._config.load_universal_checkpoint
+                loaded, _ = ds_engine.load_checkpoint(os.path.join(root, "universal"), tag="t",
+                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
+            row["universal_loaded"] = loaded is not None
+            row["flag_after"] = ds_engine._config.load_universal_checkpoint
+        ds_engine.destroy()
+        out[stage] = row
+    return out
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_deepspeed_entries(tmp_path):
+    for out in run_distributed(_deepspeed_entries, world_size=2, args=(str(tmp_path),), timeout=200, env=ENV):
+        assert out[0]["stage0_scale"] == 1.0 and "instead of its ZeRO optimizer" in out[0]["check_foreign"]
+        for stage in (0, 1, 2, 3):
+            row = out[stage]
+            assert row["check"] is None and row["held"] > 0 and row["grads_after_drop"] == [], (stage, row)
+        for stage in (1, 2, 3):
+            assert out[stage]["scaled"] == pytest.approx(0.25) and out[stage]["restored"], stage
+        assert out[2]["stepped"] and out[3]["stepped"]
+        assert out[1]["flag_inside"] and not out[1]["flag_after"] and out[1]["universal_loaded"]
