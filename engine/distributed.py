@@ -350,10 +350,13 @@ def _ensure_control_group(timeout_seconds: float) -> None:
     _control = (dist.group.WORLD, group)
 
 
-def is_timeout(error: BaseException) -> bool:
-    """A collective that gave up waiting (gloo and nccl word it differently)."""
+def is_peer_lost(error: BaseException) -> bool:
+    """A collective that gave up on a peer: it waited past the group's timeout, or the peer's
+    process is gone (gloo and nccl word both differently). A gloo group that timed out cannot
+    be used again."""
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return isinstance(error, RuntimeError) and any(
+        words in text for words in ("timed out", "timeout", "connection reset", "connection closed", "pair closure"))
 
 
 _LOCAL_RANK_FLAG = re.compile(r"--local[_-]rank(?:=(.*))?")

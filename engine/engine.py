@@ -26,7 +26,7 @@ import torch
 
 from engine.batch_plan import BatchPlan, split_evenly
 from engine.collectives import max_over_ranks
-from engine.distributed import is_timeout
+from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.memory import PeakMeter
 from engine.microbatch import batch_size, split_batch
@@ -218,11 +218,11 @@ class Engine:
         try:  # on the control group: a peer still inside a micro-step's collective times out clearly
             negative_fewest, most = max_over_ranks([-window.micro_steps, window.micro_steps])
         except RuntimeError as error:
-            if not is_timeout(error):
+            if not is_peer_lost(error):
                 raise
             raise EngineUsageError(
                 f"flush(): not every rank reached flush() within distributed.agreement_timeout_seconds "
-                f"({self.config.distributed.agreement_timeout_seconds:g} s) while this rank held "
+                f"({self.config.distributed.agreement_timeout_seconds:g} s), or a rank stopped, while this rank held "
                 f"{window.micro_steps} micro-steps: every rank must run the same number of micro-steps "
                 "(give each rank the same number of batches, e.g. engine.data.DistributedBatches)") from error
         fewest = -negative_fewest

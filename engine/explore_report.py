@@ -8,17 +8,9 @@ import logging
 from pathlib import Path
 
 from engine.autotune import Candidate
+from engine.memory import format_bytes
 
 log = logging.getLogger("engine")
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
 
 
 def format_table(rows: list[Candidate]) -> str:
@@ -29,7 +21,7 @@ def format_table(rows: list[Candidate]) -> str:
             str(row.micro_batch_size), str(row.accumulation_steps),
             "-" if row.samples_per_second is None else f"{row.samples_per_second:,.1f}",
             "-" if row.relative_speed is None else f"{row.relative_speed:.2f}x",
-            _size(row.peak_memory_bytes), "yes" if row.fits else "out of memory",
+            format_bytes(row.peak_memory_bytes), "yes" if row.fits else "out of memory",
             "<- recommended" if row.recommended else "",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

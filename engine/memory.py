@@ -32,6 +32,15 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+
+
 def held_bytes(strategy) -> int:
     return storage_bytes(strategy.held_tensors())
 

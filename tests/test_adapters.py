@@ -32,9 +32,13 @@ def test_torch_version_is_checked(monkeypatch):
 
 def test_torch_missing_internal_is_named(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    monkeypatch.delattr(FSDPModule, "reset_iter_state")
-    with pytest.raises(UnsupportedFrameworkError, match="lacks FSDPModule.reset_iter_state"):
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")  # torch 2.11: the fallback's names are checked
+    torch_internals.check()
+    monkeypatch.delattr(FSDPParamGroup, "_to_sharded")
+    monkeypatch.delattr(FSDPModule, "_get_fsdp_state")
+    with pytest.raises(UnsupportedFrameworkError, match="lacks FSDPModule._get_fsdp_state, .*FSDPParamGroup._to_sharded"):
         torch_internals.check()
 
 
@@ -115,6 +119,22 @@ def _fsdp_entries(rank, world):
     out["guard_calls"] = len(calls)
     out["held"] = storage_bytes(torch_internals.fsdp_held_tensors(units))
 
+    # A forward abandoned mid-way, reset the way torch 2.11 needs: the next iteration is exact.
+    model.zero_grad()
+    model.set_requires_gradient_sync(True)
+    for unit in units:
+        unit.set_custom_all_gather(torch_internals.fsdp_comms()[0])
+    hook = model[1].register_forward_pre_hook(lambda module, args: 1 / 0)
+    try:
+        model(x)
+    except ZeroDivisionError:
+        pass
+    hook.remove()
+    torch_internals._reset_iter_state_before_2_13(model)
+    model(x).sum().backward()
+    out["after_fallback_reset"] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    model.zero_grad()
+
     # A guard that finds a failed peer stops the collective on every rank.
     def failing_guard(group):
         raise PeerError({1: 1})
@@ -142,6 +162,7 @@ def test_fsdp2_entries():
         assert out["guard_calls"] >= 2 and out["held"] > 0 and out["guard_raised"]
         for name, reduced in out["reduced"].items():
             assert torch.allclose(reduced, out["custom"][name]), name
+            assert torch.allclose(reduced, out["after_fallback_reset"][name]), name
     # the mean over ranks: identical on both ranks
     for name in results[0]["reduced"]:
         assert torch.equal(results[0]["reduced"][name], results[1]["reduced"][name])

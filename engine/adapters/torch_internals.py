@@ -2,8 +2,8 @@
 
 Supported: torch 2.11 (what the GPU machines ship) through 2.13 (CI). Each entry below is
 either a private name (leading underscore) or a semi-public attribute whose meaning is not
-documented as stable; what was checked in the 2.11 and 2.13 sources is written next to it
-(docs/compatibility.md has the whole audit). A torch outside the tested range, or one
+documented as stable; docs/compatibility.md records what was checked in the 2.11 and 2.13
+sources for each. A torch outside the tested range, or one
 missing a name, is refused at ``engine.initialize`` with the tested versions named, instead
 of failing mid-training (``drop_unreduced_gradients`` runs only after an out-of-memory).
 """
@@ -51,12 +51,20 @@ def check() -> None:
 
 def _required():
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
     from torch.nn.parallel import DistributedDataParallel
 
-    yield "FSDPModule._get_fsdp_state", hasattr(FSDPModule, "_get_fsdp_state")
-    yield "FSDPModule.reset_iter_state", hasattr(FSDPModule, "reset_iter_state")
-    yield "FSDPModule.set_custom_all_gather", hasattr(FSDPModule, "set_custom_all_gather")
-    yield "FSDPModule.set_custom_reduce_scatter", hasattr(FSDPModule, "set_custom_reduce_scatter")
+    for name in ("_get_fsdp_state", "set_custom_all_gather", "set_custom_reduce_scatter", "set_is_last_backward",
+                 "set_reshard_after_forward"):
+        yield f"FSDPModule.{name}", hasattr(FSDPModule, name)
+    yield "FSDPState._root_post_backward_final_callback", hasattr(FSDPState, "_root_post_backward_final_callback")
+    for name in ("DefaultAllGather", "DefaultReduceScatter"):
+        yield f"fsdp._fully_shard._fsdp_collectives.{name}", hasattr(_fsdp_collectives, name)
+    if not hasattr(FSDPModule, "reset_iter_state"):  # torch 2.11: _reset_iter_state_before_2_13 does it
+        group = _fsdp_param_group.FSDPParamGroup
+        for name in ("_wait_for_post_backward", "_to_sharded"):
+            yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
 
 
@@ -82,14 +90,56 @@ def fsdp_params(unit):
 def drop_unreduced_gradients(root, units) -> None:
     """Forget a window abandoned mid-way. ``reset_iter_state`` (on the root) drops FSDP's
     half-finished forward/backward bookkeeping but keeps the unsharded gradients accumulated
-    without reduction: those are cleared by hand."""
-    root.reset_iter_state()
+    without reduction (in 2.11 and 2.13 alike): those are cleared by hand."""
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+    else:
+        _reset_iter_state_before_2_13(root)
     for unit in units:
         for param in fsdp_params(unit):
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
             param.unsharded_accumulated_grad = None
+
+
+def _reset_iter_state_before_2_13(root) -> None:
+    """What torch 2.13's ``FSDPModule.reset_iter_state`` does, for torch 2.11 (one parameter
+    group per state there): wait for and drop in-flight collectives, reshard every group, and
+    clear the per-iteration trackers, so that the iteration after an abandoned forward or
+    backward starts clean (without it, 2.11 skips the next forward's root pre-forward work)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = root._get_fsdp_state()
+    cuda = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    comm = state._comm_ctx
+    for name in ("all_gather_state", "reduce_scatter_state"):
+        pending = getattr(comm, name, None)
+        if pending is not None and cuda is not None and getattr(pending, "event", None) is not None:
+            cuda.wait_event(pending.event)
+        setattr(comm, name, None)
+    comm.post_forward_order.clear()
+    for each in state._state_ctx.all_states:  # 2.11 may list a grouped state twice: idempotent
+        each._modules_to_run_forward.clear()
+        each._training_state = TrainingState.IDLE
+        group = each._fsdp_param_group
+        if group is None:
+            continue
+        result = group._all_gather_result
+        if result is not None:
+            if isinstance(result.all_gather_work, dist.distributed_c10d.Work):
+                result.all_gather_work.wait()
+            if cuda is not None and getattr(result, "all_gather_event", None) is not None:
+                cuda.wait_event(result.all_gather_event)
+        group._all_gather_result = None
+        group._wait_for_post_backward()
+        group._reshard_after_forward_event = None
+        group._partial_reduce_output = None
+        group._post_forward_indices.clear()
+        group._training_state = TrainingState.IDLE
+        group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
 
 
 def reduce_accumulated_gradients(root) -> None:

@@ -6,8 +6,9 @@ whole window and reduce once at its end (less traffic, more memory).
 peak the next window would have if it deferred: the measured peak plus the full-size
 gradient (and, at stage 3, the parameters deferral keeps gathered). It defers while that
 prediction fits the memory limit and stops as soon as a deferred window's measured peak does
-not. The limit is ``auto_memory_limit``, else the device's memory on CUDA; on CPU without a
-configured limit nothing is known, so it keeps ZeRO memory. Ranks decide together (the
+not. A window in which the optimizer created state (the first, for most optimizers) is not
+used: its peak lacks that state. The limit is ``auto_memory_limit``, else the device's memory
+on CUDA; on CPU without a configured limit nothing is known, so it keeps ZeRO memory. Ranks decide together (the
 largest prediction counts) and rank 0 logs every decision with its numbers.
 """
 
@@ -17,13 +18,9 @@ import logging
 
 import torch
 
-from engine.memory import device_memory_bytes, held_bytes, memory_limit_bytes
+from engine.memory import device_memory_bytes, format_bytes, held_bytes, memory_limit_bytes
 
 log = logging.getLogger("engine")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 class ReductionDeferral:
@@ -49,6 +46,9 @@ class ReductionDeferral:
         """At a window's end (every rank): measure, and decide whether the next window defers."""
         if self.setting != "auto" or self.limit is None:
             return
+        if self._optimizer_state_size() != self._state_at_start:
+            self._start_measuring()  # the optimizer just created state: measure the next window
+            return
         peak = self._measured_peak()
         predicted = peak if self.deferring else peak + self.extra_bytes
         if self.strategy.world_size > 1:  # the fullest rank decides for all
@@ -58,16 +58,20 @@ class ReductionDeferral:
         if defer != self.deferring and self.strategy.rank == 0:
             if defer:
                 log.info("defer_reduction: auto: deferring gradient reduction to the window's end (peak %s "
-                         "+ full-size gradient %s = %s fits the limit %s)", _mib(peak), _mib(self.extra_bytes),
-                         _mib(predicted), _mib(self.limit))
+                         "+ full-size gradient %s = %s fits the limit %s)", format_bytes(peak), format_bytes(self.extra_bytes),
+                         format_bytes(predicted), format_bytes(self.limit))
             else:
                 log.info("defer_reduction: auto: reducing after every micro-step (ZeRO memory): the %s "
-                         "predicted with deferral exceeds the limit %s", _mib(predicted), _mib(self.limit))
+                         "predicted with deferral exceeds the limit %s", format_bytes(predicted), format_bytes(self.limit))
         self.deferring = defer
         self._start_measuring()
 
+    def _optimizer_state_size(self) -> int:
+        return sum(len(state) for state in self.strategy.optimizer.state.values())
+
     def _start_measuring(self) -> None:
         self._cpu_peak = 0
+        self._state_at_start = self._optimizer_state_size()
         if self.setting == "auto" and self.strategy.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.strategy.device)
 
