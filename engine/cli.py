@@ -14,6 +14,7 @@ from engine.engine import EngineUsageError
 from engine.microbatch import BatchError
 from engine.batch_plan import BatchConfigError, plan_from_config
 from engine.config import Config, ConfigError, load_config
+from engine.config_checks import check_without_model
 
 USAGE_ERROR = 2
 
@@ -35,6 +36,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    problems = check_without_model(config)
+    if problems:
+        raise ConfigError(problems)
     print(f"OK: {summarize(config)}")
     return 0
 
@@ -158,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)
 
-    validate = commands.add_parser("validate", help="check a config without planning")
+    validate = commands.add_parser(
+        "validate", help="check a config without planning: keys, optimizer and scheduler, "
+                         "precision and backend (everything that needs no model)")
     validate.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
     add_override_argument(validate)
     validate.set_defaults(run=run_validate)
