@@ -9,9 +9,18 @@ import argparse
 import sys
 import warnings
 
+<<<<<<< HEAD
 from engine.batch_plan import plan_from_config
 from engine.config import Config, load_config
 from engine.errors import MicrostepError
+=======
+from engine.autotune import OutOfMemoryAtMicroBatchOne
+from engine.engine import EngineUsageError
+from engine.microbatch import BatchError
+from engine.batch_plan import BatchConfigError, plan_from_config
+from engine.config import Config, ConfigError, load_config
+from engine.config_checks import check_without_model
+>>>>>>> colossal-config
 
 USAGE_ERROR = 2
 
@@ -33,6 +42,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    problems = check_without_model(config)
+    if problems:
+        raise ConfigError(problems)
     print(f"OK: {summarize(config)}")
     return 0
 
@@ -156,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)
 
-    validate = commands.add_parser("validate", help="check a config without planning")
+    validate = commands.add_parser(
+        "validate", help="check a config without planning: keys, optimizer and scheduler, "
+                         "precision and backend (everything that needs no model)")
     validate.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
     add_override_argument(validate)
     validate.set_defaults(run=run_validate)

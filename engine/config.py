@@ -2,10 +2,12 @@
 
 A config comes from YAML, DeepSpeed-style JSON, a Colossal-AI style Python file, a dict or
 an existing ``Config``, optionally with ``--set key.path=value`` overrides. Loading goes:
-read → aliases to canonical names → DeepSpeed-only keys into ``deepspeed_extras`` →
-overrides → unknown keys → pydantic types. Every problem found on the way is collected
-and raised together as one ``ConfigError``. Batch numbers are checked later, against a
-world size, by ``engine.batch_plan``.
+read → aliases to canonical names → Colossal-AI sections translated
+(``engine.config_colossal``) → other engines' unused keys into ``deepspeed_extras`` /
+``colossalai_extras`` → overrides → unknown keys → pydantic types. Every problem found on
+the way is collected and raised together as one ``ConfigError``. Batch numbers are checked
+later, against a world size, by ``engine.batch_plan``; what needs no model but more than
+the schema, by ``engine.config_checks``.
 
 New sections (checkpointing, monitoring, ...) are added as a ``Section`` subclass and a
 field on ``Config``; unknown-key checks and error locations follow automatically.
@@ -21,12 +23,14 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator)
 
+from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
 from engine.config_loaders import ConfigError, KeyPath, RawConfig, parse_scalar, read_file
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
 ALIASES = {
     "gradient_accumulation": "gradient_accumulation_steps",  # Colossal-AI
+    "clip_grad_norm": "gradient_clipping",  # Colossal-AI
     "batch_size": "train_batch_size",  # Cerebras (global)
     "micro_batch_size": "train_micro_batch_size_per_gpu",  # Cerebras
     "per_device_train_batch_size": "train_micro_batch_size_per_gpu",  # Hugging Face
@@ -69,6 +73,10 @@ DEEPSPEED_ZERO_KEYS = frozenset({
     "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
     "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
 })
+
+# Other engines' top-level keys Microstep keeps, unused, in a pass-through section.
+PASS_THROUGH = {"deepspeed_extras": DEEPSPEED_TOP_LEVEL_KEYS,
+                "colossalai_extras": frozenset(COLOSSALAI_TOP_LEVEL_KEYS)}
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -189,8 +197,10 @@ class Config(BaseModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     constants: dict[str, Any] = Field(default_factory=dict)
     deepspeed_extras: dict[str, Any] = Field(default_factory=dict)
+    colossalai_extras: dict[str, Any] = Field(default_factory=dict)
 
     _source: str = PrivateAttr(default="<Config>")
+    _locations: dict = PrivateAttr(default_factory=dict)  # key path -> "file:line"
 
     @field_validator("bf16")
     @classmethod
@@ -231,7 +241,8 @@ def load_config(source, overrides=None) -> Config:
 
     problems: list[str] = []
     _resolve_aliases(raw, problems)
-    _collect_deepspeed_keys(raw)
+    notes = translate(raw, problems)
+    _collect_pass_through_keys(raw)
     _apply_overrides(raw, overrides, problems)
     _drop_unknown_keys(raw, Config, (), raw.data, problems)
     try:
@@ -240,13 +251,24 @@ def load_config(source, overrides=None) -> Config:
         problems += [_describe(raw, detail) for detail in error.errors()]
     if problems:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
-    config._source = raw.source
+    config._source, config._locations = raw.source, raw.locations
     unused = _deepspeed_only_settings(config)
     if config.backend == "torch" and unused:
-        warnings.warn(
-            f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by the torch "
-            "backend; they are kept for backend: deepspeed", UserWarning, stacklevel=2)
+        notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
+                     "the torch backend; they are kept for backend: deepspeed")
+    notes.append(unused_settings_warning(config.source, config.colossalai_extras))
+    for note in filter(None, notes):
+        warnings.warn(note, UserWarning, stacklevel=2)
     return config
+
+
+def locate(config: Config, problems: list[str]) -> list[str]:
+    """``key.path: problem`` lines prefixed with where the key was written, in reading order
+    (as ``load_config`` reports), for checks made after loading."""
+    raw = RawConfig({}, config.source, config._locations)
+    located = [f"{raw.where(_canonical_path(tuple(problem.split(':', 1)[0].split('.'))))}: {problem}"
+               for problem in problems]
+    return sorted(located, key=lambda problem: _line_of(problem, raw.source))
 
 
 def _deepspeed_only_settings(config: Config) -> list[str]:
@@ -273,20 +295,25 @@ def _resolve_aliases(raw: RawConfig, problems: list[str]) -> None:
         raw.move((alias,), (canonical,))
 
 
-def _collect_deepspeed_keys(raw: RawConfig) -> None:
-    extras = raw.data.setdefault("deepspeed_extras", {})
-    if not isinstance(extras, dict):
-        return  # reported as a type error by the schema
-    for key in [k for k in raw.data if k in DEEPSPEED_TOP_LEVEL_KEYS]:
-        extras[key] = raw.data.pop(key)
-        raw.move((key,), ("deepspeed_extras", key))
+def _pass_through_section(key: str) -> Optional[str]:
+    return next((section for section, keys in PASS_THROUGH.items() if key in keys), None)
+
+
+def _collect_pass_through_keys(raw: RawConfig) -> None:
+    for key in list(raw.data):
+        section = _pass_through_section(key)
+        if section is None:
+            continue
+        extras = raw.data.setdefault(section, {})
+        if isinstance(extras, dict):  # else reported as a type error by the schema
+            extras[key] = raw.data.pop(key)
+            raw.move((key,), (section, key))
 
 
 def _canonical_path(path: KeyPath) -> KeyPath:
     head = ALIASES.get(path[0], path[0])
-    if head in DEEPSPEED_TOP_LEVEL_KEYS:
-        return ("deepspeed_extras", head) + path[1:]
-    return (head,) + path[1:]
+    section = _pass_through_section(head)
+    return ((section, head) if section else (head,)) + path[1:]
 
 
 def _parse_overrides(overrides, problems: list[str]) -> list[tuple[KeyPath, Any]]:
@@ -350,7 +377,7 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
         return
     extras = getattr(model, "deepspeed_keys", frozenset())
     known = set(model.model_fields) | extras
-    suggestions = known | (set(ALIASES) | DEEPSPEED_TOP_LEVEL_KEYS if model is Config else set())
+    suggestions = known | (set(ALIASES).union(*PASS_THROUGH.values()) if model is Config else set())
     for key in list(data):
         name = str(key)
         if name in model.model_fields:
@@ -366,6 +393,8 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
             hint = f"; did you mean {match[0]}?" if match else ""
             if not match and not extras and model is not Config:
                 hint = f"; expected one of: {', '.join(model.model_fields)}"
+            if not path and raw.source.endswith(".py") and raw.where((name,)) != "--set":
+                hint += " (a value of your own? name it in UPPER_CASE: it is kept in constants)"
             dotted = ".".join(path + (name,))
             problems.append(f"{raw.where(path + (name,))}: {dotted}: unknown key{hint}")
             del data[key]

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from engine.config_colossal import StandIn, colossalai_imports
 from engine.errors import ConfigError
 
 __all__ = ["ConfigError", "KeyPath", "RawConfig", "parse_scalar", "read_file"]
@@ -153,10 +154,12 @@ def _json_error_message(error: json.JSONDecodeError, text: str, source: str) -> 
 # -- Python ----------------------------------------------------------------------------
 def _read_python(text: str, source: str) -> RawConfig:
     """Execute a Colossal-AI style config: lower-case globals are engine keys,
-    UPPER_CASE globals are the user's constants."""
+    UPPER_CASE globals are the user's constants. Imports (also of colossalai names) are
+    skipped."""
     namespace: dict[str, Any] = {"__file__": source, "__name__": "__microstep_config__"}
     try:
-        exec(compile(text, source, "exec"), namespace)
+        with colossalai_imports():
+            exec(compile(text, source, "exec"), namespace)
     except SyntaxError as error:
         raise ConfigError(f"{source}:{error.lineno}: SyntaxError: {error.msg}") from None
     except (Exception, SystemExit) as error:
@@ -168,7 +171,7 @@ def _read_python(text: str, source: str) -> RawConfig:
     constants: dict[str, Any] = {}
     for name, value in namespace.items():
         if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value) \
-                or inspect.isroutine(value):
+                or inspect.isroutine(value) or isinstance(value, StandIn):
             continue
         if name.isupper():
             constants[name] = value

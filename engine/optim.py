@@ -5,10 +5,15 @@ are the ``torch.optim.lr_scheduler`` classes by name plus DeepSpeed's warmup sch
 (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) with DeepSpeed's formulas and
 torch's step indexing: the learning rate used by optimizer step ``t`` (0-based) is the
 schedule's value at ``t``. The scheduler steps once per optimizer step.
+
+A section is refused with every problem at once: an unknown type or parameter name (with a
+"did you mean"), an ``'auto'`` placeholder, a value torch rejects. ``check_sections`` finds
+them without a model.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from typing import Any, Callable, Iterable
@@ -27,19 +32,53 @@ def _public_classes(module, base) -> dict[str, type]:
     }
 
 
-def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, target: Any):
-    placeholders = [key for key, value in params.items() if value == "auto"]
-    if placeholders:
-        raise ConfigError([f"{kind}.params.{key}: 'auto' is a Hugging Face Trainer placeholder; give a value"
-                           for key in placeholders])
+def _did_you_mean(name: str, choices) -> str:
+    match = difflib.get_close_matches(name, choices, n=1)
+    return f"did you mean {match[0]}? " if match else ""
+
+
+def _keyword_names(cls: type) -> list[str] | None:
+    """The keyword parameters of ``cls`` after its first (the params / the optimizer);
+    None when it takes ``**kwargs`` (any name may be right)."""
+    parameters = list(inspect.signature(cls).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _resolve(kind: str, registry: dict[str, type], type_name: str, params: dict):
+    """The class for ``type_name``, the ``params`` it can be built with, and the problems
+    that show without building (a placeholder, an unknown type or parameter name)."""
+    problems = [f"{kind}.params.{key}: 'auto' is a Hugging Face Trainer placeholder; give a value"
+                for key, value in params.items() if value == "auto"]
     cls = registry.get(type_name.lower())
     if cls is None:
-        known = ", ".join(sorted(c.__name__ for c in registry.values()))
-        raise ConfigError([f"{kind}.type: unknown {kind} type {type_name!r}; known types: {known}"])
-    try:
-        return cls(target, **params)
-    except (TypeError, ValueError) as err:
-        raise ConfigError([f"{kind}.params: {cls.__name__}: {err}"]) from None
+        names = sorted(c.__name__ for c in registry.values())
+        guess = _did_you_mean(type_name, names) or _did_you_mean(type_name.lower(), list(registry))
+        problems.append(f"{kind}.type: unknown {kind} type {type_name!r}; {guess}known types: {', '.join(names)}")
+        return None, {}, problems
+    accepted = _keyword_names(cls)
+    for key in [] if accepted is None else [k for k in params if k not in accepted]:
+        problems.append(f"{kind}.params: {cls.__name__} has no parameter {key!r}; "
+                        f"{_did_you_mean(key, accepted)}its parameters: {', '.join(accepted)}")
+    usable = {key: value for key, value in params.items()
+              if value != "auto" and (accepted is None or key in accepted)}
+    return cls, usable, problems
+
+
+def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, target: Any):
+    """``type_name(target, **params)``, or one ConfigError with every problem: the usable
+    params are still built, so bad values show next to bad names."""
+    cls, usable, problems = _resolve(kind, registry, type_name, params)
+    built = None
+    if cls is not None:
+        try:
+            built = cls(target, **usable)
+        except (TypeError, ValueError, RuntimeError) as err:  # torch refuses bad values with any of these
+            problems.append(f"{kind}.params: {cls.__name__}: {err}")
+    if problems:
+        raise ConfigError(problems)
+    return built
 
 
 def _deepspeed_adam_params(type_name: str, params: dict) -> tuple[str, dict]:
@@ -167,6 +206,27 @@ for _name in ("lambdalr", "multiplicativelr", "sequentiallr", "chainedscheduler"
 def build_scheduler(section, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """The learning-rate schedule described by a config ``scheduler`` section."""
     return _build("scheduler", SCHEDULERS, section.type, dict(section.params), optimizer)
+
+
+def check_sections(optimizer, scheduler) -> list[str]:
+    """What building the config's ``optimizer`` / ``scheduler`` sections (either may be None)
+    would refuse, found by building them on a stand-in parameter: no model needed."""
+    problems: list[str] = []
+    built = None
+    if optimizer is not None:
+        try:
+            built = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
+        except ConfigError as error:
+            problems += error.problems
+    if scheduler is not None:
+        # Without a usable optimizer section the script brings its own: stand in with one that
+        # has what momentum-cycling schedules (CyclicLR, OneCycleLR) need.
+        built = built or torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+        try:
+            build_scheduler(scheduler, built)
+        except ConfigError as error:
+            problems += error.problems
+    return problems
 
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None

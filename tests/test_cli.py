@@ -1,13 +1,16 @@
 """``python -m engine plan / validate``: in-process through ``main`` and as a real process."""
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from engine.cli import add_override_argument, main
+from engine.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -104,3 +107,154 @@ def test_add_override_argument_is_repeatable():
     args = parser.parse_args(["--set", "a=1", "--set", "b.c=true"])
     assert args.overrides == ["a=1", "b.c=true"]
     assert parser.parse_args([]).overrides == []
+
+
+# -- validate: everything that needs no model ------------------------------------------
+def validate(tmp_path, capsys, text: str, name: str = "c.yaml", *overrides: str):
+    path = tmp_path / name
+    path.write_text(text)
+    status = main(["validate", str(path), *[arg for item in overrides for arg in ("--set", item)]])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return status, captured, path
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("optimizer: {type: Adamm, params: {lr: 0.1}}\n",
+     ":1: optimizer.type: unknown optimizer type 'Adamm'; did you mean Adam? known types: "),
+    ("optimizer: {type: adamw, params: {lr: 0.1, wieght_decay: 0.01}}\n",
+     ":1: optimizer.params: AdamW has no parameter 'wieght_decay'; did you mean "
+     "weight_decay? its parameters: lr, betas, eps, weight_decay,"),
+    ("optimizer: {type: SGD, params: {lr: auto}}\n",
+     ":1: optimizer.params.lr: 'auto' is a Hugging Face Trainer placeholder; give a value"),
+    ("optimizer: {type: SGD, params: {lr: -1.0}}\n", ":1: optimizer.params: SGD: Invalid learning rate: -1.0"),
+    ("scheduler: {type: WarmupLRR}\n", ":1: scheduler.type: unknown scheduler type 'WarmupLRR'; did you mean WarmupLR?"),
+    ("scheduler:\n  type: steplr\n  params: {step_sise: 2}\n",
+     ":3: scheduler.params: StepLR has no parameter 'step_sise'; did you mean step_size?"),
+    ("scheduler:\n  type: WarmupLR\n  params: {warmup_type: cubic}\n",
+     ":3: scheduler.params: WarmupLR: warmup_type must be 'log' or 'linear', got 'cubic'"),
+])
+def test_validate_checks_optimizer_and_scheduler(tmp_path, capsys, text, expected):
+    status, captured, path = validate(tmp_path, capsys, text)
+    assert status == 2 and f"{path}{expected}" in captured.err
+
+
+@pytest.mark.parametrize("params", [
+    "{lr: 0.001, betas: [0.9, 0.95], adam_w_mode: true, torch_adam: true}",  # DeepSpeed's AdamW
+    "{lr: 0.001, adam_w_mode: false}",
+])
+def test_validate_accepts_deepspeed_adam(tmp_path, capsys, params):
+    status, captured, _ = validate(tmp_path, capsys, f"optimizer: {{type: Adam, params: {params}}}\n")
+    assert status == 0, captured.err
+
+
+def test_validate_checks_a_scheduler_without_an_optimizer_section(tmp_path, capsys):
+    # the script passes its own optimizer; a momentum-cycling schedule still checks out
+    status, captured, _ = validate(tmp_path, capsys,
+                                   "scheduler: {type: OneCycleLR, params: {max_lr: 0.1, total_steps: 10}}\n")
+    assert status == 0, captured.err
+
+
+def test_validate_reports_every_problem_at_once(tmp_path, capsys):
+    status, captured, path = validate(tmp_path, capsys, """\
+train_batch_size: 8
+optimizer:
+  type: AdamW
+  params: {lr: -1, wieght_decay: 0.1}
+scheduler:
+  type: WarmupLR
+  params: {warmup_num_step: 10}
+backend: deepspeed
+gradient_allreduce_op: sum
+""")
+    assert status == 2 and captured.out == ""
+    lines = captured.err.splitlines()
+    assert lines[0] == "error:"
+    assert [line.split(": ")[1] for line in lines[1:]] == [
+        "optimizer.params", "optimizer.params", "scheduler.params", "gradient_allreduce_op"]
+    assert lines[1].startswith(f"{path}:4: ") and lines[4].startswith(f"{path}:9: ")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_validate_half_precision_on_this_machine(tmp_path, capsys, precision):
+    status, captured, _ = validate(tmp_path, capsys, f"{precision}: {{enabled: true}}\n")
+    assert status == 0, captured.err
+    assert captured.out.rstrip().endswith(precision)
+
+
+def test_validate_refuses_a_dtype_autocast_turns_off(tmp_path, capsys, monkeypatch):
+    class RefusingAutocast:
+        def __init__(self, device, dtype):
+            import warnings
+            warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.autocast", RefusingAutocast)
+    status, captured, path = validate(tmp_path, capsys, "seed: 1\nfp16:\n  enabled: true\n")
+    assert status == 2
+    assert (f"{path}:3: fp16.enabled: autocast on cpu does not run in torch.float16 with torch "
+            in captured.err)
+    assert "(In CPU autocast, but the target dtype is not supported. Disabling autocast.)" in captured.err
+
+
+def test_validate_refuses_bf16_on_a_gpu_without_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda: False)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *args: "Tesla V100")
+    status, captured, path = validate(tmp_path, capsys, "bf16: {enabled: true}\n")
+    assert status == 2
+    assert (f"{path}:1: bf16.enabled: this GPU (Tesla V100) has no bf16 support; use fp16.enabled "
+            "instead") in captured.err
+
+
+def test_validate_deepspeed_backend_without_the_package(tmp_path, capsys, monkeypatch):
+    from engine.strategies.deepspeed import INSTALL_HINT
+
+    monkeypatch.setattr("engine.config_checks.find_spec",
+                        lambda name: None if name == "deepspeed" else importlib.util.find_spec(name))
+    status, captured, path = validate(tmp_path, capsys, "train_batch_size: 8\nbackend: deepspeed\n")
+    assert status == 2
+    assert f"error: {path}:2: {INSTALL_HINT}" in captured.err
+
+
+def test_validate_deepspeed_backend_refusals(tmp_path, capsys):
+    status, captured, path = validate(tmp_path, capsys, """\
+train_batch_size: 8
+train_micro_batch_size_per_gpu: auto
+zero_optimization: {stage: 3}
+backend: deepspeed
+""")
+    assert status == 2
+    assert f"{path}:2: train_micro_batch_size_per_gpu: auto with backend deepspeed needs ZeRO stage 0, 1 or 2" \
+        in captured.err
+
+
+def test_validate_colossal_config(tmp_path, capsys):
+    status, captured, _ = validate(tmp_path, capsys, """\
+from colossalai.amp import AMP_TYPE
+BATCH_SIZE = 128
+gradient_accumulation = 4
+clip_grad_norm = 1.0
+fp16 = dict(mode=AMP_TYPE.TORCH)
+parallel = dict(pipeline=1, tensor=dict(size=1, mode=None))
+num_epochs = 2
+""", "config.py")
+    assert status == 0
+    assert "accumulation 4" in captured.out and captured.out.rstrip().endswith("fp16")
+    assert "warning:" in captured.err and "colossalai_extras: num_epochs" in captured.err
+
+
+@pytest.mark.parametrize("name", ["mlp.yaml", "deepspeed_zero2.json", "param_unchanged.py", "lm_tiny.yaml",
+                                  "colossalai_legacy.py"])
+def test_shipped_configs_pass_the_model_free_checks(name):
+    from engine.config_checks import check_without_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert check_without_model(load_config(CONFIGS / name)) == []

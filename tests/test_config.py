@@ -1,6 +1,7 @@
 """Config loading: every format and alias, overrides, and one clear error for bad input."""
 import json
 import pickle
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.batch_plan import plan_from_config
-from engine.config import ALIASES, Config, ConfigError, load_config
+from engine.config import ALIASES, DEEPSPEED_TOP_LEVEL_KEYS, Config, ConfigError, load_config
+from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -240,7 +242,8 @@ BAD_CONFIGS = [
      "{path}:2: NameError: name 'undefined_name' is not defined"),
     ("c.py", "seed = 1\nif True\n    seed = 2\n", "{path}:2: SyntaxError: expected ':'"),
     ("c.py", "seed = 1 / 0\n", "{path}:1: ZeroDivisionError: division by zero"),
-    ("c.py", "lr = 0.1\n", "{path}:1: lr: unknown key"),
+    ("c.py", "lr = 0.1\n",
+     "{path}:1: lr: unknown key (a value of your own? name it in UPPER_CASE: it is kept in constants)"),
     ("c.toml", "seed = 1\n", "{path}: unsupported config format '.toml'; use .yaml, .yml, .json or .py"),
 ]
 
@@ -295,3 +298,224 @@ def test_config_error_survives_pickling():
     error = ConfigError(["a: one", "b: two"])
     assert isinstance(error, ValueError)
     assert pickle.loads(pickle.dumps(error)).problems == ["a: one", "b: two"]
+
+
+# -- Colossal-AI (legacy API) configs as written ----------------------------------------
+TORCH_SCALER = {"fp16.enabled": True, "fp16.initial_scale_power": 16, "fp16.loss_scale_window": 2000,
+                "fp16.hysteresis": 1, "fp16.loss_scale": 0.0}
+
+# (id, config.py text, expected attribute values, warning substrings, error or None)
+COLOSSAL_SHAPES = [
+    ("issue", """
+        from colossalai.amp import AMP_TYPE
+        BATCH_SIZE = 128
+        NUM_EPOCHS = 200
+        gradient_accumulation = 4
+        clip_grad_norm = 1.0
+        fp16 = dict(mode=AMP_TYPE.TORCH)
+        parallel = dict(pipeline=1, tensor=dict(size=1, mode=None))
+        logging = dict(root_path='./logs')
+        num_epochs = 2
+     """, {**TORCH_SCALER, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+           "train_batch_size": None, "constants": {"BATCH_SIZE": 128, "NUM_EPOCHS": 200},
+           "colossalai_extras": {"logging": {"root_path": "./logs"}, "num_epochs": 2}},
+     ["kept in config.colossalai_extras: logging, num_epochs"], None),
+    ("tutorial accumulation", """
+        from colossalai.legacy.amp import AMP_TYPE
+        BATCH_SIZE = 128
+        gradient_accumulation = 4
+     """, {"gradient_accumulation_steps": 4, "fp16.enabled": False, "constants": {"BATCH_SIZE": 128}},
+     [], None),
+    ("torch AMP with scaler keys", """
+        from colossalai.amp import AMP_TYPE
+        fp16 = dict(mode=AMP_TYPE.TORCH, init_scale=2.**10, growth_factor=2.0, backoff_factor=0.5,
+                    growth_interval=500, enabled=True)
+        clip_grad_norm = 0.5
+     """, {**TORCH_SCALER, "fp16.initial_scale_power": 10, "fp16.loss_scale_window": 500,
+           "gradient_clipping": 0.5}, [], None),
+    ("torch AMP without its grad scaler", """
+        from colossalai.amp import AMP_TYPE
+        fp16 = dict(mode=AMP_TYPE.TORCH, enabled=False, growth_factor=4.0)
+     """, {"fp16.enabled": True, "fp16.loss_scale": 1.0},
+     ["fp16.growth_factor: 4.0 is not used: Microstep's loss scale always doubles"], None),
+    ("own fp16 keys next to the mode", """
+        fp16 = dict(mode='torch', growth_interval=500, loss_scale_window=10, min_loss_scale=0.5)
+     """, {**TORCH_SCALER, "fp16.loss_scale_window": 10, "fp16.min_loss_scale": 0.5}, [], None),
+    ("naive AMP", """
+        from colossalai.amp import AMP_TYPE
+        fp16 = dict(mode=AMP_TYPE.NAIVE, log_num_zeros_in_grad=False, initial_scale=2 ** 16,
+                    min_scale=2, growth_factor=2, backoff_factor=0.5, growth_interval=100, hysteresis=3)
+        clip_grad_norm = 1.0
+     """, {"fp16.enabled": True, "fp16.initial_scale_power": 16, "fp16.min_loss_scale": 2.0,
+           "fp16.loss_scale_window": 100, "fp16.hysteresis": 3, "gradient_clipping": 1.0},
+     ["fp16.mode NAIVE: Colossal-AI's naive AMP casts the whole model to fp16",
+      "fp16.log_num_zeros_in_grad: not used by Microstep (Colossal-AI naive AMP setting)"], None),
+    ("apex AMP", """
+        from colossalai.amp import AMP_TYPE
+        fp16 = dict(mode=AMP_TYPE.APEX, enabled=True, opt_level='O1', cast_model_type=None,
+                    loss_scale=None, min_loss_scale=None, max_loss_scale=16777216.0)
+     """, {**TORCH_SCALER, "fp16.min_loss_scale": 1.0},
+     ["fp16.mode APEX: apex is not used", "fp16.opt_level: not used by Microstep",
+      "fp16.max_loss_scale: not used by Microstep"], None),
+    ("apex AMP, fixed scale", """
+        fp16 = dict(mode='apex', loss_scale=128.0)
+     """, {"fp16.enabled": True, "fp16.loss_scale": 128.0}, ["apex is not used"], None),
+    ("ZeRO level 3, fp32", """
+        from colossalai.amp import AMP_TYPE
+        BATCH_SIZE = 16
+        fp16 = dict(mode=None)
+        zero = dict(level=3, offload_optimizer_config=dict(device='cpu', pin_memory=True))
+        parallel = dict(pipeline=dict(size=1), tensor=dict(size=1, mode=None))
+     """, {"fp16.enabled": False, "zero_optimization.stage": 0,
+           "colossalai_extras": {"zero": {"level": 3, "offload_optimizer_config": {
+               "device": "cpu", "pin_memory": True}}}},
+     ["zero (for ZeRO set zero_optimization: {stage: 0..3})"], None),
+    ("sharded model with a colossalai class", """
+        from colossalai.amp import AMP_TYPE
+        from colossalai.zero.shard_utils import TensorShardStrategy
+        fp16 = dict(mode=AMP_TYPE.TORCH)
+        zero = dict(model_config=dict(shard_strategy=TensorShardStrategy()),
+                    optimizer_config=dict(initial_scale=2 ** 5))
+        cudnn_benchmark = True
+        parallel = dict(data=2, pipeline=1)
+     """, {**TORCH_SCALER},
+     ["cudnn_benchmark (set torch.backends.cudnn.benchmark in the script)", "zero (for ZeRO"], None),
+    ("tensor parallel", """
+        parallel = dict(pipeline=1, tensor=dict(mode='1d', size=2))
+     """, {}, [],
+     "{path}:1: parallel.tensor: size 2 (mode '1d'): Microstep has no tensor parallelism; it trains "
+     "with data parallelism over all ranks, sharded by ZeRO 0-3 (zero_optimization.stage; stage 3 "
+     "also shards the parameters). Set the tensor size to 1 or remove it, or keep Colossal-AI for this model"),
+    ("pipeline parallel and a typo", """
+        parallel = dict(
+            pipeline=dict(size=2),
+            tensr=dict(size=1),
+        )
+     """, {}, [],
+     "{path}:2: parallel.pipeline: size 2: Microstep has no pipeline parallelism; it trains with data "
+     "parallelism over all ranks, sharded by ZeRO 0-3 (zero_optimization.stage; stage 3 also shards "
+     "the parameters). Set the pipeline size to 1 or remove it, or keep Colossal-AI for this model\n"
+     "{path}:3: parallel.tensr: unknown key; did you mean tensor?"),
+    ("unknown AMP mode", """
+        fp16 = dict(mode='bf16')
+     """, {}, [],
+     "{path}:1: fp16.mode: 'bf16' is not a Colossal-AI AMP mode; use AMP_TYPE.TORCH, AMP_TYPE.NAIVE, "
+     "AMP_TYPE.APEX or None (no fp16)"),
+    ("scale that is no power of two", """
+        from colossalai.amp import AMP_TYPE
+        fp16 = dict(mode=AMP_TYPE.TORCH,
+                    init_scale=1000.0)
+     """, {}, [],
+     "{path}:3: fp16.init_scale: 1000.0 is not a power of 2; Microstep's dynamic loss scale starts at "
+     "2**initial_scale_power: give a power of 2"),
+    ("clipping written twice", """
+        clip_grad_norm = 1.0
+        gradient_clipping = 0.5
+     """, {}, [],
+     "{path}:1: clip_grad_norm: 1.0 conflicts with gradient_clipping: 0.5 (clip_grad_norm is another "
+     "name for gradient_clipping; keep one)"),
+    ("typos", """
+        clip_grad_nrom = 1.0
+        num_epoch = 3
+     """, {}, [],
+     "{path}:1: clip_grad_nrom: unknown key; did you mean clip_grad_norm? (a value of your own? name it "
+     "in UPPER_CASE: it is kept in constants)\n"
+     "{path}:2: num_epoch: unknown key; did you mean num_epochs? (a value of your own? name it in "
+     "UPPER_CASE: it is kept in constants)"),
+]
+
+
+def attribute(config: Config, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@pytest.mark.parametrize("text, expected, warned, error",
+                         [shape[1:] for shape in COLOSSAL_SHAPES], ids=[shape[0] for shape in COLOSSAL_SHAPES])
+def test_colossal_config_shapes(tmp_path, text, expected, warned, error):
+    path = write(tmp_path, "config.py", text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if error is not None:
+            with pytest.raises(ConfigError) as raised:
+                load_config(path)
+            assert str(raised.value) == error.format(path=path)
+            return
+        config = load_config(path)
+    assert {key: attribute(config, key) for key in expected} == expected
+    messages = [str(warning.message) for warning in caught]
+    for fragment in warned:
+        assert any(fragment in message for message in messages), (fragment, messages)
+    if not warned:
+        assert messages == []
+
+
+def test_colossal_stand_ins_exist_only_while_the_config_runs(tmp_path):
+    path = write(tmp_path, "config.py", """
+        import colossalai
+        from colossalai.amp import AMP_TYPE
+        from colossalai.nn.optimizer import HybridAdam
+        fp16 = dict(mode=AMP_TYPE.NAIVE)
+        zero = dict(optimizer=HybridAdam, launch=colossalai.launch_from_torch)
+    """)
+    finders = list(sys.meta_path)
+    config = load_quietly(path)
+    assert config.fp16.enabled and config.fp16.initial_scale_power == 32
+    assert not [name for name in sys.modules if name.partition(".")[0] == "colossalai"]
+    assert sys.meta_path == finders
+    assert repr(config.colossalai_extras["zero"]["optimizer"]) == \
+        "<colossalai.nn.optimizer.HybridAdam: colossalai is not installed>"
+    again = pickle.loads(pickle.dumps(config))  # checkpoints pickle the config
+    assert repr(again.colossalai_extras["zero"]["launch"]) == \
+        "<colossalai.launch_from_torch: colossalai is not installed>"
+    with pytest.raises(ModuleNotFoundError):
+        __import__("colossalai")
+
+
+def test_colossal_stand_in_where_a_value_is_needed_is_an_error(tmp_path):
+    path = write(tmp_path, "config.py", """
+        from colossalai.nn.optimizer import HybridAdam
+        optimizer = dict(type=HybridAdam, params=dict(lr=1e-3))
+    """)
+    with pytest.raises(ConfigError, match=r":2: optimizer.type: expected a string, got "
+                                          r"<colossalai.nn.optimizer.HybridAdam: colossalai is not installed>"):
+        load_config(path)
+
+
+def test_an_installed_colossalai_is_imported_for_real(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "colossalai"
+    (package / "amp").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "amp" / "__init__.py").write_text(
+        "import enum\nclass AMP_TYPE(enum.Enum):\n    TORCH = 'torch'\n    REAL = 'real'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        config = load_config(write(tmp_path, "config.py", """
+            from colossalai.amp import AMP_TYPE
+            fp16 = dict(mode=AMP_TYPE.TORCH)
+            REAL = AMP_TYPE.REAL
+        """))
+        assert config.fp16.enabled and config.constants["REAL"].value == "real"
+        assert sys.modules["colossalai.amp"].__file__ == str(package / "amp" / "__init__.py")
+    finally:
+        for name in [name for name in sys.modules if name.partition(".")[0] == "colossalai"]:
+            del sys.modules[name]
+
+
+def test_colossal_and_deepspeed_pass_through_keys_are_distinct():
+    assert not set(COLOSSALAI_TOP_LEVEL_KEYS) & DEEPSPEED_TOP_LEVEL_KEYS
+    assert not set(COLOSSALAI_TOP_LEVEL_KEYS) & set(Config.model_fields)
+
+
+def test_colossal_keys_in_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "c.yaml", """
+        fp16: {mode: torch}
+        num_epochs: 3
+    """)
+    with pytest.warns(UserWarning, match="colossalai_extras: logging, num_epochs"):
+        config = load_config(path, ["logging.root_path=./logs", "clip_grad_norm=2"])
+    assert config.fp16.enabled and config.fp16.loss_scale_window == 2000
+    assert config.colossalai_extras == {"num_epochs": 3, "logging": {"root_path": "./logs"}}
+    assert config.gradient_clipping == 2.0

@@ -1,0 +1,51 @@
+"""Checks of a loaded config that need no model: ``check_without_model(config)``.
+
+``python -m engine validate`` runs them after ``load_config``, and ``engine.initialize``
+can run them before building anything, so both report the same problems, all at once:
+
+* optimizer / scheduler: the type is known, every ``params`` name is a parameter of it,
+  no ``'auto'`` placeholder, and the values are accepted (built on a stand-in parameter);
+* precision: this machine's device (CUDA when available, else CPU) runs autocast in the
+  enabled dtype, bf16 on CUDA only where the GPU supports it;
+* backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
+  imported) and a config the DeepSpeed backend accepts.
+"""
+from __future__ import annotations
+
+import warnings
+from importlib.util import find_spec
+
+import torch
+
+from engine.config import Config, locate
+from engine.optim import check_sections
+from engine.strategies.deepspeed import INSTALL_HINT, unsupported
+
+
+def check_without_model(config: Config) -> list[str]:
+    """Every problem found, as ``<where>: <key.path>: <problem>`` lines (empty: none)."""
+    problems = check_sections(config.optimizer, config.scheduler)
+    problems += _precision_problems(config)
+    if config.backend == "deepspeed":
+        if find_spec("deepspeed") is None:
+            problems.append(INSTALL_HINT)
+        problems += unsupported(config)
+    return locate(config, problems)
+
+
+def _precision_problems(config: Config) -> list[str]:
+    key, dtype = ("fp16", torch.float16) if config.fp16.enabled else ("bf16", torch.bfloat16)
+    if not getattr(config, key).enabled:
+        return []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return [f"bf16.enabled: this GPU ({torch.cuda.get_device_name()}) has no bf16 support; "
+                "use fp16.enabled instead"]
+    with warnings.catch_warnings(record=True) as caught:  # torch warns and turns autocast off
+        warnings.simplefilter("always")
+        with torch.autocast(device, dtype=dtype):
+            pass
+    if caught:
+        return [f"{key}.enabled: autocast on {device} does not run in {dtype} with torch "
+                f"{torch.__version__} ({caught[0].message}); disable it or use the other half precision"]
+    return []
