@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from engine.adapters import deepspeed_internals
 from engine.autotune import MicroBatchTuner
 from engine.batch_plan import plan_from_config
 from engine.checkpoint import Checkpointer
 from engine.config import ConfigError, load_config
+from engine.config_checks import check_without_model
 from engine.distributed import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
@@ -43,8 +43,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     config = load_config(config, overrides)
     if config.seed is not None:
         seed_everything(config.seed)
-    if config.backend == "deepspeed":
-        deepspeed_internals.require_installed()
+    problems = check_without_model(config)
+    if problems:
+        raise ConfigError(problems)
     dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
                                  group_for_one_process=config.backend == "deepspeed",
                                  agreement_timeout_seconds=config.distributed.agreement_timeout_seconds)

@@ -9,18 +9,10 @@ import argparse
 import sys
 import warnings
 
-<<<<<<< HEAD
 from engine.batch_plan import plan_from_config
 from engine.config import Config, load_config
-from engine.errors import MicrostepError
-=======
-from engine.autotune import OutOfMemoryAtMicroBatchOne
-from engine.engine import EngineUsageError
-from engine.microbatch import BatchError
-from engine.batch_plan import BatchConfigError, plan_from_config
-from engine.config import Config, ConfigError, load_config
 from engine.config_checks import check_without_model
->>>>>>> colossal-config
+from engine.errors import ConfigError, MicrostepError
 
 USAGE_ERROR = 2
 

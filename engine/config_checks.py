@@ -1,7 +1,8 @@
 """Checks of a loaded config that need no model: ``check_without_model(config)``.
 
 ``python -m engine validate`` runs them after ``load_config``, and ``engine.initialize``
-can run them before building anything, so both report the same problems, all at once:
+before building anything (no process group is joined for a config that cannot run), so
+both report the same problems, all at once:
 
 * optimizer / scheduler: the type is known, every ``params`` name is a parameter of it,
   no ``'auto'`` placeholder, and the values are accepted (built on a stand-in parameter);
@@ -17,9 +18,10 @@ from importlib.util import find_spec
 
 import torch
 
+from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.config import Config, locate
 from engine.optim import check_sections
-from engine.strategies.deepspeed import INSTALL_HINT, unsupported
+from engine.strategies.deepspeed import unsupported
 
 
 def check_without_model(config: Config) -> list[str]:

@@ -173,7 +173,6 @@ def test_fsdp2_entries():
 def test_deepspeed_version_is_checked(monkeypatch):
     import deepspeed
 
-    deepspeed_internals.require_installed()
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     with pytest.raises(UnsupportedFrameworkError, match=r"tested with deepspeed 0\.19\.x"):
         deepspeed_internals.import_deepspeed()
@@ -184,7 +183,7 @@ def test_missing_deepspeed_names_the_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(ConfigError, match=r"pip install 'microstep\[deepspeed\]'"):
-        deepspeed_internals.require_installed()
+        deepspeed_internals.import_deepspeed()
 
 
 def _deepspeed_entries(rank, world, root):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import logging
 import os
 import warnings
@@ -32,12 +31,6 @@ INSTALL_HINT = ("backend: deepspeed needs the deepspeed package: pip install 'mi
 # The optimizers DeepSpeed wraps a torch optimizer in at ZeRO-1/2/3 whose loss scale divides
 # the gradient before clipping and stepping (how a window's multiplier is applied).
 ZERO_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
-
-
-def require_installed() -> None:
-    """Fail before anything starts (no process group, no import) when DeepSpeed is absent."""
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError([INSTALL_HINT])
 
 
 def import_deepspeed():
