@@ -9,27 +9,48 @@ micro-batch unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from engine.errors import BatchError
 
 
-def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+def _children(container: Mapping | tuple | list, path: str) -> Iterator[tuple[Any, str, Any]]:
+    """(key, path, value) of each item of a mapping or a tuple/list."""
+    if isinstance(container, Mapping):
+        for key, value in container.items():
+            yield key, f"{path}[{key!r}]", value
+    else:
+        for i, value in enumerate(container):
+            yield i, f"{path}[{i}]", value
+
+
+def tensor_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``batch`` with its path, e.g. ``batch['inputs'][0]``."""
     if isinstance(batch, torch.Tensor):
         yield path, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
-    elif isinstance(batch, (tuple, list)):
-        for i, value in enumerate(batch):
-            yield from _leaves(value, f"{path}[{i}]")
+    elif isinstance(batch, (Mapping, tuple, list)):
+        for _, child, value in _children(batch, path):
+            yield from tensor_leaves(value, child)
+
+
+def map_tensors(batch: Any, fn: Callable[[str, torch.Tensor], Any], path: str = "batch") -> Any:
+    """``batch`` with every tensor replaced by ``fn(path, tensor)`` (paths as in
+    ``tensor_leaves``); containers keep their types, other leaves stay as they are."""
+    if isinstance(batch, torch.Tensor):
+        return fn(path, batch)
+    if isinstance(batch, Mapping):
+        return _rebuild_mapping(batch, {key: map_tensors(value, fn, child)
+                                        for key, child, value in _children(batch, path)})
+    if isinstance(batch, (tuple, list)):
+        return _rebuild(batch, [map_tensors(value, fn, child) for _, child, value in _children(batch, path)])
+    return batch
 
 
 def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor in ``batch`` that has a dim 0."""
-    sizes = {path: t.shape[0] for path, t in _leaves(batch) if t.dim() > 0}
+    sizes = {path: t.shape[0] for path, t in tensor_leaves(batch) if t.dim() > 0}
     if not sizes:
         raise BatchError(
             f"cannot find the batch size of a {type(batch).__name__}: it holds no tensor with a "
