@@ -1,19 +1,23 @@
-"""The DeepSpeed backend against the torch backend and against DeepSpeed driven by hand:
-time per optimizer step and bytes sent per step, ZeRO stages 0-3, 2 ranks.
+"""The torch backend and the DeepSpeed backend against DeepSpeed driven by hand: time per
+optimizer step and bytes sent per step, ZeRO stages 0-3, at equal memory.
 
     python -m launch --nproc-per-node 2 bench/deepspeed_compare.py [--rounds 6] [--steps 3]
 
 Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulation 4
-(micro-batch 8 per rank), fp32, a torch AdamW instance, no clipping, gloo. Variants:
+(micro-batch 8 per rank on 2 ranks), fp32, a torch AdamW instance, no clipping, gloo.
+Variants:
 
-* ``torch``: Microstep's torch backend (DDP, ZeRO-1, FSDP2), ``train_batch``;
-* ``deepspeed``: ``backend: deepspeed``, ``train_batch`` (stages 1-3: one coalesced
-  reduction per window; ``reduce every`` rows: ``reduce_every_micro_step: true``);
+* ``torch``: Microstep's torch backend (DDP, ZeRO-1, FSDP2), ``train_batch``, defaults
+  (ZeRO memory: stages 2/3 reduce into shards after every micro-step);
+* ``deepspeed``: ``backend: deepspeed``, ``train_batch``, defaults (stage 1: one coalesced
+  reduction per window; stages 2/3: DeepSpeed's own per-micro-step reduction);
 * ``DeepSpeed by hand``: ``deepspeed.initialize`` with the batch keys and
   ``gradient_clipping: 0``, the standard loop ``loss = f(eng(x)); eng.backward(loss);
   eng.step()`` per micro-batch (DeepSpeed's GAS: stages 2/3 reduce every micro-batch).
   ``memory_efficient_linear: false`` at stage 3, so that ZeRO-3 does not patch
-  ``torch.nn.functional.linear`` for every other variant in the process.
+  ``torch.nn.functional.linear`` for every other variant in the process;
+* ``defer`` rows (memory traded for traffic, not at equal memory): ``defer_reduction: true``
+  on either backend.
 
 Every variant trains its own copy; all variants alternate round by round and the slowest
 rank's time counts (median over rounds). Bytes: one optimizer step per variant counted by
@@ -25,7 +29,9 @@ one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import sys
 import time
@@ -39,31 +45,28 @@ import torch.distributed as dist
 import engine
 from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
 from bench.comm_count import CommCounter
-from engine.strategies.deepspeed import (
-    _import_deepspeed,
-    _quiet_stdout,
-)
+from engine.adapters.deepspeed_internals import import_deepspeed
 
 ACCUMULATION = 4
 
 
-def microstep(model, data, stage, backend, reduce_every=False):
+def microstep(model, data, stage, backend, defer=False):
     micro = GLOBAL_BATCH // dist.get_world_size() // ACCUMULATION
     config = {"backend": backend, "train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
-              "zero_optimization": {"stage": stage, "reduce_every_micro_step": reduce_every}}
+              "zero_optimization": {"stage": stage, "defer_reduction": defer}}
     eng = engine.initialize(model, config, optimizer=adamw)
     return lambda: eng.train_batch(data, mse), eng
 
 
 def by_hand(model, data, stage):
-    deepspeed = _import_deepspeed()
+    deepspeed = import_deepspeed()
     micro = GLOBAL_BATCH // dist.get_world_size() // ACCUMULATION
     zero = {"stage": stage}
     if stage == 3:
         zero["memory_efficient_linear"] = False
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
               "gradient_accumulation_steps": ACCUMULATION, "gradient_clipping": 0.0, "zero_optimization": zero}
-    with _quiet_stdout():
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its comm op's loading
         eng, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config,
                                        dist_init_required=False)
     micro_batches = list(zip(data[0].split(micro), data[1].split(micro)))
@@ -84,10 +87,10 @@ def variants(model, data):
 
         add(f"stage {stage} torch", microstep, "torch")
         add(f"stage {stage} deepspeed", microstep, "deepspeed")
-        if stage >= 2:
-            add(f"stage {stage} torch, reduce every", microstep, "torch", True)
-            add(f"stage {stage} deepspeed, reduce every", microstep, "deepspeed", True)
         add(f"stage {stage} DeepSpeed by hand", by_hand)
+        if stage >= 2:
+            add(f"stage {stage} torch, defer", microstep, "torch", True)
+            add(f"stage {stage} deepspeed, defer", microstep, "deepspeed", True)
     return rows
 
 
@@ -127,17 +130,19 @@ def main(argv=None):
     close(rows)
     if info.rank != 0:
         return
-    print(f"{'variant':38s} {'ms/step':>8s} {'vs torch':>8s} {'sent MB':>8s}  calls per step")
+    print(f"{'variant':38s} {'ms/step':>8s} {'vs DS hand':>10s} {'sent MB':>8s}  calls per step")
     result = {}
     for name, (stage, _, _) in rows.items():
-        base = times[f"stage {stage} torch"]
+        base = times[f"stage {stage} DeepSpeed by hand"]
         mb, calls = traffic[name]
-        result[name] = {"stage": stage, "ms_per_step": times[name] * 1e3, "ratio_vs_torch_backend": times[name] / base,
+        result[name] = {"stage": stage, "ms_per_step": times[name] * 1e3,
+                        "ratio_vs_deepspeed_by_hand": times[name] / base,
+                        "memory": "deferred (more)" if name.endswith("defer") else "ZeRO",
                         "sent_MB_per_step": mb, "calls_per_step": calls}
-        print(f"{name:38s} {times[name] * 1e3:8.1f} {times[name] / base:8.3f} {mb:8.1f}  {calls}")
+        print(f"{name:38s} {times[name] * 1e3:8.1f} {times[name] / base:10.3f} {mb:8.1f}  {calls}")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} "
           f"(timing took {time.perf_counter() - began:.0f} s)")
-    save("deepspeed_compare", {
+    save(f"deepspeed_compare_w{info.world_size}", {
         "workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, "
                     "AdamW (torch instance), "
                     f"fp32, no clipping, {info.world_size} ranks gloo, {args.rounds} rounds x {args.steps} steps, "
