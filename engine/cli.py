@@ -131,6 +131,7 @@ def summarize(config: Config) -> str:
              f"train_batch_size {batch_value(config.train_batch_size)}",
              f"micro {batch_value(config.train_micro_batch_size_per_gpu)}",
              f"accumulation {batch_value(config.gradient_accumulation_steps)}",
+             *([f"micro_batch_tokens {config.micro_batch_tokens}"] if config.micro_batch_tokens else []),
              f"split {config.batch_split}",
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",
