@@ -353,3 +353,25 @@ def test_a_batch_one_rank_cannot_split_stops_every_rank(two_ranks):
                      "every rank stops at the same micro-step")
     assert second.startswith("TokenBudgetError: batch['attention_mask']: row 0 is left-padded")
     assert steps0 == steps1 == 1
+
+
+def deepspeed_scenario(rank, world, stage):
+    model, batches = tiny_lm().float(), lm_batches(LLAMA_STEPS)  # DeepSpeed trains float32 at most
+    expected = reference_train(model, batches, token_mean, sgd)
+    eng = token_engine(copy.deepcopy(model), tokens=LLAMA_BUDGET, global_batch=7, batch_split="balanced",
+                       backend="deepspeed", zero_optimization={"stage": stage})
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan))
+    return max_param_diff(eng.full_state_dict(), state(expected)), eng.last_window.micro_steps
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(300)
+def test_deepspeed_backend_splits_by_tokens_too():
+    pytest.importorskip("deepspeed")
+    results = run_scenarios({stage: functools.partial(deepspeed_scenario, stage=stage) for stage in (0, 1, 2, 3)},
+                            world_size=2, timeout=240)
+    for stage, per_rank in results.items():
+        for diff, micro_steps in per_rank:
+            assert diff < 1e-6 and micro_steps == 3, (stage, diff, micro_steps)  # fp32 against float64
