@@ -111,7 +111,8 @@ def run_explore(args: argparse.Namespace) -> int:
     if eng.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        print(f"micro-batch sizes for global batch {eng.plan.train_batch_size} on {eng.world_size} rank(s) "
+        measured = "token budgets" if eng.plan.micro_batch_tokens else "micro-batch sizes"
+        print(f"{measured} for global batch {eng.plan.train_batch_size} on {eng.world_size} rank(s) "
               f"({eng.plan.per_device_batch_size} per device):")
         print(format_table(rows))
         saved = [save_json(rows, out / "explore.json", config=config.source, world_size=eng.world_size,

@@ -375,3 +375,26 @@ def test_deepspeed_backend_splits_by_tokens_too():
     for stage, per_rank in results.items():
         for diff, micro_steps in per_rank:
             assert diff < 1e-6 and micro_steps == 3, (stage, diff, micro_steps)  # fp32 against float64
+
+
+# Factories for `python -m engine explore` (module:function references).
+def explore_lm():
+    return lm_with_tripwire(max_micro=32)
+
+
+def explore_lm_batch(size):
+    return padded_batch(STEPS[0][:size], width=16)
+
+
+def test_explore_command_measures_token_budgets(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("train_batch_size: 8\nmicro_batch_tokens: 64\n")
+    assert cli_main(["explore", str(config), "--model", "tests.test_token_engine:explore_lm",
+                     "--batch", "tests.test_token_engine:explore_lm_batch",
+                     "--loss", "tests.test_token_budget:loss_sum_and_count",
+                     "--out", str(tmp_path), "--warmup", "0", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "token budgets for global batch 8 on 1 rank(s) (8 per device):"
+    assert lines[1].split()[:2] == ["tokens", "micro-steps"]
+    assert [line.split()[0] for line in lines[2:5]] == ["16", "32", "64"] and "out of memory" in lines[4]
+    assert "<- recommended" in "\n".join(lines[2:4])
