@@ -43,9 +43,9 @@ def tiny_lm():
     return TinyCausalLM().double()
 
 
-def token_engine(model, tokens=20, global_batch=8, **extra):
+def token_engine(model, tokens=20, global_batch=8, lengths=None, **extra):
     config = {"train_batch_size": global_batch, "micro_batch_tokens": tokens, **extra}
-    return engine.initialize(model, config, optimizer=sgd, loss_fn=loss_sum_and_count)
+    return engine.initialize(model, config, optimizer=sgd, loss_fn=loss_sum_and_count, lengths=lengths)
 
 
 # -- plan and config ---------------------------------------------------------------------------
@@ -141,8 +141,8 @@ def test_lengths_function_and_sequence_keys_for_a_batch_without_a_mask():
     model, batches = tiny_lm(), lm_batches()
     plain = [{"input_ids": b["input_ids"], "labels": b["labels"], "weight": torch.ones(8, 16)} for b in batches]
     expected = reference_train(model, batches, token_mean, sgd)
-    eng = token_engine(copy.deepcopy(model), sequence_keys=["input_ids", "labels"])
-    eng.token_splitter.lengths = lambda batch: (batch["labels"] != -100).sum(1)
+    eng = token_engine(copy.deepcopy(model), sequence_keys=["input_ids", "labels"],
+                       lengths=lambda batch: (batch["labels"] != -100).sum(1))
     for batch in plain:
         eng.train_batch(batch, loss)
     assert max_param_diff(state(eng.module), state(expected)) < TOL
