@@ -311,8 +311,7 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | N
     edges = torch.arange(n + 1, dtype=torch.float64)
     rows = edges[None, 1:] - edges[:-1, None]  # [start, end - 1] -> rows of start..end-1
     padded = rows * torch.tensor(widths, dtype=torch.float64)[:, None]
-    too_many = rows > max_rows if max_rows is not None else torch.zeros_like(rows, dtype=torch.bool)
-    padded = padded.masked_fill((rows < 1) | ((rows > 1) & (padded > budget)) | too_many, math.inf)
+    padded = padded.masked_fill((rows < 1) | ((rows > 1) & (padded > budget)) | (rows > (max_rows or n)), math.inf)
     padded_squared = padded.square()
     inf = torch.full((1,), math.inf, dtype=torch.float64)
     tokens = torch.cat([torch.zeros(1, dtype=torch.float64), inf.expand(n)])  # best per prefix
