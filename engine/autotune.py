@@ -18,6 +18,10 @@ continues, including when only one rank fails, in its forward or its backward:
 ``explore`` measures every candidate size on the first batch (forward and backward of a
 whole window, warm-up then timed, gradients discarded, model and RNG restored), keeps the
 fastest one that fits, then behaves like ``auto``.
+
+With ``micro_batch_tokens`` the same machinery moves the token budget instead of the micro
+size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or more rows on
+any rank, and ``explore`` measures the budget halved while it still holds the longest row.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.collectives import OTHER_ERROR, OUT_OF_MEMORY
-from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
+from engine.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
+from engine.errors import BatchError, OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
+from engine.token_budget import budget_candidates, smaller_budget
 
 log = logging.getLogger("engine")
 
@@ -67,15 +72,88 @@ def _release_memory() -> None:
 
 @dataclass
 class Candidate:
-    """One measured micro-batch size."""
+    """One measured micro-batch size (or token budget)."""
 
-    micro_batch_size: int
-    accumulation_steps: int
+    micro_batch_size: int  # with a token budget: the cap on rows per micro-batch
+    accumulation_steps: int  # micro-steps per window (with a token budget: as the ranks agreed)
     fits: bool
     samples_per_second: float | None = None
     peak_memory_bytes: int | None = None
     relative_speed: float | None = None
     recommended: bool = False
+    micro_batch_tokens: int | None = None
+
+
+class MicroSize:
+    """What auto / explore move by default: the micro-batch size."""
+
+    name = "micro-batch size"
+    eval_attribute = "eval_micro_batch_size"
+    smallest = "micro-batch size 1"
+
+    def value(self, plan) -> int:
+        return plan.train_micro_batch_size_per_gpu
+
+    def with_value(self, plan, value: int):
+        return plan.with_micro_batch_size(value)
+
+    def smaller(self, engine, value: int) -> int | None:
+        """The next size after ``value`` failed in training."""
+        return engine.plan.next_smaller_micro_size()
+
+    def smaller_for_eval(self, engine, value: int) -> int | None:
+        return value // 2 or None
+
+    def candidates(self, engine, batch) -> list[int]:
+        plan = engine.plan
+        return _thin(_capped(plan.candidate_micro_sizes(), plan))
+
+    def evaluate(self, engine, batch, loss_fn, value: int) -> float:
+        return engine.evaluate(batch, loss_fn, value)
+
+    def planned_micro_steps(self, engine) -> int:
+        return engine.plan.gradient_accumulation_steps
+
+    def consequence(self, old, new) -> str:
+        return f"accumulation steps {old.gradient_accumulation_steps} -> {new.gradient_accumulation_steps}, "
+
+
+class TokenBudget:
+    """What auto / explore move when micro-batches are formed by tokens: the budget. Its
+    smaller values are agreed over ranks (every rank calls these after an agreed failure)."""
+
+    name = "micro_batch_tokens"
+    eval_attribute = "eval_micro_batch_tokens"
+    smallest = "one sequence per micro-batch"
+
+    def value(self, plan) -> int:
+        return plan.micro_batch_tokens
+
+    def with_value(self, plan, value: int):
+        return plan.with_micro_batch_tokens(value)
+
+    def smaller(self, engine, value: int) -> int | None:
+        """Half the largest micro-batch of two or more rows that any rank just ran."""
+        return max_over_ranks([smaller_budget(engine.token_groups)])[0] or None
+
+    smaller_for_eval = smaller
+
+    def candidates(self, engine, batch) -> list[int]:
+        try:
+            layout, _ = engine.token_splitter.read(batch, engine.plan.micro_batch_tokens)
+            longest = max(layout.lengths)
+        except BatchError:  # the window's own split reports it, on every rank
+            longest = 0
+        return budget_candidates(engine.plan.micro_batch_tokens, max_over_ranks([longest])[0])[-MAX_CANDIDATES:]
+
+    def evaluate(self, engine, batch, loss_fn, value: int) -> float:
+        return engine.evaluate_by_tokens(batch, loss_fn, value)
+
+    def planned_micro_steps(self, engine) -> int:
+        return len(engine.token_groups)
+
+    def consequence(self, old, new) -> str:
+        return "micro-steps follow from the lengths, "
 
 
 class MicroBatchTuner:
@@ -87,7 +165,9 @@ class MicroBatchTuner:
         self.limit = memory_limit_bytes(memory_limit, self.meter.device)
         self.warmup, self.repeats = warmup, repeats
         self.pending_explore = engine.plan.micro_batch_mode == "explore"
+        self.knob = TokenBudget() if engine.plan.micro_batch_tokens is not None else MicroSize()
         self.eval_micro_batch_size: int | None = None
+        self.eval_micro_batch_tokens: int | None = None
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
         engine.strategy.enable_failure_guard()
@@ -96,12 +176,14 @@ class MicroBatchTuner:
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the current size itself lives in the plan)."""
         return {"pending_explore": self.pending_explore, "changes": list(self.changes),
-                "eval_micro_batch_size": self.eval_micro_batch_size}
+                "eval_micro_batch_size": self.eval_micro_batch_size,
+                "eval_micro_batch_tokens": self.eval_micro_batch_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending_explore = state["pending_explore"]
         self.changes = list(state["changes"])
         self.eval_micro_batch_size = state["eval_micro_batch_size"]
+        self.eval_micro_batch_tokens = state.get("eval_micro_batch_tokens")
 
     # -- training -----------------------------------------------------------------------
     def run_window(self, batch, loss_fn) -> None:
@@ -119,19 +201,20 @@ class MicroBatchTuner:
                 self._shrink(failure)
 
     def run_eval(self, batch, loss_fn) -> float:
-        eng = self.engine
-        micro = self.eval_micro_batch_size or eng.plan.train_micro_batch_size_per_gpu
+        eng, knob = self.engine, self.knob
+        value = getattr(self, knob.eval_attribute) or knob.value(eng.plan)
         while True:
             try:
-                loss = eng.evaluate(batch, loss_fn, micro)
+                loss = knob.evaluate(eng, batch, loss_fn, value)
             except WindowFailed as failure:
                 eng.discard_window()
-                if micro == 1:
+                smaller = knob.smaller_for_eval(eng, value)
+                if smaller is None:
                     raise self._too_large(failure) from None
-                log.warning("eval micro-batch size %d -> %d after %s", micro, micro // 2, failure)
-                micro //= 2
+                log.warning("eval %s %d -> %d after %s", knob.name, value, smaller, failure)
+                value = smaller
                 continue
-            self.eval_micro_batch_size = micro
+            setattr(self, knob.eval_attribute, value)
             return loss
 
     # -- the agreement --------------------------------------------------------------------
@@ -186,27 +269,25 @@ class MicroBatchTuner:
         return metered
 
     def _shrink(self, failure: WindowFailed) -> None:
-        eng = self.engine
+        eng, knob = self.engine, self.knob
         old = eng.plan
-        smaller = old.next_smaller_micro_size()
+        smaller = knob.smaller(eng, knob.value(old))
         if smaller is None:
             raise self._too_large(failure) from None
-        eng.replan(old.with_micro_batch_size(smaller))
+        eng.replan(knob.with_value(old, smaller))
         self._record(old, eng.plan, failure.reason, failure.ranks)
 
     def _record(self, old, new, reason: str, ranks=()) -> None:
-        step = self.engine.global_steps + 1
-        self.changes.append({"global_step": step, "old": old.train_micro_batch_size_per_gpu,
-                             "new": new.train_micro_batch_size_per_gpu, "ranks": list(ranks), "reason": reason})
+        step, knob = self.engine.global_steps + 1, self.knob
+        self.changes.append({"global_step": step, "old": knob.value(old), "new": knob.value(new),
+                             "ranks": list(ranks), "reason": reason})
         where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
-        log.warning("micro-batch size %d -> %d (%s%s, global step %d); accumulation steps %d -> %d, "
-                    "global batch %d unchanged", old.train_micro_batch_size_per_gpu,
-                    new.train_micro_batch_size_per_gpu, reason, where, step,
-                    old.gradient_accumulation_steps, new.gradient_accumulation_steps, new.train_batch_size)
+        log.warning("%s %d -> %d (%s%s, global step %d); %sglobal batch %d unchanged", knob.name, knob.value(old),
+                    knob.value(new), reason, where, step, knob.consequence(old, new), new.train_batch_size)
 
     def _too_large(self, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
         return OutOfMemoryAtMicroBatchOne(
-            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with micro-batch size 1 "
+            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest} "
             f"(global step {self.engine.global_steps + 1}): one sample does not fit. Use a higher "
             "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
         )
@@ -215,13 +296,13 @@ class MicroBatchTuner:
     def explore(self, batch, loss_fn) -> list[Candidate]:
         """Measure the candidate micro sizes on ``batch`` and switch to the fastest that fits.
         Parameters, buffers, optimizer state and RNG are left as they were."""
-        eng = self.engine
+        eng, knob = self.engine, self.knob
         start = eng.plan
         snapshot = _Snapshot(eng.module)
         rows = []
         try:
-            for size in _thin(_capped(start.candidate_micro_sizes(), start)):
-                eng.replan(start.with_micro_batch_size(size))
+            for value in knob.candidates(eng, batch):
+                eng.replan(knob.with_value(start, value))
                 rows.append(self._measure(batch, loss_fn))
                 if not rows[-1].fits:
                     break  # larger sizes need more memory still
@@ -238,7 +319,7 @@ class MicroBatchTuner:
         best = max(fitting, key=lambda row: row.samples_per_second)
         best.recommended = True
         self.explored = rows
-        chosen = start.with_micro_batch_size(best.micro_batch_size)
+        chosen = knob.with_value(start, best.micro_batch_tokens or best.micro_batch_size)
         if chosen != start:
             eng.replan(chosen)
             self._record(start, chosen, "explore: fastest that fits")
@@ -255,7 +336,8 @@ class MicroBatchTuner:
                 eng.run_window(batch, metered)
             except WindowFailed:
                 eng.discard_window()
-                return Candidate(plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps, fits=False)
+                return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=False,
+                                 micro_batch_tokens=plan.micro_batch_tokens)
             elapsed = time.perf_counter() - began
             eng.discard_window()
             if attempt >= self.warmup:
@@ -263,9 +345,9 @@ class MicroBatchTuner:
         # The slowest rank sets the pace; the fullest rank's peak is reported.
         stats = eng.strategy.all_reduce_max(torch.tensor([statistics.median(seconds), float(self.window_peak)],
                                                          dtype=torch.float64, device=self.meter.device))
-        return Candidate(plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps, fits=True,
+        return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=True,
                          samples_per_second=plan.train_batch_size / float(stats[0]),
-                         peak_memory_bytes=int(stats[1]))
+                         peak_memory_bytes=int(stats[1]), micro_batch_tokens=plan.micro_batch_tokens)
 
 
 def _capped(sizes: tuple[int, ...], plan) -> list[int]:

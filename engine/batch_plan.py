@@ -7,6 +7,10 @@ M = micro-batch cap per device, A = accumulation steps, P = per-device batch.
 * ``balanced``: the first G mod W ranks hold ⌈G/W⌉ samples, the rest ⌊G/W⌋; every rank
   runs the same A micro-steps and splits its P into A near-equal micro-batches, none
   larger than M and none empty.
+* ``micro_batch_tokens`` (a token budget): P is split per window by padded tokens
+  (``engine.token_budget``), so the micro-steps follow from the row lengths; G is
+  required, A is not given (the plan holds A = 1), and M only caps the rows of a
+  micro-batch (default: P).
 
 This module is pure: no torch, no processes. ``resolve_batch_plan`` validates the numbers
 and raises ``BatchConfigError`` with the equation and the nearest valid values.
@@ -57,6 +61,12 @@ class BatchPlan:
     When ``micro_batch_mode`` is ``"auto"`` or ``"explore"`` the plan is provisional: it
     holds the starting candidate (the whole per-device batch, capped by ``auto_max``) and
     the engine replaces it through ``with_micro_batch_size`` once it has measured.
+
+    With ``micro_batch_tokens`` set, micro-batches are formed per window by padded tokens
+    (rows × longest row within the budget): M is the most rows one may hold, A is 1 and
+    ``micro_batch_sizes`` is the whole per-device batch, since the number of micro-steps
+    follows from each window's lengths. ``auto`` / ``explore`` then move the budget
+    (``with_micro_batch_tokens``), never G.
     """
 
     world_size: int
@@ -67,6 +77,7 @@ class BatchPlan:
     rank: int = 0
     micro_batch_mode: str = "fixed"
     notes: tuple[str, ...] = ()
+    micro_batch_tokens: int | None = None  # the token budget, when micro-batches are formed by tokens
 
     # -- sizes -------------------------------------------------------------------------
     @property
@@ -113,6 +124,14 @@ class BatchPlan:
                                   batch_split=self.batch_split, rank=self.rank)
         return dataclasses.replace(plan, micro_batch_mode=self.micro_batch_mode)
 
+    def with_micro_batch_tokens(self, tokens: int) -> BatchPlan:
+        """The same plan with token budget `tokens` (a plan that splits by tokens)."""
+        if self.micro_batch_tokens is None:
+            raise BatchConfigError("with_micro_batch_tokens() needs a plan that splits by tokens "
+                                   "(micro_batch_tokens set)")
+        _check_positive_int("micro_batch_tokens", tokens)
+        return dataclasses.replace(self, micro_batch_tokens=tokens)
+
     def candidate_micro_sizes(self) -> tuple[int, ...]:
         """Micro sizes that give a valid plan, ascending.
 
@@ -143,15 +162,22 @@ class BatchPlan:
         first = 0
         for p, count in self._rank_kinds():
             micro = self.micro_batch_sizes_for_rank(first)
-            rows.append((_rank_range(first, first + count - 1),
-                         f"{p} samples, micro-batches {_join(micro)}"))
+            split = "micro-batches by tokens" if self.micro_batch_tokens else f"micro-batches {_join(micro)}"
+            rows.append((_rank_range(first, first + count - 1), f"{p} samples, {split}"))
             first += count
-        cap = str(self.train_micro_batch_size_per_gpu)
-        if self.micro_batch_mode != "fixed":
-            cap += f" ({self.micro_batch_mode}: provisional, the engine picks the final size)"
-        rows += [("micro-batch cap", cap),
-                 ("accumulation steps", str(self.gradient_accumulation_steps)),
-                 ("batch split", self.batch_split)]
+        provisional = f" ({self.micro_batch_mode}: provisional, the engine picks the final size)"
+        if self.micro_batch_tokens:
+            budget = f"{self.micro_batch_tokens} padded tokens (rows x longest row) per micro-batch"
+            if self.micro_batch_mode != "fixed":
+                budget += f" ({self.micro_batch_mode}: the starting budget, shrunk on out-of-memory)"
+            rows += [("token budget", budget),
+                     ("rows per micro-batch", f"at most {self.train_micro_batch_size_per_gpu}"),
+                     ("micro-steps", "per window, from the lengths; the same on every rank")]
+        else:
+            cap = str(self.train_micro_batch_size_per_gpu)
+            rows += [("micro-batch cap", cap + (provisional if self.micro_batch_mode != "fixed" else "")),
+                     ("accumulation steps", str(self.gradient_accumulation_steps))]
+        rows.append(("batch split", self.batch_split))
         width = max(len(label) for label, _ in rows) + 2
         lines = [f"{label + ':':<{width}}{value}" for label, value in rows]
         return "\n".join(lines + [f"note: {note}" for note in self.notes])
@@ -293,13 +319,16 @@ def _balanced_notes(plan: BatchPlan) -> tuple[str, ...]:
 # -- entry points ----------------------------------------------------------------------
 def resolve_batch_plan(world_size, train_batch_size=None, train_micro_batch_size_per_gpu=None,
                        gradient_accumulation_steps=None, batch_split="strict", rank=0,
-                       auto_max=None) -> BatchPlan:
+                       auto_max=None, micro_batch_tokens=None) -> BatchPlan:
     """Resolve G, M and A for `world_size` ranks; see the module docstring for the rules.
 
     ``train_micro_batch_size_per_gpu`` may be ``"auto"`` or ``"explore"``: then G is
     required, A must not be given, and the returned plan is provisional — M is the whole
     per-device batch (capped by ``auto_max``) until the engine calls
     ``with_micro_batch_size``.
+
+    ``micro_batch_tokens``: micro-batches formed by padded tokens (see ``BatchPlan``); an
+    integer M (or ``auto_max`` under ``auto`` / ``explore``) caps their rows.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise BatchConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -316,6 +345,8 @@ def resolve_batch_plan(world_size, train_batch_size=None, train_micro_batch_size
                                                  None if mode != "fixed" else m)):
         if value is not None:
             _check_positive_int(name, value)
+    if micro_batch_tokens is not None:
+        return _token_plan(world_size, g, m, a, batch_split, rank, mode, auto_max, micro_batch_tokens)
     if g is None and m is None:
         raise BatchConfigError("set train_batch_size or train_micro_batch_size_per_gpu "
                                "(gradient_accumulation_steps alone does not fix the batch)")
@@ -328,13 +359,48 @@ def resolve_batch_plan(world_size, train_batch_size=None, train_micro_batch_size
 
     resolve = _strict if batch_split == "strict" else _balanced
     g, m, a = resolve(world_size, g, m, a)
-    plan = BatchPlan(world_size, g, m, a, batch_split, rank, mode)
-    if batch_split == "balanced":
-        notes = _balanced_notes(plan)
-        for note in notes:
-            logger.info("batch_split balanced: %s", note)
-        plan = dataclasses.replace(plan, notes=notes)
-    return plan
+    return _with_notes(BatchPlan(world_size, g, m, a, batch_split, rank, mode))
+
+
+def _with_notes(plan: BatchPlan) -> BatchPlan:
+    if plan.batch_split != "balanced":
+        return plan
+    notes = _balanced_notes(plan)
+    for note in notes:
+        logger.info("batch_split balanced: %s", note)
+    return dataclasses.replace(plan, notes=notes)
+
+
+# -- by tokens -------------------------------------------------------------------------
+def token_budget_conflicts(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+                           auto_max) -> list[tuple[str, str]]:
+    """(key, problem) for each batch key ``micro_batch_tokens`` cannot be combined with;
+    needs no world size, so ``python -m engine validate`` reports them too."""
+    problems = []
+    if train_batch_size is None:
+        problems.append(("micro_batch_tokens", "needs train_batch_size: the global batch (rows per "
+                         "optimizer step) stays fixed while its micro-batches are formed by tokens"))
+    if gradient_accumulation_steps is not None:
+        problems.append(("gradient_accumulation_steps", "micro_batch_tokens chooses each window's "
+                         "micro-steps from the row lengths; remove gradient_accumulation_steps"))
+    if auto_max is not None and train_micro_batch_size_per_gpu not in SEARCH_MODES:
+        problems.append(("auto_max", "with micro_batch_tokens, auto_max caps the rows of a micro-batch "
+                         "under train_micro_batch_size_per_gpu auto / explore; a fixed cap is "
+                         "train_micro_batch_size_per_gpu itself"))
+    return problems
+
+
+def _token_plan(world: int, g, m, a, batch_split: str, rank: int, mode: str, auto_max,
+                tokens) -> BatchPlan:
+    _check_positive_int("micro_batch_tokens", tokens)
+    conflicts = token_budget_conflicts(g, m, a, auto_max)
+    if conflicts:
+        raise BatchConfigError("; ".join(f"{key}: {problem}" for key, problem in conflicts))
+    if batch_split == "strict" and g % world:
+        raise BatchConfigError(f"train_batch_size {g} is not divisible by world size {world}; "
+                               f"{_valid_global(g, world)}{_BALANCED_HINT}")
+    cap = (auto_max if mode != "fixed" else m) or math.ceil(g / world)
+    return _with_notes(BatchPlan(world, g, cap, 1, batch_split, rank, mode, micro_batch_tokens=tokens))
 
 
 def _starting_micro_size(mode, world, g, a, batch_split, auto_max) -> int:
@@ -358,4 +424,4 @@ def plan_from_config(config, world_size: int, rank: int = 0) -> BatchPlan:
     return resolve_batch_plan(world_size, config.train_batch_size,
                               config.train_micro_batch_size_per_gpu,
                               config.gradient_accumulation_steps, config.batch_split,
-                              rank, config.auto_max)
+                              rank, config.auto_max, config.micro_batch_tokens)

@@ -19,6 +19,7 @@ from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.rank_consistency import check_same_settings
 from engine.rng import seed_everything
 from engine.strategies import make_strategy
+from engine.token_budget import LengthsFn
 
 log = logging.getLogger("engine")
 
@@ -29,7 +30,7 @@ _BATCH_STATISTICS_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)
 
 def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None,
                lr_scheduler: Any = None, loss_fn: LossFn | None = None,
-               overrides=None) -> Engine:
+               overrides=None, lengths: LengthsFn | None = None) -> Engine:
     """Build an :class:`Engine` for ``model`` from ``config`` (a path, a dict or a Config).
 
     ``optimizer``: an optimizer instance built on ``model.parameters()``, a factory
@@ -37,13 +38,20 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     ``lr_scheduler``: a scheduler instance built on that optimizer, a factory
     ``callable(optimizer) -> scheduler``, or None for the config's ``scheduler`` section.
     ``overrides``: dotted ``key=value`` strings applied on top of ``config``.
+    ``lengths``: with ``micro_batch_tokens``, ``lengths(batch) -> 1-D int tensor`` of each
+    row's real tokens, for batches without an ``attention_mask`` (see engine.token_budget).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
+    if lengths is not None and not callable(lengths):
+        raise TypeError(f"lengths must be a function lengths(batch) -> 1-D int tensor; got {type(lengths).__name__}")
     config = load_config(config, overrides)
     if config.seed is not None:
         seed_everything(config.seed)
     problems = check_without_model(config)
+    if lengths is not None and config.micro_batch_tokens is None:
+        problems.append("micro_batch_tokens: initialize(lengths=...) was given, but lengths are read only when "
+                        "micro-batches are formed by tokens; set micro_batch_tokens, or drop lengths=")
     if problems:
         raise ConfigError(problems)
     dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
@@ -53,13 +61,14 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     strategy = make_strategy(config, dist_info)
     plan = plan_from_config(config, dist_info.world_size, dist_info.rank)
     check_same_settings(config, plan)
-    # auto / explore may grow the accumulation later: check as if it were > 1
-    _check_batch_statistics(model, config, plan.gradient_accumulation_steps
-                            if plan.micro_batch_mode == "fixed" else None)
+    # auto / explore may grow the accumulation later, token budgets choose it per window:
+    # check as if it were > 1
+    fixed = plan.micro_batch_mode == "fixed" and plan.micro_batch_tokens is None
+    _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
-                 lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
+                 lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config), lengths=lengths)
     eng.checkpointer = Checkpointer(eng)
     if plan.micro_batch_mode != "fixed":
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)

@@ -111,7 +111,8 @@ def run_explore(args: argparse.Namespace) -> int:
     if eng.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        print(f"micro-batch sizes for global batch {eng.plan.train_batch_size} on {eng.world_size} rank(s) "
+        measured = "token budgets" if eng.plan.micro_batch_tokens else "micro-batch sizes"
+        print(f"{measured} for global batch {eng.plan.train_batch_size} on {eng.world_size} rank(s) "
               f"({eng.plan.per_device_batch_size} per device):")
         print(format_table(rows))
         saved = [save_json(rows, out / "explore.json", config=config.source, world_size=eng.world_size,
@@ -131,6 +132,7 @@ def summarize(config: Config) -> str:
              f"train_batch_size {batch_value(config.train_batch_size)}",
              f"micro {batch_value(config.train_micro_batch_size_per_gpu)}",
              f"accumulation {batch_value(config.gradient_accumulation_steps)}",
+             *([f"micro_batch_tokens {config.micro_batch_tokens}"] if config.micro_batch_tokens else []),
              f"split {config.batch_split}",
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",

@@ -184,6 +184,10 @@ class Config(BaseModel):
     batch_split: Literal["strict", "balanced"] = "strict"
     auto_max: Optional[PositiveInt] = None  # largest micro size auto / explore may try
     auto_memory_limit: Optional[PositiveFloat] = None  # bytes if > 1, else device fraction
+    # Micro-batches formed by padded tokens (rows x longest row) instead of a fixed size; the
+    # rows' lengths come from the batch's attention_mask or initialize(lengths=...).
+    micro_batch_tokens: Optional[PositiveInt] = None
+    sequence_keys: Optional[Annotated[list[str], Field(min_length=1)]] = None  # the tensors trimmed to a micro-batch's length
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # max global norm; 0 = off

@@ -9,7 +9,9 @@ both report the same problems, all at once:
 * precision: this machine's device (CUDA when available, else CPU) runs autocast in the
   enabled dtype, bf16 on CUDA only where the GPU supports it;
 * backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
-  imported) and a config the DeepSpeed backend accepts.
+  imported) and a config the DeepSpeed backend accepts;
+* token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
+  (``engine.batch_plan.token_budget_conflicts``), ``sequence_keys`` without it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from importlib.util import find_spec
 import torch
 
 from engine.adapters.deepspeed_internals import INSTALL_HINT
+from engine.batch_plan import token_budget_conflicts
 from engine.config import Config, locate
 from engine.optim import check_sections
 from engine.strategies.deepspeed import unsupported
@@ -28,11 +31,22 @@ def check_without_model(config: Config) -> list[str]:
     """Every problem found, as ``<where>: <key.path>: <problem>`` lines (empty: none)."""
     problems = check_sections(config.optimizer, config.scheduler)
     problems += _precision_problems(config)
+    problems += _token_budget_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
         problems += unsupported(config)
     return locate(config, problems)
+
+
+def _token_budget_problems(config: Config) -> list[str]:
+    if config.micro_batch_tokens is None:
+        return [] if config.sequence_keys is None else [
+            "sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not set; "
+            "set it, or remove sequence_keys"]
+    return [f"{key}: {problem}" for key, problem in token_budget_conflicts(
+        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+        config.auto_max)]
 
 
 def _precision_problems(config: Config) -> list[str]:

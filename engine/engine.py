@@ -8,6 +8,12 @@ world size and G the planned global batch. At the boundary the gradient is multi
 mean losses U = G and nothing is done; a short window, unequal batches or token counts get
 one in-place multiply of the gradient, once per optimizer step.
 
+Token budgets. With ``plan.micro_batch_tokens`` set, ``train_batch`` / ``eval_batch`` form
+micro-batches by padded tokens (``engine.token_budget``): each rank proposes its fewest
+micro-steps, one small agreement takes the maximum, and every rank runs exactly that many;
+a rank with fewer rows than that repeats its shortest row with weight 0 (a micro-batch of
+0 samples is a zero-weight step: its loss counts for nothing, its collectives still run).
+
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
 (``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
@@ -29,8 +35,9 @@ from engine.collectives import max_over_ranks
 from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.memory import PeakMeter
-from engine.microbatch import batch_size, split_batch
+from engine.microbatch import BatchError, batch_size, split_batch
 from engine.strategies.base import StepResult, Strategy
+from engine.token_budget import LengthsFn, TokenCost, TokenSplitter, take_rows, token_cost
 
 log = logging.getLogger("engine")
 
@@ -50,6 +57,8 @@ class _Window:
     loss_weights: list = field(default_factory=list)  # samples (mean losses) or 1 (sums)
     counts: list = field(default_factory=list)  # items of (sum, count) losses
     exact_counts: bool = False  # units must be summed over ranks at the boundary
+    planned_steps: int | None = None  # set by train_batch; the manual loop follows the plan
+    tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
 
@@ -75,6 +84,9 @@ class WindowReport:
     step: StepResult = field(default_factory=lambda: StepResult(applied=False))
     lr: float | None = None  # the learning rate this window's update used (first param group)
     peak_memory_bytes: int | None = None  # measured when the monitor records the window
+    micro_steps: int = 0  # on each rank
+    real_tokens: int | None = None  # split by tokens: real and padded (computed) tokens, all ranks
+    padded_tokens: int | None = None
 
 
 def _run(work: Callable[[], None]) -> None:
@@ -85,7 +97,7 @@ class Engine:
     """Returned by :func:`engine.initialize`; see DESIGN.md for the contract."""
 
     def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, lr_scheduler=None,
-                 loss_fn: LossFn | None = None, monitor=None):
+                 loss_fn: LossFn | None = None, monitor=None, lengths: LengthsFn | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
@@ -94,6 +106,10 @@ class Engine:
         self.monitor = monitor
         self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune)
         self.checkpointer = None  # saves and restores this engine (engine.checkpoint)
+        # Reads row lengths when the plan splits by tokens; token_groups: this rank's
+        # micro-batches of the latest split (the micro-batch tuner shrinks the budget from them).
+        self.token_splitter = TokenSplitter(lengths, config.sequence_keys)
+        self.token_groups: list = []
         # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
         # size replaces it with one that makes every rank agree on a failure before going on.
         self.micro_step_guard: Callable[[Callable[[], None]], None] = _run
@@ -141,7 +157,8 @@ class Engine:
             self._recording = self.monitor is not None and self.monitor.records(self.global_steps + 1)
             if self._recording:
                 self._peak.start()
-        self.strategy.prepare_micro_step(window.micro_steps + 1 >= self.plan.gradient_accumulation_steps)
+        planned = window.planned_steps or self.plan.gradient_accumulation_steps
+        self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         if not self._splitting:
             self._check_manual_micro_batch(args)
@@ -172,6 +189,11 @@ class Engine:
         ``loss`` is the mean over the micro-batch's samples, or a pair ``(loss_sum,
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
         window is taken to hold ``plan.micro_batch_sizes[k]`` samples."""
+        if self.plan.micro_batch_tokens is not None:
+            raise EngineUsageError(
+                f"micro_batch_tokens: {self.plan.micro_batch_tokens} forms micro-batches by tokens out of a whole "
+                "per-device batch; a manual loop (eng(x), backward, step) hands over micro-batches already "
+                "formed. Use eng.train_batch(batch, loss_fn), or remove micro_batch_tokens for a manual loop")
         if self.micro_batch_tuner is not None:
             raise EngineUsageError(
                 f"train_micro_batch_size_per_gpu: {self.plan.micro_batch_mode} lets train_batch() choose "
@@ -275,6 +297,8 @@ class Engine:
         loss_fn = self._loss_fn(loss_fn)
         if self.micro_batch_tuner is not None:
             return self.micro_batch_tuner.run_eval(batch, loss_fn)
+        if self.plan.micro_batch_tokens is not None:
+            return self.evaluate_by_tokens(batch, loss_fn, self.plan.micro_batch_tokens)
         return self.evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
 
     # -- windows, for the micro-batch tuner ---------------------------------------------
@@ -305,7 +329,6 @@ class Engine:
             raise EngineUsageError("replan() called in the middle of a window: call it between windows")
         self.plan = plan
 
-    @torch.no_grad()
     def evaluate(self, batch, loss_fn: LossFn, micro_batch_size: int) -> float:
         """Evaluate ``batch`` in micro-batches of at most ``micro_batch_size`` (forwards inside
         ``micro_step_guard``); the mean loss over every rank, per sample or per item."""
@@ -320,6 +343,17 @@ class Engine:
         sizes = [n for n in split_evenly(size, parts) if n]
         pieces = list(zip(split_batch(batch, sizes), sizes))
         pieces += [(pieces[-1][0], 0)] * (parts - len(pieces))
+        return self._evaluate(pieces, loss_fn)
+
+    def evaluate_by_tokens(self, batch, loss_fn: LossFn, budget: int) -> float:
+        """Evaluate ``batch`` in micro-batches of at most ``budget`` padded tokens, the same
+        number on every rank; the mean loss over every rank, per sample or per item."""
+        _, pieces, _ = self._split_by_tokens(batch, budget)
+        return self._evaluate(pieces, loss_fn)
+
+    @torch.no_grad()
+    def _evaluate(self, pieces, loss_fn: LossFn) -> float:
+        """Forwards of ``(micro_batch, samples)`` pieces (0 samples: weight 0)."""
         total = torch.zeros(2, dtype=torch.float64)  # Σ loss × units, Σ units
 
         def forwards():
@@ -352,7 +386,8 @@ class Engine:
         return {
             "counters": {name: int(getattr(self, name)) for name in COUNTERS},
             "plan": dataclasses.asdict(plan.for_rank(0)),
-            "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode},
+            "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode,
+                            "tokens": plan.micro_batch_tokens},
             "micro_batch_tuner": _state_of(self.micro_batch_tuner),
             "lr_scheduler": _state_of(self.lr_scheduler),
             "loss_scaler": _state_of(self.strategy.loss_scaler),
@@ -380,8 +415,17 @@ class Engine:
             self.monitor.attach(self)
 
     def _restore_micro_batch(self, saved: dict) -> None:
-        """A micro size found by auto / explore is kept when it suits the current plan."""
+        """A micro size (or token budget) found by auto / explore is kept when it suits the
+        current plan."""
         size, plan = saved["size"], self.plan
+        if plan.micro_batch_tokens is not None:
+            tokens = saved.get("tokens")
+            if saved["mode"] != "fixed" and plan.micro_batch_mode != "fixed" and tokens is not None:
+                self.replan(plan.with_micro_batch_tokens(tokens))
+            elif tokens not in (None, plan.micro_batch_tokens):
+                log.info("the checkpoint's micro_batch_tokens %d is not restored: the config sets %d",
+                         tokens, plan.micro_batch_tokens)
+            return
         if saved["mode"] == "fixed" or size == plan.train_micro_batch_size_per_gpu:
             return
         if plan.micro_batch_mode == "fixed":
@@ -424,11 +468,16 @@ class Engine:
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
-        for micro_batch, size in self._split_for_window(batch):
+        steps, pieces, tokens = self._split_for_window(batch)
+        self._window.planned_steps, self._window.tokens = steps, tokens
+        for micro_batch, size in pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 
     def _split_for_window(self, batch):
+        """(micro-steps, iterable of (micro-batch, samples), TokenCost or None) of one window."""
         plan = self.plan
+        if plan.micro_batch_tokens is not None:
+            return self._split_by_tokens(batch, plan.micro_batch_tokens)
         accumulation = plan.gradient_accumulation_steps
         size = batch_size(batch)
         if size == plan.per_device_batch_size:
@@ -443,7 +492,38 @@ class Engine:
                 f"{plan.rank}) {plan.per_device_batch_size} per optimizer step in {accumulation} "
                 f"micro-batches; pass exactly {plan.per_device_batch_size} samples{shorter}"
             )
-        return zip(split_batch(batch, sizes), sizes)
+        return len(sizes), zip(split_batch(batch, sizes), sizes), None
+
+    def _split_by_tokens(self, batch, budget: int):
+        """``batch`` in micro-batches of at most ``budget`` padded tokens, as many on this rank
+        as on the rank that needs the most (one small agreement); as ``_split_for_window``."""
+        cap = self.plan.train_micro_batch_size_per_gpu
+        try:
+            layout, fewest = self.token_splitter.read(batch, budget, cap)
+            problem = None
+        except BatchError as error:  # every rank must reach the agreement, even this one
+            layout, fewest, problem = None, 0, error
+        steps, failed = self._agree_max([fewest, self.rank + 1 if problem else 0], "split its batch by tokens")
+        if problem is not None:
+            raise problem
+        if failed:
+            raise EngineUsageError(f"rank {failed - 1} could not split its batch by tokens (its error is in "
+                                   "its log); every rank stops at the same micro-step")
+        groups = self.token_splitter.group(layout, budget, steps, cap)
+        self.token_groups = groups
+        return steps, ((take_rows(batch, layout, g), g.samples) for g in groups), token_cost(groups)
+
+    def _agree_max(self, values: list[int], what: str) -> list[int]:
+        """The maximum of a few integers over ranks, or a clear error when a peer never came."""
+        try:
+            return max_over_ranks(values)
+        except RuntimeError as error:
+            if not is_peer_lost(error):
+                raise
+            raise EngineUsageError(
+                f"not every rank reached the agreement to {what} within "
+                f"distributed.agreement_timeout_seconds ({self.config.distributed.agreement_timeout_seconds:g} s), "
+                "or a rank stopped: every rank must call train_batch() / eval_batch() for each step") from error
 
     def _loss_and_units(self, output, samples: int):
         """(loss, the units the window's mean divides by, item-weighted?): a mean loss
@@ -469,6 +549,8 @@ class Engine:
                 "so that gradient synchronisation is planned for this micro-step"
             )
         loss, units, item_weighted = self._loss_and_units(output, samples)
+        if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
+            units = 0
         _check_loss(loss)
         if window.item_weighted is None:
             window.item_weighted = item_weighted
@@ -477,12 +559,12 @@ class Engine:
                 "one window mixes mean losses and (sum, count) losses; use one kind per window"
             )
         # Before backward: a failing backward must leave the window as it was.
-        weight = (1 if item_weighted else samples) * self.world_size / self.plan.train_batch_size
-        self.strategy.backward(loss, weight)
+        share = (1 if item_weighted else samples) if samples else 0
+        self.strategy.backward(loss, share * self.world_size / self.plan.train_batch_size)
         window.micro_steps += 1
         window.samples += samples
         window.losses.append(loss.detach())
-        window.loss_weights.append(1 if item_weighted else samples)
+        window.loss_weights.append(share)
         if item_weighted:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
@@ -495,7 +577,7 @@ class Engine:
         window = self._window
         self.strategy.reduce_gradients()
         recorded = self.monitor is not None and self.monitor.records(self.global_steps + 1)
-        loss, units, samples = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
+        loss, units, samples, tokens = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples,
                                     want_norm=recorded and self.monitor.config.grad_norm)
@@ -508,23 +590,29 @@ class Engine:
         self.global_samples += samples
         self.last_window = WindowReport(loss=loss, samples=samples, step=result, lr=lr,
                                         items=units if window.item_weighted else None,
-                                        peak_memory_bytes=self._peak.peak if self._recording else None)
+                                        peak_memory_bytes=self._peak.peak if self._recording else None,
+                                        micro_steps=window.micro_steps, real_tokens=tokens[0], padded_tokens=tokens[1])
         self._window, self._recording = _Window(), False
         if self.monitor is not None:
             self.monitor.on_window(self, self.last_window)
 
     def _window_totals(self, window: _Window, *, over_all_ranks: bool):
-        """(mean loss, units, samples) of the window. Over all ranks: one small all-reduce
-        (real counts, or a record the monitor makes). Otherwise the manual loop's planned
-        sizes: no collective, no host sync, and the loss is this rank's."""
+        """(mean loss, units, samples, (real, padded) tokens) of the window. Over all ranks: one
+        small all-reduce (real counts, or a record the monitor makes). Otherwise the manual
+        loop's planned sizes: no collective, no host sync, and the loss is this rank's."""
         if not over_all_ranks:
             samples = self.plan.window_samples(window.micro_steps)
-            return window.loss_total() / window.samples, samples, samples
+            return window.loss_total() / window.samples, samples, samples, (None, None)
         device = self.strategy.device
+        cost = window.tokens
+        values = (window.loss_total(), window.units(), float(window.samples),
+                  float(cost.real_tokens if cost else 0), float(cost.padded_tokens if cost else 0))
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
-                             for value in (window.loss_total(), window.units(), float(window.samples))])
+                             for value in values])
         stats = self.strategy.all_reduce_sum(stats)
-        return stats[0] / stats[1], stats[1], int(stats[2].item())
+        samples, real, padded = (int(n) for n in stats[2:].tolist())
+        tokens = (real, padded) if cost else (None, None)
+        return stats[0] / stats[1], stats[1], samples, tokens
 
     def _apply_update(self, window: _Window, units, samples: int, *, want_norm: bool) -> StepResult:
         """Multiply the reduced gradient to the global mean, clip, step — or skip the window

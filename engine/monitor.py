@@ -10,6 +10,10 @@ Timing. A step is timed from the previous window's close (the first one from
 k-th step (and at ``total_steps``); its rates and ``step_time`` cover all steps since the
 previous record, its loss and gradient norm are the recorded step's own.
 
+Token budgets. With ``micro_batch_tokens`` a record carries the budget, the window's
+micro-steps and its real and padded (computed) tokens over all ranks; ``micro_batch_size``
+and ``accumulation_steps`` are null there, since each window forms its own micro-batches.
+
 Learning rate. The report carries the learning rate the window's update used (parameter
 group 0, read before the scheduler stepped).
 
@@ -39,8 +43,8 @@ __all__ = ["Monitor", "FIELDS"]
 # Every train record has exactly these keys (None when not known), in this order (CSV).
 FIELDS = (
     "step", "loss", "lr", "grad_norm", "samples", "tokens", "samples_per_s", "tokens_per_s",
-    "step_time", "micro_batch_size", "accumulation_steps", "peak_memory_mb", "skipped",
-    "skipped_steps", "elapsed",
+    "step_time", "micro_batch_size", "accumulation_steps", "micro_steps", "micro_batch_tokens",
+    "real_tokens", "padded_tokens", "peak_memory_mb", "skipped", "skipped_steps", "elapsed",
 )
 
 TENSORBOARD_HINT = "pip install tensorboard"
@@ -142,6 +146,7 @@ class Monitor:
         items = None if self._pending_items is None else float(self._pending_items)
         applied = bool(report.step.applied)
         grad_norm = report.step.grad_norm
+        by_tokens = eng.plan.micro_batch_tokens is not None
         record = {
             "step": step,
             "loss": None if report.loss is None else float(report.loss),  # host sync
@@ -152,8 +157,12 @@ class Monitor:
             "samples_per_s": self._pending_samples / interval,
             "tokens_per_s": None if items is None else items / interval,
             "step_time": interval / steps,
-            "micro_batch_size": eng.plan.train_micro_batch_size_per_gpu,
-            "accumulation_steps": eng.plan.gradient_accumulation_steps,
+            "micro_batch_size": None if by_tokens else eng.plan.train_micro_batch_size_per_gpu,
+            "accumulation_steps": None if by_tokens else eng.plan.gradient_accumulation_steps,
+            "micro_steps": report.micro_steps,
+            "micro_batch_tokens": eng.plan.micro_batch_tokens,
+            "real_tokens": report.real_tokens,
+            "padded_tokens": report.padded_tokens,
             "peak_memory_mb": None if report.peak_memory_bytes is None else report.peak_memory_bytes / 2**20,
             "skipped": not applied,
             "skipped_steps": eng.skipped_steps,
@@ -279,6 +288,9 @@ class Monitor:
         parts.append(f"{_si(record['samples_per_s'])} samples/s")
         if record["tokens_per_s"] is not None:
             parts.append(f"{_si(record['tokens_per_s'])} tok/s")
+        if record["padded_tokens"]:
+            parts.append(f"{record['micro_steps']} micro-steps, "
+                         f"{1 - record['real_tokens'] / record['padded_tokens']:.0%} padding")
         parts.append(_step_time(record["step_time"]))
         if total and step < total:
             per_step = record["elapsed"] / max(self._steps_seen, 1)

@@ -33,8 +33,9 @@ Every other tensor with a batch dimension is only row-selected; 0-dim tensors an
 leaves are passed through unchanged, as ``engine.microbatch`` does.
 
 Grouping. Rows are sorted by length, longest first (stable). The fewest micro-steps is
-found greedily: each micro-batch takes rows while rows × its first (longest) row fits N —
-no grouping of any kind needs fewer. A row longer than N runs alone, flagged for a warning.
+found greedily: each micro-batch takes rows while rows × its first (longest) row fits N
+(and, when the rows are capped, while it holds at most ``max_rows``) — no grouping of any
+kind needs fewer. A row longer than N runs alone, flagged for a warning.
 For a given number of micro-steps the rows are then cut into consecutive runs of that order
 (always as good as any other grouping) computing the fewest padded tokens.
 
@@ -51,6 +52,7 @@ rank with fewer rows than k runs zero-weight steps (its shortest row again, weig
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,8 @@ import torch
 
 from engine.batch_plan import split_evenly
 from engine.microbatch import BatchError, batch_size, map_tensors, tensor_leaves
+
+log = logging.getLogger("engine")
 
 MASK_KEY = "attention_mask"
 
@@ -243,40 +247,45 @@ class MicroGroup:
         return 0 if self.zero_weight else len(self.rows)
 
 
-def fewest_micro_steps(lengths: Sequence[int], budget: int) -> int:
-    """The fewest micro-batches within ``budget`` padded tokens (a row longer than it runs
-    alone): what this rank proposes before the ranks agree on the maximum."""
-    widths = _widths(_longest_first(lengths, budget), lengths)
+def fewest_micro_steps(lengths: Sequence[int], budget: int, max_rows: int | None = None) -> int:
+    """The fewest micro-batches within ``budget`` padded tokens and ``max_rows`` rows (a row
+    longer than the budget runs alone): what this rank proposes before the ranks agree on
+    the maximum."""
+    widths = _widths(_longest_first(lengths, budget, max_rows), lengths)
     steps = start = 0
     while start < len(widths):
-        start += max(1, budget // widths[start])
+        start += max(1, min(budget // widths[start], max_rows or len(widths)))
         steps += 1
     return steps
 
 
-def group_by_tokens(lengths: Sequence[int], budget: int,
-                    micro_steps: int | None = None) -> list[MicroGroup]:
+def group_by_tokens(lengths: Sequence[int], budget: int, micro_steps: int | None = None,
+                    max_rows: int | None = None) -> list[MicroGroup]:
     """``lengths``' rows in ``micro_steps`` micro-batches (default: the fewest) within
-    ``budget`` padded tokens, computing the fewest padded tokens; zero-weight repeats at the
-    end when there are fewer rows than micro-steps (see the module docstring)."""
-    order = _longest_first(lengths, budget)
-    fewest = fewest_micro_steps(lengths, budget)
+    ``budget`` padded tokens and at most ``max_rows`` rows each, computing the fewest padded
+    tokens; zero-weight repeats at the end when there are fewer rows than micro-steps (see
+    the module docstring)."""
+    order = _longest_first(lengths, budget, max_rows)
+    fewest = fewest_micro_steps(lengths, budget, max_rows)
     steps = fewest if micro_steps is None else micro_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < fewest:
+        cap = f" and {max_rows} rows" if max_rows else ""
         raise TokenBudgetError(f"micro_steps must be an integer >= {fewest}, the fewest that fit "
-                               f"{len(order)} rows in micro_batch_tokens {budget}; got {steps!r}")
+                               f"{len(order)} rows in micro_batch_tokens {budget}{cap}; got {steps!r}")
     widths = _widths(order, lengths)
     real = min(steps, len(order))
-    cuts = _cheapest_cuts(widths, budget, real) + [len(order)]
+    cuts = _cheapest_cuts(widths, budget, real, max_rows) + [len(order)]
     groups = [MicroGroup(tuple(order[a:b]), widths[a], sum(lengths[r] for r in order[a:b]),
                          over_budget=widths[a] > budget) for a, b in zip(cuts, cuts[1:])]
     repeat = MicroGroup((order[-1],), widths[-1], 0, zero_weight=True)
     return groups + [repeat] * (steps - real)
 
 
-def _longest_first(lengths: Sequence[int], budget: int) -> list[int]:
+def _longest_first(lengths: Sequence[int], budget: int, max_rows: int | None) -> list[int]:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise TokenBudgetError(f"micro_batch_tokens must be a positive integer, got {budget!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise TokenBudgetError(f"the rows per micro-batch must be capped by a positive integer, got {max_rows!r}")
     if not lengths:
         raise TokenBudgetError("micro_batch_tokens cannot group an empty batch; every rank needs "
                                "at least one row")
@@ -288,10 +297,11 @@ def _widths(order: list[int], lengths: Sequence[int]) -> list[int]:
     return [max(1, lengths[row]) for row in order]
 
 
-def _cheapest_cuts(widths: list[int], budget: int, parts: int) -> list[int]:
+def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | None) -> list[int]:
     """Where each of ``parts`` consecutive groups of ``widths`` (longest first) starts, for
-    the fewest padded tokens within ``budget``; among equals, the most even sizes (least sum
-    of squared padded sizes), since a small micro-batch uses an accelerator poorly.
+    the fewest padded tokens within ``budget`` and ``max_rows``; among equals, the most even
+    sizes (least sum of squared padded sizes), since a small micro-batch uses an accelerator
+    poorly.
 
     Dynamic programming over prefixes, adding one group per pass: each pass takes, for
     every end, the minimum over all starts at once: O(parts · rows²) elementwise work, on
@@ -301,7 +311,7 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int) -> list[int]:
     edges = torch.arange(n + 1, dtype=torch.float64)
     rows = edges[None, 1:] - edges[:-1, None]  # [start, end - 1] -> rows of start..end-1
     padded = rows * torch.tensor(widths, dtype=torch.float64)[:, None]
-    padded = padded.masked_fill((rows < 1) | ((rows > 1) & (padded > budget)), math.inf)
+    padded = padded.masked_fill((rows < 1) | ((rows > 1) & (padded > budget)) | (rows > (max_rows or n)), math.inf)
     padded_squared = padded.square()
     inf = torch.full((1,), math.inf, dtype=torch.float64)
     tokens = torch.cat([torch.zeros(1, dtype=torch.float64), inf.expand(n)])  # best per prefix
@@ -331,6 +341,52 @@ def over_budget_message(groups: Sequence[MicroGroup], budget: int) -> str | None
     return (f"{listing} exceed micro_batch_tokens {budget}: each runs alone as a micro-batch of "
             f"its own length, which may not fit in memory; raise micro_batch_tokens to "
             f"{max(g.length for g in long)} or truncate such sequences")
+
+
+def smaller_budget(groups: Sequence[MicroGroup]) -> int:
+    """The budget to try after ``groups`` ran out of memory: half the largest micro-batch of
+    two or more rows (halving a budget above it would change nothing); 0 when every
+    micro-batch holds one row, which no budget can make smaller."""
+    shared = [g.padded_tokens for g in groups if len(g.rows) > 1 and not g.zero_weight]
+    return max(shared, default=0) // 2
+
+
+def budget_candidates(start: int, longest: int) -> list[int]:
+    """Token budgets ``explore`` measures, ascending: ``start`` halved while it still holds
+    the ``longest`` row (a smaller budget leaves such rows over it), ``start`` itself always."""
+    budgets = [start]
+    while budgets[-1] // 2 >= max(longest, 1):
+        budgets.append(budgets[-1] // 2)
+    return budgets[::-1]
+
+
+class TokenSplitter:
+    """Reads and groups one engine's per-device batches by tokens: the user's ``lengths``
+    function and ``sequence_keys``, and the log lines shown once per run (what is trimmed,
+    and rows over the budget)."""
+
+    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None):
+        self.lengths = lengths
+        self.sequence_keys = sequence_keys
+        self._described = self._warned = False
+
+    def read(self, batch: Any, budget: int, max_rows: int | None = None) -> tuple[SequenceLayout, int]:
+        """``batch``'s layout and its fewest micro-steps (this rank's proposal)."""
+        layout = sequence_layout(batch, lengths=self.lengths, sequence_keys=self.sequence_keys)
+        return layout, fewest_micro_steps(layout.lengths, budget, max_rows)
+
+    def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
+              max_rows: int | None = None) -> list[MicroGroup]:
+        """The layout's rows in the ``micro_steps`` the ranks agreed on."""
+        groups = group_by_tokens(layout.lengths, budget, micro_steps, max_rows)
+        if not self._described:
+            self._described = True
+            log.info("%s", layout.describe())
+        message = over_budget_message(groups, budget)
+        if message and not self._warned:
+            self._warned = True
+            log.warning("%s (shown once)", message)
+        return groups
 
 
 # -- building a micro-batch ----------------------------------------------------------------

@@ -5,6 +5,7 @@
     python -m launch --nproc-per-node 2 --launcher deepspeed examples/train_lm.py
     python examples/train_lm.py --steps 50 --out runs/try --set optimizer.params.lr=1e-3
     python examples/train_lm.py --hf-model gpt2                     # transformers' GPT-2 class
+    python examples/train_lm.py --micro-batch-tokens 1024           # micro-batches by tokens
 
 Samples are lines of examples/data/corpus.txt (character tokens, one line per sample,
 right-padded, padding labelled -100), so micro-batches hold different numbers of real
@@ -12,6 +13,10 @@ tokens. The loss function returns ``(loss_sum, num_tokens)`` and the engine weig
 token of the global batch equally, whatever the micro-batch size, the accumulation or the
 number of processes: with the config's fixed ``train_batch_size`` one process and two
 train the same model (to float rounding).
+
+``--micro-batch-tokens N`` forms each rank's micro-batches by padded tokens instead of a
+fixed number of lines (``micro_batch_tokens``): lines of similar length go together, each
+micro-batch is trimmed to its own longest line, and the update is the same.
 
 Writes into --out: ``loss.png`` (train and held-out loss against step), the monitor's
 ``metrics.jsonl`` (and any other monitor file the config names; relative monitor paths
@@ -86,14 +91,17 @@ class Lines(torch.utils.data.Dataset):
 
 
 def collate(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: inputs with 0, labels (the next token) with -100."""
+    """Right-pad to the longest sample: inputs with 0, labels (the next token) with -100; the
+    attention mask marks real inputs (what micro_batch_tokens reads the lengths from)."""
     width = max(len(s) for s in samples) - 1
     inputs = torch.zeros(len(samples), width, dtype=torch.long)
     labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
     for row, sample in enumerate(samples):
         inputs[row, :len(sample) - 1] = sample[:-1]
         labels[row, :len(sample) - 1] = sample[1:]
-    return {"input_ids": inputs, "labels": labels}
+        mask[row, :len(sample) - 1] = 1
+    return {"input_ids": inputs, "labels": labels, "attention_mask": mask}
 
 
 def split_lines(text: str, eval_every: int) -> tuple[list[str], list[str]]:
@@ -160,7 +168,10 @@ def sample_line(module, tokenizer: CharTokenizer, seed: int) -> str | None:
 def load_run_config(args, out: Path) -> tuple[engine.Config, int]:
     """The config with the run's own adjustments: the step count reaches the schedule and
     the monitor, and relative monitor files land in ``out``."""
-    config = engine.load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.micro_batch_tokens is not None:  # the token budget replaces the fixed accumulation
+        overrides += [f"micro_batch_tokens={args.micro_batch_tokens}", "gradient_accumulation_steps=null"]
+    config = engine.load_config(args.config, overrides)
     steps = args.steps or config.constants.get("STEPS", 300)
     overridden = {text.partition("=")[0].strip() for text in args.overrides}
     adjust = {}
@@ -212,10 +223,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-model", choices=HF_MODELS, default=None,
                         help="train transformers' GPT2LMHeadModel (small, from a config) instead "
                              "of examples/gpt.py; needs the transformers package")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                        help="form micro-batches of at most N padded tokens (lines x longest line) "
+                             "instead of the config's fixed micro-batches (sets micro_batch_tokens)")
     add_override_argument(parser)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
+        parser.error("--micro-batch-tokens must be at least 1")
     return args
 
 
@@ -242,9 +258,13 @@ def main(argv=None) -> dict:
         print(f"{kind}: {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k parameters, "
               f"vocab {tokenizer.vocab_size}; {len(train_lines)} train / {len(held_out_lines)} "
               f"held-out lines", flush=True)
-        print(f"global batch {eng.plan.train_batch_size} lines = {eng.world_size} process(es) x "
-              f"{eng.plan.train_micro_batch_size_per_gpu} per micro-batch x "
-              f"{eng.plan.gradient_accumulation_steps} accumulation steps; {steps} steps", flush=True)
+        if eng.plan.micro_batch_tokens:
+            split = f"micro-batches of at most {eng.plan.micro_batch_tokens} padded tokens"
+        else:
+            split = (f"{eng.plan.train_micro_batch_size_per_gpu} per micro-batch x "
+                     f"{eng.plan.gradient_accumulation_steps} accumulation steps")
+        print(f"global batch {eng.plan.train_batch_size} lines = {eng.world_size} process(es) x {split}; "
+              f"{steps} steps", flush=True)
 
     data = DistributedBatches(Lines(train_lines, tokenizer, block_size), eng.plan,
                               shuffle=True, seed=seed, drop_last=True, collate_fn=collate)
@@ -262,6 +282,7 @@ def main(argv=None) -> dict:
     train_losses: list[tuple[int, float]] = []
     eval_losses: list[tuple[int, float]] = []
     tokens = torch.zeros((), dtype=torch.float64)
+    real_and_padded = [0, 0]  # input positions, when micro-batches are formed by tokens
     evaluate(0)
     batches = iter(())
     start = time.perf_counter()
@@ -273,6 +294,9 @@ def main(argv=None) -> dict:
         train_losses.append((eng.global_steps + 1, eng.train_batch(batch)))
         if eng.last_window.items is not None:
             tokens += eng.last_window.items.cpu()
+        if eng.last_window.padded_tokens is not None:
+            real_and_padded[0] += eng.last_window.real_tokens
+            real_and_padded[1] += eng.last_window.padded_tokens
         if eng.global_steps % eval_every == 0 or eng.global_steps == steps:
             evaluate(eng.global_steps)
     seconds = time.perf_counter() - start
@@ -285,6 +309,8 @@ def main(argv=None) -> dict:
         "train_batch_size": eng.plan.train_batch_size,
         "micro_batch_size": eng.plan.train_micro_batch_size_per_gpu,
         "accumulation_steps": eng.plan.gradient_accumulation_steps,
+        "micro_batch_tokens": eng.plan.micro_batch_tokens,
+        "padding_fraction": 1 - real_and_padded[0] / real_and_padded[1] if real_and_padded[1] else None,
         "first_loss": train_losses[0][1], "last_loss": train_losses[-1][1],
         "first_eval_loss": eval_losses[0][1], "last_eval_loss": eval_losses[-1][1],
         "train_losses": train_losses, "eval_losses": eval_losses,
@@ -294,9 +320,11 @@ def main(argv=None) -> dict:
     }
     if rank0:
         png = out / "loss.png"
+        split = (f"micro_batch_tokens {eng.plan.micro_batch_tokens}" if eng.plan.micro_batch_tokens
+                 else f"accumulation {eng.plan.gradient_accumulation_steps}")
         plot_losses(png, train_losses, eval_losses,
                     f"{Path(args.config).name}: {eng.world_size} process(es), global batch "
-                    f"{eng.plan.train_batch_size} lines, accumulation {eng.plan.gradient_accumulation_steps}")
+                    f"{eng.plan.train_batch_size} lines, {split}")
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         summary["png"] = str(png)
         print_summary(summary, config, out, png)
@@ -313,6 +341,9 @@ def print_summary(summary: dict, config, out: Path, png: Path) -> None:
         f"train loss    {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} (nats/token)",
         f"held-out loss {summary['first_eval_loss']:.3f} -> {summary['last_eval_loss']:.3f}",
     ]
+    if summary["padding_fraction"] is not None:
+        lines.append(f"micro_batch_tokens {summary['micro_batch_tokens']}: {summary['padding_fraction']:.1%} of "
+                     "the positions computed were padding")
     if summary["sample"] is not None:
         lines.append(f"sample: {summary['sample']}")
     lines.append(f"loss curve: {png}")

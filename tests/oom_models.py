@@ -35,12 +35,24 @@ class Tripwire(torch.nn.Module):
     def forward(self, x):
         self.calls += 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if x.shape[0] > self.max_micro and self.calls > self.after_calls and (self.ranks is None or rank in self.ranks):
+        if self.size(x) > self.max_micro and self.calls > self.after_calls and (self.ranks is None or rank in self.ranks):
             self.trips += 1
             if self.where == "forward":
-                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} MiB")
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {self.size(x)} MiB")
             return _RaiseInBackward.apply(x)
         return x
+
+    def size(self, x) -> int:
+        """What the limit counts: the micro-batch's rows."""
+        return x.shape[0]
+
+
+class TokenTripwire(Tripwire):
+    """A Tripwire whose ``max_micro`` counts padded tokens: rows × length of a [rows, length,
+    ...] input (for micro-batches formed by ``micro_batch_tokens``)."""
+
+    def size(self, x) -> int:
+        return x.shape[0] * x.shape[1]
 
 
 def tripwire_mlp(seed: int = 0, **tripwire) -> torch.nn.Sequential:

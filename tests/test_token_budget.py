@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.token_budget import (MicroGroup, TokenBudgetError, fewest_micro_steps, fixed_size_groups,
-                                 group_by_tokens, over_budget_message, sequence_layout, take_rows, token_cost)
+from engine.token_budget import (MicroGroup, TokenBudgetError, TokenSplitter, budget_candidates, fewest_micro_steps,
+                                 fixed_size_groups, group_by_tokens, over_budget_message, sequence_layout,
+                                 smaller_budget, take_rows, token_cost)
 
 Pair = namedtuple("Pair", "ids extra")
 
@@ -33,8 +34,9 @@ def padded_batch(lengths, width=None, side="right", seed=0):
 lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=14)
 
 
-def check_groups(groups, lengths, budget, steps):
+def check_groups(groups, lengths, budget, steps, max_rows=None):
     assert len(groups) == steps
+    assert all(len(g.rows) <= (max_rows or len(lengths)) for g in groups)
     real = [g for g in groups if not g.zero_weight]
     assert sorted(r for g in real for r in g.rows) == list(range(len(lengths)))  # each row once
     for g in real:
@@ -50,11 +52,12 @@ def check_groups(groups, lengths, budget, steps):
 
 
 @settings(max_examples=300, deadline=None)
-@given(lengths=lengths_st, budget=st.integers(1, 120), extra=st.integers(0, 18))
-def test_groups_hold_every_row_once_within_the_budget(lengths, budget, extra):
-    fewest = fewest_micro_steps(lengths, budget)
-    check_groups(group_by_tokens(lengths, budget), lengths, budget, fewest)
-    check_groups(group_by_tokens(lengths, budget, fewest + extra), lengths, budget, fewest + extra)
+@given(lengths=lengths_st, budget=st.integers(1, 120), extra=st.integers(0, 18),
+       max_rows=st.one_of(st.none(), st.integers(1, 6)))
+def test_groups_hold_every_row_once_within_the_budget(lengths, budget, extra, max_rows):
+    fewest = fewest_micro_steps(lengths, budget, max_rows)
+    check_groups(group_by_tokens(lengths, budget, max_rows=max_rows), lengths, budget, fewest, max_rows)
+    check_groups(group_by_tokens(lengths, budget, fewest + extra, max_rows), lengths, budget, fewest + extra, max_rows)
 
 
 def set_partitions(items):
@@ -69,18 +72,20 @@ def set_partitions(items):
 
 
 @settings(max_examples=150, deadline=None)
-@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=7), budget=st.integers(1, 40))
-def test_grouping_is_as_cheap_as_any_partition_of_the_rows(lengths, budget):
-    """Brute force over every way of grouping the rows: no grouping within the budget needs
-    fewer micro-steps, and none with the same count computes fewer padded tokens."""
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=7), budget=st.integers(1, 40),
+       max_rows=st.one_of(st.none(), st.integers(1, 4)))
+def test_grouping_is_as_cheap_as_any_partition_of_the_rows(lengths, budget, max_rows):
+    """Brute force over every way of grouping the rows: no grouping within the budget (and
+    the row cap) needs fewer micro-steps, and none with the same count computes fewer
+    padded tokens."""
     best = {}  # micro-steps -> fewest padded tokens
     for blocks in set_partitions(list(range(len(lengths)))):
         sizes = [len(b) * max(1, *(lengths[r] for r in b)) for b in blocks]
-        if all(s <= budget or len(b) == 1 for s, b in zip(sizes, blocks)):
+        if all((s <= budget or len(b) == 1) and len(b) <= (max_rows or len(b)) for s, b in zip(sizes, blocks)):
             best[len(blocks)] = min(best.get(len(blocks), math.inf), sum(sizes))
-    assert fewest_micro_steps(lengths, budget) == min(best)
+    assert fewest_micro_steps(lengths, budget, max_rows) == min(best)
     for steps, tokens in best.items():
-        assert token_cost(group_by_tokens(lengths, budget, steps)).padded_tokens == tokens
+        assert token_cost(group_by_tokens(lengths, budget, steps, max_rows)).padded_tokens == tokens
 
 
 def test_cheapest_grouping_beats_filling_the_longest_row_first():
@@ -106,6 +111,41 @@ def test_a_row_longer_than_the_budget_runs_alone_with_a_warning():
     assert "row 3 (64 tokens), row 1 (50 tokens) exceed micro_batch_tokens 20" in message
     assert "raise micro_batch_tokens to 64" in message
     assert over_budget_message(group_by_tokens([3, 2], 20), 20) is None
+
+
+def test_a_row_cap_splits_micro_batches_the_budget_alone_would_allow():
+    assert [g.rows for g in group_by_tokens([2] * 5, budget=100)] == [(0, 1, 2, 3, 4)]
+    assert [g.rows for g in group_by_tokens([2] * 5, budget=100, max_rows=2)] == [(0,), (1, 2), (3, 4)]
+
+
+def test_out_of_memory_halves_the_largest_micro_batch_of_several_rows():
+    groups = group_by_tokens([30, 6, 6, 5, 2, 2], budget=24)  # [30] alone (over), [6, 6, 5], [2, 2]
+    assert [g.padded_tokens for g in groups] == [30, 18, 4]
+    assert smaller_budget(groups) == 9  # the single row of 30 cannot shrink: it does not count
+    assert [g.padded_tokens for g in group_by_tokens([30, 6, 6, 5, 2, 2], budget=9)] == [30, 6, 6, 5, 4]
+    assert smaller_budget(group_by_tokens([30, 6], budget=8)) == 0  # one row each: nothing to halve
+    assert smaller_budget(group_by_tokens([3], budget=8, micro_steps=3)) == 0  # zero-weight repeats
+
+
+def test_explore_candidates_halve_the_budget_while_it_holds_the_longest_row():
+    assert budget_candidates(4096, longest=300) == [512, 1024, 2048, 4096]
+    assert budget_candidates(4096, longest=512) == [512, 1024, 2048, 4096]
+    assert budget_candidates(100, longest=300) == [100]  # never above the configured budget
+    assert budget_candidates(5, longest=0) == [1, 2, 5]
+
+
+def test_splitter_logs_what_it_trims_and_warns_about_long_rows_once(caplog):
+    splitter = TokenSplitter()
+    batch = padded_batch([30, 3, 2], width=30)
+    with caplog.at_level("INFO", logger="engine"):
+        for _ in range(3):
+            layout, fewest = splitter.read(batch, budget=20)
+            assert fewest == 2 and splitter.group(layout, 20, 4)[3].zero_weight
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line for line in lines if "trimmed along dim 1" in line] == [layout.describe()]
+    assert [line for line in lines if "exceed" in line] == [
+        "row 0 (30 tokens) exceed micro_batch_tokens 20: each runs alone as a micro-batch of its own length, "
+        "which may not fit in memory; raise micro_batch_tokens to 30 or truncate such sequences (shown once)"]
 
 
 def test_all_padding_rows_keep_one_position():

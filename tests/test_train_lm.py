@@ -92,6 +92,21 @@ def test_one_process_trains_the_same_model(two_process_run, train_lm, tmp_path):
     assert (tmp_path / "loss.png").exists() and (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_micro_batch_tokens_trains_the_same_model(two_process_run, train_lm, tmp_path):
+    """The same global batches formed into micro-batches by tokens: the same steps, less padding."""
+    two = json.loads((two_process_run[0] / "summary.json").read_text())
+    tokens = train_lm.main([*QUICK, "--micro-batch-tokens", "1024", "--out", str(tmp_path)])
+    assert tokens["micro_batch_tokens"] == 1024 and 0 < tokens["padding_fraction"] < 0.2
+    assert [loss for _, loss in tokens["train_losses"]] == pytest.approx(
+        [loss for _, loss in two["train_losses"]], rel=1e-4)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert all(r["micro_steps"] > 1 and r["padded_tokens"] <= 1024 * r["micro_steps"] for r in train)
+    assert all(r["real_tokens"] == r["tokens"] for r in train)  # every real input has a next-token label
+
+
 def test_hf_gpt2_model_trains(train_lm, tmp_path):
     pytest.importorskip("transformers")
     summary = train_lm.main([*QUICK, "--hf-model", "gpt2", "--out", str(tmp_path),
@@ -114,6 +129,7 @@ def test_batches_are_padded_and_token_weighted(train_lm):
     data = train_lm.Lines(lines, tokenizer, block_size=192)
     batch = train_lm.collate([data[0], data[1]])
     assert batch["input_ids"].shape == batch["labels"].shape == (2, len(lines[0]) + 1)
+    assert torch.equal(batch["attention_mask"], (batch["labels"] != -100).long())
     assert (batch["labels"] != -100).sum(dim=1).tolist() == [len(lines[0]) + 1, len(lines[1]) + 1]
     assert tokenizer.decode(batch["labels"][1, :6].tolist()) == "Rain.\n"
     assert batch["input_ids"][1, 0] == 0 and (batch["input_ids"][1, 6:] == 0).all()
