@@ -54,14 +54,13 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     plan = plan_from_config(config, dist_info.world_size, dist_info.rank)
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later: check as if it were > 1
-    _check_batch_statistics(model, config, plan.gradient_accumulation_steps
-                            if plan.micro_batch_mode == "fixed" else None)
+    _check_batch_statistics(model, config, None if plan.is_provisional else plan.gradient_accumulation_steps)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config))
     eng.checkpointer = Checkpointer(eng)
-    if plan.micro_batch_mode != "fixed":
+    if plan.is_provisional:
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
