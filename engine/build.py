@@ -12,6 +12,7 @@ from engine.batch_plan import plan_from_config
 from engine.checkpoint import Checkpointer
 from engine.config import ConfigError, load_config
 from engine.config_checks import check_without_model
+from engine.config_offload import torch_offload
 from engine.distributed import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
@@ -46,8 +47,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     problems = check_without_model(config)
     if problems:
         raise ConfigError(problems)
+    offloads = config.backend == "torch" and torch_offload(config.zero_optimization).to_host  # FSDP2, even alone
     dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
-                                 group_for_one_process=config.backend == "deepspeed",
+                                 group_for_one_process=config.backend == "deepspeed" or offloads,
                                  agreement_timeout_seconds=config.distributed.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
     strategy = make_strategy(config, dist_info)
