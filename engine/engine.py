@@ -141,6 +141,11 @@ class Engine:
         return self.strategy.rank
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank computes (move inputs here)."""
+        return self.strategy.device
+
+    @property
     def window_micro_steps(self) -> int:
         """Micro-steps done in the window in progress (0 at a boundary)."""
         return self._window.micro_steps

@@ -25,7 +25,8 @@ LAYERS = {
         "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.deepspeed"],
     3: ["engine.engine"],
     4: ["engine.checkpoint", "engine.autotune", "engine.monitor", "engine.explore_report", "engine.config_checks"],
-    5: ["engine.build", "engine.cli", "engine", "engine.__main__"],
+    5: ["engine.build", "engine.cli", "engine", "engine.__main__",
+        "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai"],
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 
