@@ -98,7 +98,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None or mesh_param is not None:
         raise EngineUsageError("initialize(mpu=/mesh_param=): Microstep trains with data parallelism and ZeRO "
                                "only; it has no model or sequence parallelism")
-    config = _with_deepspeed_defaults(load_config(_config_source(args, config, config_params)))
+    config = load_config(_config_source(args, config, config_params))
+    default_clipping = "gradient_clipping" not in config.model_fields_set
+    if default_clipping:
+        config = config.model_copy(update={"gradient_clipping": DEFAULT_GRADIENT_CLIPPING})
     problems = check_without_model(config)
     if problems:
         raise ConfigError(problems)
@@ -106,6 +109,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer, config = _client_or_config_optimizer(optimizer, params, config)
     lr_scheduler, config = _client_or_config_scheduler(lr_scheduler, config)
     eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    if default_clipping:
+        log.info("gradient_clipping: %g (DeepSpeed's default; the config does not set it)", DEFAULT_GRADIENT_CLIPPING)
     eng.sizes_from_inputs = True  # each micro-batch weighted by its real size
     eng.compute_grad_norm = True  # get_global_grad_norm() answers at every stage
     loader = None
@@ -127,13 +132,6 @@ def _config_source(args, config, config_params):
         raise EngineUsageError("deepspeed.initialize needs a config: --deepspeed_config PATH on the command line "
                                "(with deepspeed.add_config_arguments(parser)), or config=PATH or a dict")
     return config
-
-
-def _with_deepspeed_defaults(config: Config) -> Config:
-    if "gradient_clipping" in config.model_fields_set:
-        return config
-    log.info("gradient_clipping: %g (DeepSpeed's default; the config does not set it)", DEFAULT_GRADIENT_CLIPPING)
-    return config.model_copy(update={"gradient_clipping": DEFAULT_GRADIENT_CLIPPING})
 
 
 def _client_or_config_optimizer(optimizer, params: list, config: Config):
