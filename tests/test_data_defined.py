@@ -3,7 +3,6 @@ sizes are the data loader's, every micro-batch is weighted by its real size, and
 result equals the float64 full-batch reference on 2 ranks with unequal micro-batches and
 unequal ranks. A 1/A weighting misses the same tolerance."""
 
-import copy
 import functools
 from pathlib import Path
 
