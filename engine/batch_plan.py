@@ -11,6 +11,10 @@ M = micro-batch cap per device, A = accumulation steps, P = per-device batch.
   (``engine.token_budget``), so the micro-steps follow from the row lengths; G is
   required, A is not given (the plan holds A = 1), and M only caps the rows of a
   micro-batch (default: P).
+* data-defined (a config giving only A, Colossal-AI's usual): G, M and P are whatever the
+  script's own data loader yields. ``plan_from_config`` returns ``data_defined_plan``; the
+  engine weights every micro-batch by its real size and sums a window's samples over the
+  ranks at its boundary.
 
 This module is pure: no torch, no processes. ``resolve_batch_plan`` validates the numbers
 and raises ``BatchConfigError`` with the equation and the nearest valid values.
@@ -28,6 +32,7 @@ logger = logging.getLogger("engine")
 
 SPLIT_MODES = ("strict", "balanced")
 SEARCH_MODES = ("auto", "explore")
+DATA_DEFINED = "data"  # micro_batch_mode of a plan whose batch sizes come from the data
 
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:
@@ -67,11 +72,14 @@ class BatchPlan:
     ``micro_batch_sizes`` is the whole per-device batch, since the number of micro-steps
     follows from each window's lengths. ``auto`` / ``explore`` then move the budget
     (``with_micro_batch_tokens``), never G.
+
+    When it is ``"data"`` (``data_defined_plan``) only A and W are known: G and M are None
+    and the per-device sizes raise ``BatchConfigError``; the data decides them.
     """
 
     world_size: int
-    train_batch_size: int
-    train_micro_batch_size_per_gpu: int
+    train_batch_size: int | None  # None: data-defined
+    train_micro_batch_size_per_gpu: int | None  # None: data-defined
     gradient_accumulation_steps: int
     batch_split: str = "strict"
     rank: int = 0
@@ -79,9 +87,25 @@ class BatchPlan:
     notes: tuple[str, ...] = ()
     micro_batch_tokens: int | None = None  # the token budget, when micro-batches are formed by tokens
 
+    @property
+    def is_provisional(self) -> bool:
+        """True while the engine still searches the micro-batch size (auto / explore)."""
+        return self.micro_batch_mode in SEARCH_MODES
+
+    @property
+    def is_data_defined(self) -> bool:
+        """True when the data loader, not the config, sizes the batches (only A was given)."""
+        return self.micro_batch_mode == DATA_DEFINED
+
     # -- sizes -------------------------------------------------------------------------
     @property
     def per_device_batch_sizes(self) -> tuple[int, ...]:
+        if self.is_data_defined:
+            raise BatchConfigError(
+                f"this plan has no batch sizes: the config gives only gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}), so each micro-batch is whatever the data loader "
+                "yields (weighted by its real size); set train_batch_size or "
+                "train_micro_batch_size_per_gpu to plan the sizes")
         return split_evenly(self.train_batch_size, self.world_size)
 
     @property
@@ -157,6 +181,8 @@ class BatchPlan:
 
     # -- display -----------------------------------------------------------------------
     def describe(self) -> str:
+        if self.is_data_defined:
+            return self._describe_data_defined()
         rows = [("world size", str(self.world_size)),
                 ("global batch", str(self.train_batch_size))]
         first = 0
@@ -178,6 +204,16 @@ class BatchPlan:
             rows += [("micro-batch cap", cap + (provisional if self.micro_batch_mode != "fixed" else "")),
                      ("accumulation steps", str(self.gradient_accumulation_steps))]
         rows.append(("batch split", self.batch_split))
+        return self._table(rows)
+
+    def _describe_data_defined(self) -> str:
+        return self._table([
+            ("world size", str(self.world_size)),
+            ("global batch", "defined by the data: every rank's samples in a window, summed at its boundary"),
+            ("micro-batches", "as the data loader yields them, each weighted by its real size"),
+            ("accumulation steps", str(self.gradient_accumulation_steps))])
+
+    def _table(self, rows) -> str:
         width = max(len(label) for label, _ in rows) + 2
         lines = [f"{label + ':':<{width}}{value}" for label, value in rows]
         return "\n".join(lines + [f"note: {note}" for note in self.notes])
@@ -419,8 +455,24 @@ def _starting_micro_size(mode, world, g, a, batch_split, auto_max) -> int:
     return max(d for d in _divisors(g // world) if d <= cap)
 
 
+def data_defined_plan(world_size, gradient_accumulation_steps, rank=0, notes=()) -> BatchPlan:
+    """A plan whose batch sizes come from the data: A micro-steps per window on every rank,
+    each micro-batch as large as the data loader makes it (Colossal-AI's usual config)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise BatchConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    _check_rank(rank, world_size)
+    _check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    return BatchPlan(world_size, None, None, gradient_accumulation_steps, "strict", rank, DATA_DEFINED,
+                     tuple(notes))
+
+
 def plan_from_config(config, world_size: int, rank: int = 0) -> BatchPlan:
-    """The plan for `config` (an ``engine.Config``) on `world_size` ranks."""
+    """The plan for `config` (an ``engine.Config``) on `world_size` ranks: a config giving
+    only ``gradient_accumulation_steps`` gets a ``data_defined_plan``."""
+    if (config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None
+            and config.gradient_accumulation_steps is not None):
+        notes = ["batch_split has no effect: the data defines the batches"] if config.batch_split == "balanced" else []
+        return data_defined_plan(world_size, config.gradient_accumulation_steps, rank, notes)
     return resolve_batch_plan(world_size, config.train_batch_size,
                               config.train_micro_batch_size_per_gpu,
                               config.gradient_accumulation_steps, config.batch_split,

@@ -12,6 +12,7 @@ from engine.batch_plan import plan_from_config
 from engine.checkpoint import Checkpointer
 from engine.config import ConfigError, load_config
 from engine.config_checks import check_without_model
+from engine.config_offload import torch_offload
 from engine.distributed import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
@@ -54,8 +55,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                         "micro-batches are formed by tokens; set micro_batch_tokens, or drop lengths=")
     if problems:
         raise ConfigError(problems)
+    offloads = config.backend == "torch" and torch_offload(config.zero_optimization).to_host  # FSDP2, even alone
     dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
-                                 group_for_one_process=config.backend == "deepspeed",
+                                 group_for_one_process=config.backend == "deepspeed" or offloads,
                                  agreement_timeout_seconds=config.distributed.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
     strategy = make_strategy(config, dist_info)
@@ -63,14 +65,14 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later, token budgets choose it per window:
     # check as if it were > 1
-    fixed = plan.micro_batch_mode == "fixed" and plan.micro_batch_tokens is None
+    fixed = not plan.is_provisional and plan.micro_batch_tokens is None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config), lengths=lengths)
     eng.checkpointer = Checkpointer(eng)
-    if plan.micro_batch_mode != "fixed":
+    if plan.is_provisional:
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate

@@ -25,6 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
 
 from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
 from engine.config_loaders import ConfigError, KeyPath, RawConfig, parse_scalar, read_file
+from engine.config_offload import KEYS as OFFLOAD_KEYS, torch_offload
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
@@ -257,6 +258,9 @@ def load_config(source, overrides=None) -> Config:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source, config._locations = raw.source, raw.locations
     unused = _deepspeed_only_settings(config)
+    if config.backend == "torch":
+        unused = [name for name in unused if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS]
+        notes += [f"{config.source}: {note}" for note in torch_offload(config.zero_optimization).notes]
     if config.backend == "torch" and unused:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")

@@ -9,7 +9,8 @@ both report the same problems, all at once:
 * precision: this machine's device (CUDA when available, else CPU) runs autocast in the
   enabled dtype, bf16 on CUDA only where the GPU supports it;
 * backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
-  imported) and a config the DeepSpeed backend accepts;
+  imported) and a config the DeepSpeed backend accepts; ``backend: torch`` an offload
+  request FSDP2 can carry out (``engine.config_offload``);
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
   (``engine.batch_plan.token_budget_conflicts``), ``sequence_keys`` without it.
 """
@@ -23,6 +24,7 @@ import torch
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batch_plan import token_budget_conflicts
 from engine.config import Config, locate
+from engine.config_offload import torch_offload
 from engine.optim import check_sections
 from engine.strategies.deepspeed import unsupported
 
@@ -36,6 +38,8 @@ def check_without_model(config: Config) -> list[str]:
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
         problems += unsupported(config)
+    else:
+        problems += torch_offload(config.zero_optimization).problems
     return locate(config, problems)
 
 

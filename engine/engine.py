@@ -14,6 +14,15 @@ micro-steps, one small agreement takes the maximum, and every rank runs exactly 
 a rank with fewer rows than that repeats its shortest row with weight 0 (a micro-batch of
 0 samples is a zero-weight step: its loss counts for nothing, its collectives still run).
 
+Sizes in the manual loop. The k-th micro-step of a window is taken to hold
+``plan.micro_batch_sizes[k]`` samples (no collective at the boundary), unless
+``sizes_from_inputs`` is set (the DeepSpeed / Colossal-AI adapters set it) or the plan is
+data-defined (the config gives only A): then a micro-batch holds what the tensors passed
+to ``eng(...)`` hold along dim 0, and U is summed over the ranks at the boundary. A
+data-defined plan has no G: the weights use a nominal one, the previous window's real
+total (A·W before the first), so the multiplier G / U is 1 whenever windows repeat their
+size.
+
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
 (``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
@@ -35,7 +44,7 @@ from engine.collectives import max_over_ranks
 from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.memory import PeakMeter
-from engine.microbatch import BatchError, batch_size, split_batch
+from engine.microbatch import BatchError, batch_size, split_batch, tensor_leaves
 from engine.strategies.base import StepResult, Strategy
 from engine.token_budget import LengthsFn, TokenCost, TokenSplitter, take_rows, token_cost
 
@@ -61,6 +70,7 @@ class _Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
+    input_samples: int | None = None  # dim 0 of the inputs of this micro-step's forward
 
     def loss_total(self) -> torch.Tensor:
         """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
@@ -123,6 +133,11 @@ class Engine:
         self._size_warned = False
         self._peak = PeakMeter(strategy)  # a recorded window's peak memory (engine.memory)
         self._recording = False
+        # Manual loop: weigh each micro-batch by the size of the inputs given to eng(...).
+        self.sizes_from_inputs = False
+        self.compute_grad_norm = False  # at every boundary, even without clipping or a monitor
+        # The G in the weights of a data-defined plan (see the module docstring).
+        self._nominal_batch = plan.gradient_accumulation_steps * strategy.world_size
 
     # -- what the model is ------------------------------------------------------------
     @property
@@ -142,6 +157,11 @@ class Engine:
         return self.strategy.rank
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank computes (move inputs here)."""
+        return self.strategy.device
+
+    @property
     def window_micro_steps(self) -> int:
         """Micro-steps done in the window in progress (0 at a boundary)."""
         return self._window.micro_steps
@@ -159,9 +179,13 @@ class Engine:
                 self._peak.start()
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
-        window.forwarded = True
         if not self._splitting:
-            self._check_manual_micro_batch(args)
+            if self._reads_input_sizes():
+                if window.input_samples is None:  # the micro-step's first forward with a batch
+                    window.input_samples = _input_batch_size(args, kwargs)
+            else:
+                self._check_manual_micro_batch(args)
+        window.forwarded = True
         if not self._recording:
             return self.strategy.forward(*args, **kwargs)
         with self._peak.forward():
@@ -188,7 +212,8 @@ class Engine:
 
         ``loss`` is the mean over the micro-batch's samples, or a pair ``(loss_sum,
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
-        window is taken to hold ``plan.micro_batch_sizes[k]`` samples."""
+        window is taken to hold ``plan.micro_batch_sizes[k]`` samples, or, when sizes are
+        read from the inputs, the batch size of what was passed to ``eng(...)``."""
         if self.plan.micro_batch_tokens is not None:
             raise EngineUsageError(
                 f"micro_batch_tokens: {self.plan.micro_batch_tokens} forms micro-batches by tokens out of a whole "
@@ -205,7 +230,26 @@ class Engine:
                 f"backward() called {k + 1} times in a window of {self.plan.gradient_accumulation_steps} "
                 "micro-steps: call step() after every backward()"
             )
-        self._backward(loss, self.plan.micro_batch_sizes[k], exact_counts=False)
+        if self._reads_input_sizes():
+            self._backward(loss, self._input_samples(), exact_counts=True)
+        else:
+            self._backward(loss, self.plan.micro_batch_sizes[k], exact_counts=False)
+
+    def _reads_input_sizes(self) -> bool:
+        return self.sizes_from_inputs or self.plan.is_data_defined
+
+    def _input_samples(self) -> int:
+        window = self._window
+        if not window.forwarded:
+            raise EngineUsageError(
+                "backward() without a forward through the engine: the micro-batch's size is read from what "
+                "eng(...) is given — call eng(x), not eng.module(x)")
+        if window.input_samples is None:
+            raise EngineUsageError(
+                "cannot tell this micro-batch's size: the tensors given to eng(...) do not share a first "
+                "(batch) dimension, or there are none. Pass the batch's tensors to eng(...), or set "
+                "train_micro_batch_size_per_gpu in the config so the plan gives the sizes")
+        return window.input_samples
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-step in progress (or just back-propagated) is the last of its window."""
@@ -299,7 +343,10 @@ class Engine:
             return self.micro_batch_tuner.run_eval(batch, loss_fn)
         if self.plan.micro_batch_tokens is not None:
             return self.evaluate_by_tokens(batch, loss_fn, self.plan.micro_batch_tokens)
-        return self.evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
+        micro = self.plan.train_micro_batch_size_per_gpu
+        if self.plan.is_data_defined:  # A near-equal micro-batches, as train_batch splits
+            micro = -(-batch_size(batch) // self.plan.gradient_accumulation_steps)
+        return self.evaluate(batch, loss_fn, micro)
 
     # -- windows, for the micro-batch tuner ---------------------------------------------
     def run_window(self, batch, loss_fn: LossFn) -> None:
@@ -406,8 +453,8 @@ class Engine:
             self.micro_batch_tuner.load_state_dict(state["micro_batch_tuner"])
         saved, plan = state["plan"], self.plan
         if saved["world_size"] != plan.world_size:
-            log.info("resuming a checkpoint of %d rank(s) on %d: global batch %d unchanged, gradient "
-                     "accumulation %d -> %d, micro-batch %d -> %d", saved["world_size"], plan.world_size,
+            log.info("resuming a checkpoint of %d rank(s) on %d: global batch %s unchanged, gradient "
+                     "accumulation %d -> %d, micro-batch %s -> %s", saved["world_size"], plan.world_size,
                      plan.train_batch_size, saved["gradient_accumulation_steps"],
                      plan.gradient_accumulation_steps, saved["train_micro_batch_size_per_gpu"],
                      plan.train_micro_batch_size_per_gpu)
@@ -480,7 +527,13 @@ class Engine:
             return self._split_by_tokens(batch, plan.micro_batch_tokens)
         accumulation = plan.gradient_accumulation_steps
         size = batch_size(batch)
-        if size == plan.per_device_batch_size:
+        if plan.is_data_defined:
+            if size < accumulation:
+                raise EngineUsageError(
+                    f"train_batch() got a batch of {size} samples to split into gradient_accumulation_steps "
+                    f"{accumulation} micro-batches; pass at least {accumulation} samples")
+            sizes = split_evenly(size, accumulation)
+        elif size == plan.per_device_batch_size:
             sizes = plan.micro_batch_sizes
         elif accumulation <= size < plan.per_device_batch_size:
             sizes = split_evenly(size, accumulation)
@@ -560,7 +613,7 @@ class Engine:
             )
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
-        self.strategy.backward(loss, share * self.world_size / self.plan.train_batch_size)
+        self.strategy.backward(loss, share * self.world_size / self._weighting_batch())
         window.micro_steps += 1
         window.samples += samples
         window.losses.append(loss.detach())
@@ -569,7 +622,7 @@ class Engine:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
         window.backward_since_step = True
-        window.forwarded = False
+        window.forwarded, window.input_samples = False, None
         self.micro_steps += 1
 
     def _close_window(self) -> None:
@@ -580,7 +633,9 @@ class Engine:
         loss, units, samples, tokens = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples,
-                                    want_norm=recorded and self.monitor.config.grad_norm)
+                                    want_norm=self.compute_grad_norm or (recorded and self.monitor.config.grad_norm))
+        if self.plan.is_data_defined and samples:
+            self._nominal_batch = samples  # the same on every rank: summed over them
         if result.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -595,6 +650,10 @@ class Engine:
         self._window, self._recording = _Window(), False
         if self.monitor is not None:
             self.monitor.on_window(self, self.last_window)
+
+    def _weighting_batch(self) -> int:
+        """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""
+        return self._nominal_batch if self.plan.is_data_defined else self.plan.train_batch_size
 
     def _window_totals(self, window: _Window, *, over_all_ranks: bool):
         """(mean loss, units, samples, (real, padded) tokens) of the window. Over all ranks: one
@@ -623,7 +682,7 @@ class Engine:
             log.warning("the window of global step %d holds no items (e.g. every label is -100): skipped",
                         self.global_steps + 1)
             return StepResult(applied=False)
-        target = self.plan.train_batch_size
+        target = self._weighting_batch()
         if window.item_weighted:
             multiplier = target / units
         else:
@@ -648,6 +707,12 @@ def _restore_optional(obj, state, what: str) -> None:
         log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
     elif state is not None:
         log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
+
+
+def _input_batch_size(args, kwargs) -> int | None:
+    """The first dimension shared by every tensor given to a forward (None: none, or they differ)."""
+    sizes = {t.shape[0] for _, t in tensor_leaves((args, kwargs)) if t.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _check_loss(loss) -> None:

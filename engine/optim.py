@@ -5,6 +5,8 @@ are the ``torch.optim.lr_scheduler`` classes by name plus DeepSpeed's warmup sch
 (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) with DeepSpeed's formulas and
 torch's step indexing: the learning rate used by optimizer step ``t`` (0-based) is the
 schedule's value at ``t``. The scheduler steps once per optimizer step.
+``build_deepspeed_scheduler`` builds DeepSpeed's schedules stepped as DeepSpeed itself steps
+them (for ``engine.compat.deepspeed``): one step late, starting from their "not started" value.
 
 A section is refused with every problem at once: an unknown type or parameter name (with a
 "did you mean"), an ``'auto'`` placeholder, a value torch rejects. ``check_sections`` finds
@@ -148,6 +150,9 @@ class WarmupLR(_WarmupSchedule):
         top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
         return self.warmup_min_lr + (top - self.warmup_min_lr) * self._gamma(step)
 
+    def _before_start(self, base_lr: float) -> float:
+        return self.warmup_min_lr
+
 
 class WarmupDecayLR(WarmupLR):
     """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``."""
@@ -193,6 +198,32 @@ class WarmupCosineLR(_WarmupSchedule):
     def _lr(self, step, base_lr, group_index):
         return base_lr * self._ratio(step)
 
+    def _before_start(self, base_lr: float) -> float:
+        return 0.0  # DeepSpeed's ratio before its first step
+
+
+class _DeepSpeedStepping:
+    """DeepSpeed's own stepping of its warm-up schedules: built, they stand at their "not
+    started" value; each ``step()`` then moves to the next value. So optimizer step ``t``
+    uses the schedule's value at ``t - 1`` (the first two steps both use the start)."""
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch - 1
+        return [self._lr(step, base, i) if step >= 0 else self._before_start(base)
+                for i, base in enumerate(self.base_lrs)]
+
+
+class DeepSpeedWarmupLR(_DeepSpeedStepping, WarmupLR):
+    """``WarmupLR`` stepped as DeepSpeed steps it."""
+
+
+class DeepSpeedWarmupDecayLR(_DeepSpeedStepping, WarmupDecayLR):
+    """``WarmupDecayLR`` stepped as DeepSpeed steps it."""
+
+
+class DeepSpeedWarmupCosineLR(_DeepSpeedStepping, WarmupCosineLR):
+    """``WarmupCosineLR`` stepped as DeepSpeed steps it."""
+
 
 SCHEDULERS = {
     **_public_classes(torch.optim.lr_scheduler, LRScheduler),
@@ -206,6 +237,19 @@ for _name in ("lambdalr", "multiplicativelr", "sequentiallr", "chainedscheduler"
 def build_scheduler(section, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """The learning-rate schedule described by a config ``scheduler`` section."""
     return _build("scheduler", SCHEDULERS, section.type, dict(section.params), optimizer)
+
+
+DEEPSPEED_SCHEDULERS = {
+    **SCHEDULERS,
+    **{name: cls for name, cls in (("warmuplr", DeepSpeedWarmupLR), ("warmupdecaylr", DeepSpeedWarmupDecayLR),
+                                   ("warmupcosinelr", DeepSpeedWarmupCosineLR))},
+}
+
+
+def build_deepspeed_scheduler(section, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    """A config ``scheduler`` section as DeepSpeed builds it: its warm-up schedules step as
+    DeepSpeed's do (``_DeepSpeedStepping``), torch's as torch's."""
+    return _build("scheduler", DEEPSPEED_SCHEDULERS, section.type, dict(section.params), optimizer)
 
 
 def check_sections(optimizer, scheduler) -> list[str]:

@@ -13,7 +13,8 @@ PACKAGE = REPO / "engine"
 
 # Lower layers never import higher ones. A new module must be placed here.
 LAYERS = {
-    0: ["engine.errors", "engine.rng", "engine.distributed", "engine.config_colossal", "engine.config_loaders",
+    0: ["engine.errors", "engine.rng", "engine.distributed", "engine.config_colossal", "engine.config_offload",
+        "engine.config_loaders",
         "engine.config",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.collectives", "engine.memory"],
@@ -24,7 +25,8 @@ LAYERS = {
         "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.deepspeed"],
     3: ["engine.engine"],
     4: ["engine.checkpoint", "engine.autotune", "engine.monitor", "engine.explore_report", "engine.config_checks"],
-    5: ["engine.build", "engine.cli", "engine", "engine.__main__"],
+    5: ["engine.build", "engine.cli", "engine", "engine.__main__",
+        "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai"],
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from engine.config_offload import torch_offload
 from engine.distributed import DistInfo
 
 log = logging.getLogger("engine")
@@ -13,11 +14,12 @@ __all__ = ["make_strategy"]
 
 def make_strategy(config, dist_info: DistInfo):
     """The strategy for ``config`` on the process group ``dist_info`` describes (imported
-    lazily: ``import engine`` never imports DeepSpeed or FSDP)."""
+    lazily: ``import engine`` never imports DeepSpeed or FSDP). CPU offload needs FSDP2,
+    even in one process."""
     stage = config.zero_optimization.stage
     if config.backend == "deepspeed":
         from engine.strategies.deepspeed import DeepSpeedStrategy as chosen
-    elif dist_info.world_size == 1:
+    elif dist_info.world_size == 1 and not torch_offload(config.zero_optimization).to_host:
         from engine.strategies.single import SingleProcess as chosen
 
         if stage > 0:

@@ -193,7 +193,8 @@ class TorchStrategy(Strategy):
         grads = self.local_gradients()
         scaler = self.precision.scaler
         if scaler is not None:
-            overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier)).item())
+            # .to: offloaded gradients (and so the flag) are on the host; nccl reduces device tensors
+            overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier).to(self.device)).item())
             scaler.update(overflow)
             if overflow:
                 return StepResult(applied=False)

@@ -19,6 +19,10 @@ gradients into shards, so no rank holds a full-size gradient between micro-steps
 parameters stay gathered for the whole window, which then costs one all-gather and one
 reduce-scatter per unit whatever its number of micro-steps. ``"auto"`` chooses per window
 (``engine.strategies.deferral``).
+
+Offload (``offload_param`` / ``offload_optimizer``, read by ``engine.config_offload``):
+FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and the optimizer state on
+the host; the gathered parameters live on the device while a unit computes.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
 from engine.collectives import broadcast_, check_peers
+from engine.config_offload import torch_offload
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 
@@ -110,12 +115,17 @@ class FullyShardedDataParallel(TorchStrategy):
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         everything = sum(p.numel() * p.element_size() for p in module.parameters())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        offload = torch_offload(self.config.zero_optimization)
+        # Pinned host memory needs an accelerator to copy to.
+        self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
+            if offload.to_host else OffloadPolicy()
         self.inner_units = []
         for group in shard_units(module, self.config.zero_optimization.shard_unit_size):
-            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3)
+            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy)
             self.inner_units.append(group[0])  # the modules of one group share their FSDP state
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
-        fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False)
+        fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
+                    offload_policy=self.offload_policy)
         _repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer

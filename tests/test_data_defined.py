@@ -1,0 +1,172 @@
+"""A config giving only ``gradient_accumulation_steps`` (Colossal-AI's usual): the batch
+sizes are the data loader's, every micro-batch is weighted by its real size, and the
+result equals the float64 full-batch reference on 2 ranks with unequal micro-batches and
+unequal ranks. A 1/A weighting misses the same tolerance."""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from engine.batch_plan import plan_from_config
+from tests.dist_utils import run_scenarios
+from tests.reference import max_param_diff, mlp, mse, reference_train, sgd, state
+
+TOL = 1e-10
+ACCUMULATION = 3
+CONFIG = {"gradient_accumulation_steps": ACCUMULATION,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+# Micro-batch sizes per window, per rank: unequal within a window and between the ranks.
+MANUAL_SIZES = [{0: [3, 1, 2], 1: [2, 4, 1]},
+                {0: [2, 2, 2], 1: [1, 1, 5]}]
+WHOLE_BATCHES = [{0: 7, 1: 5}]  # train_batch: each rank's batch, split into A near-equal parts
+SHORT_WINDOW = {0: [2, 3], 1: [4, 1]}  # two micro-steps of three, closed by flush()
+
+
+def samples(window: int, rank: int, size: int, part: int):
+    """A deterministic micro-batch (float64) that every process can rebuild."""
+    g = torch.Generator().manual_seed(1000 * window + 100 * rank + part)
+    return torch.randn(size, 8, generator=g, dtype=torch.float64), torch.randn(size, 3, generator=g, dtype=torch.float64)
+
+
+def concat(parts):
+    return tuple(torch.cat(column) for column in zip(*parts))
+
+
+def windows():
+    """Every window as {rank: [micro-batches]}: manual windows, whole batches, the short one."""
+    out = []
+    for w, sizes in enumerate(MANUAL_SIZES):
+        out.append({r: [samples(w, r, n, k) for k, n in enumerate(ns)] for r, ns in sizes.items()})
+    for w, sizes in enumerate(WHOLE_BATCHES, start=len(out)):
+        out.append({r: [samples(w, r, n, 0)] for r, n in sizes.items()})
+    w = len(out)
+    out.append({r: [samples(w, r, n, k) for k, n in enumerate(ns)] for r, ns in SHORT_WINDOW.items()})
+    return out
+
+
+def global_batches():
+    return [concat([part for r in sorted(window) for part in window[r]]) for window in windows()]
+
+
+def reference():
+    return state(reference_train(mlp(), global_batches(), mse, sgd))
+
+
+def one_over_a_reference():
+    """The common mistake: every micro-batch's mean loss weighted 1/A (and every rank 1/W)."""
+    model = mlp()
+    optimizer = sgd(model.parameters())
+    for window in windows():
+        optimizer.zero_grad()
+        loss = sum(mse(model, part) for parts in window.values() for part in parts)
+        (loss / (ACCUMULATION * len(window))).backward()
+        optimizer.step()
+    return state(model)
+
+
+def data_defined_run(rank, world_size, stage):
+    eng = engine.initialize(mlp(), {**CONFIG, "zero_optimization": {"stage": stage}})
+    plan = eng.plan
+    everything = windows()
+    updated_at = []
+    for window in everything[:len(MANUAL_SIZES)]:  # the manual loop, Colossal-AI style
+        for x, y in window[rank]:
+            before = eng.full_state_dict()
+            eng.zero_grad()
+            loss = mse(eng, (x, y))
+            eng.backward(loss)
+            eng.step()
+            updated_at.append(max_param_diff(before, eng.full_state_dict()) > 0)
+    for window in everything[len(MANUAL_SIZES):-1]:  # whole batches
+        eng.train_batch(window[rank][0], mse)
+    for part in everything[-1][rank]:  # a short window at the end of the data
+        eng.backward(mse(eng, part))
+        eng.step()
+    eng.flush()
+    result = {"state": eng.full_state_dict(), "updated_at": updated_at,
+              "global_samples": eng.global_samples, "global_steps": eng.global_steps,
+              "data_defined": plan.is_data_defined, "train_batch_size": plan.train_batch_size}
+    eng.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_scenarios({f"stage{stage}": functools.partial(data_defined_run, stage=stage) for stage in (0, 2)},
+                         world_size=2, timeout=180)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_accumulation_alone_equals_the_full_batch_reference(runs, stage):
+    expected = reference()
+    total = sum(len(batch[0]) for batch in global_batches())
+    for result in runs[f"stage{stage}"]:
+        assert result["data_defined"] and result["train_batch_size"] is None
+        assert max_param_diff(result["state"], expected) < TOL
+        # parameters move only at the last micro-step of each window
+        assert result["updated_at"] == [False, False, True] * len(MANUAL_SIZES)
+        assert result["global_samples"] == total
+        assert result["global_steps"] == len(global_batches())
+
+
+def test_one_over_a_weighting_misses_the_tolerance():
+    assert max_param_diff(one_over_a_reference(), reference()) > 1000 * TOL
+
+
+def test_the_plan_says_the_data_defines_the_batch():
+    config = engine.load_config(CONFIG)
+    plan = plan_from_config(config, world_size=2, rank=1)
+    assert plan.is_data_defined and not plan.is_provisional
+    assert (plan.train_batch_size, plan.train_micro_batch_size_per_gpu, plan.gradient_accumulation_steps) == \
+        (None, None, ACCUMULATION)
+    text = plan.describe()
+    assert "global batch:" in text and "defined by the data" in text and "accumulation steps: 3" in text
+    with pytest.raises(engine.BatchConfigError, match="only gradient_accumulation_steps"):
+        plan.per_device_batch_size
+
+
+def test_a_config_with_a_batch_size_keeps_its_plan():
+    plan = plan_from_config(engine.load_config({"train_batch_size": 8, "gradient_accumulation_steps": 2}), 2)
+    assert not plan.is_data_defined and plan.micro_batch_sizes == (2, 2)
+    # the resolver's contract is unchanged: accumulation alone does not fix a batch there
+    with pytest.raises(engine.BatchConfigError, match="gradient_accumulation_steps alone"):
+        engine.resolve_batch_plan(2, gradient_accumulation_steps=2)
+
+
+def test_cli_plan_prints_a_data_defined_plan(capsys):
+    from engine.cli import main
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "colossalai_legacy.py"  # gradient_accumulation = 4
+    assert main(["plan", str(path), "--world-size", "2"]) == 0
+    assert "defined by the data" in capsys.readouterr().out
+
+
+class Scaled(torch.nn.Module):
+    """A model taking a batch and a tensor without a batch dimension of the same size."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x, scale):
+        return self.inner(x) * scale
+
+
+def test_sizes_come_from_the_forward_and_must_be_readable():
+    eng = engine.initialize(Scaled(), CONFIG)
+    x, y = samples(0, 0, 4, 0)
+    with pytest.raises(engine.EngineUsageError, match="call eng\\(x\\), not eng.module\\(x\\)"):
+        eng.backward(torch.nn.functional.mse_loss(eng.module(x, torch.ones(1, dtype=x.dtype)), y))
+    with pytest.raises(engine.EngineUsageError, match="do not share a first"):
+        eng.backward(torch.nn.functional.mse_loss(eng(x, torch.ones(1, dtype=x.dtype)), y))
+    # a second forward in the same micro-step does not change its size: the first one's counts
+    loss = torch.nn.functional.mse_loss(eng(x, torch.ones(4, 1, dtype=x.dtype)), y)
+    eng(x[:1], torch.ones(1, 1, dtype=x.dtype))
+    eng.backward(loss)
+    eng.step()
+    eng.flush()
+    assert eng.global_samples == 4
+    eng.close()

@@ -1,0 +1,169 @@
+"""DeepSpeed's offload keys on the torch backend: FSDP2's CPU offload where it can carry out
+the request, a clear error naming ``backend: deepspeed`` where it cannot, never dropped.
+
+Two gloo ranks on CPU: the strategy holds FSDP2's ``CPUOffloadPolicy`` (not pinned without
+an accelerator), every tensor it holds for training is on the host, and the result equals
+the float64 full-batch reference. One process without a launcher offloads too (FSDP2 on a
+one-rank group instead of the unsharded single-process strategy)."""
+
+import functools
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+import engine
+from engine.cli import main
+from engine.config_checks import check_without_model
+from engine.config_offload import torch_offload
+from engine.distributed import DistInfo
+from engine.strategies import make_strategy
+from tests.dist_utils import run_scenarios
+from tests.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-10
+CPU = {"device": "cpu", "pin_memory": True}  # pin_memory as DeepSpeed configs write it
+BOTH = {"offload_param": CPU, "offload_optimizer": CPU}
+
+
+def load(zero, backend="torch"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                     "backend": backend, "zero_optimization": zero})
+    return config, [str(w.message) for w in caught]
+
+
+# -- what the torch backend makes of each request ------------------------------------------------
+@pytest.mark.parametrize("zero, problem", [
+    ({"stage": 2, "offload_optimizer": CPU}, "offload_optimizer: the torch backend (FSDP2) offloads the optimizer "
+                                             "state only together with the parameters"),
+    ({"stage": 3, **BOTH, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_param.device: nvme"),
+    ({"stage": 1, **BOTH}, "at ZeRO stage 2 or 3"),
+    ({"stage": 0, "cpu_offload": True, "cpu_offload_param": True}, "at ZeRO stage 2 or 3"),
+    ({"stage": 3, **BOTH, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio: 0.3"),
+    ({"stage": 3, "offload_param": {"device": "gpu"}}, "expected cpu, nvme or none, got 'gpu'"),
+    ({"stage": 3, "offload_param": "cpu"}, "expected a section"),
+])
+def test_what_fsdp2_cannot_do_is_an_error_naming_the_deepspeed_backend(zero, problem):
+    config, _ = load(zero)
+    problems = check_without_model(config)
+    assert len(problems) == 1 and problem in problems[0], problems
+    assert "backend: deepspeed" in problems[0] or "expected" in problem
+    with pytest.raises(engine.ConfigError, match="zero_optimization"):
+        engine.initialize(mlp(), config, optimizer=sgd)  # refused before any process group
+    # the DeepSpeed backend takes the same keys as they are
+    ds_config, _ = load(zero, backend="deepspeed")
+    assert not any("offload" in p for p in check_without_model(ds_config))
+
+
+@pytest.mark.parametrize("zero, pinned, note", [
+    ({"stage": 2, **BOTH}, True, None),
+    ({"stage": 3, **BOTH}, True, None),
+    ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}, "offload_optimizer": CPU}, False, None),
+    ({"stage": 3, "offload_param": CPU}, True, "gradients and optimizer state are held on the host too"),
+    ({"stage": 2, "cpu_offload": True, "cpu_offload_param": True}, False, None),  # legacy switches, unpinned
+    ({"stage": 3, **BOTH, "offload_param": {"device": "cpu", "buffer_count": 5, "max_in_cpu": 10**9}}, True,
+     "buffer_count, max_in_cpu not used by the torch backend's CPU offload"),
+])
+def test_what_fsdp2_can_do_is_host_offload(zero, pinned, note):
+    config, warned = load(zero)
+    assert check_without_model(config) == []
+    offload = torch_offload(config.zero_optimization)
+    assert offload.to_host and offload.pin_memory == pinned
+    # nothing written is called unused: the keys are read, or named by a note
+    assert not any("not used by the torch backend; they are kept" in w and "offload" in w for w in warned), warned
+    if note:
+        assert any(note in w for w in warned), warned
+
+
+def test_no_offload_device_is_no_offload():
+    config, warned = load({"stage": 3, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}})
+    assert check_without_model(config) == [] and not torch_offload(config.zero_optimization).to_host
+    config, warned = load({"stage": 2, "overlap_comm": True})  # other DeepSpeed keys still get their warning
+    assert any("zero_optimization.overlap_comm are not used by the torch backend" in w for w in warned), warned
+
+
+def test_one_process_offloads_with_fsdp2():
+    config, _ = load({"stage": 3, **BOTH})
+    one = DistInfo(0, 0, 1, 1, torch.device("cpu"), None)
+    assert make_strategy(config, one).name == "fsdp"
+    plain, _ = load({"stage": 3})
+    assert make_strategy(plain, one).name != "fsdp"
+
+
+def test_validate_names_the_problem(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2,\n'
+                    ' "offload_optimizer": {"device": "cpu"}}}')
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: zero_optimization.offload_optimizer:" in err and "backend: deepspeed" in err
+
+
+# -- training with offload equals the reference -----------------------------------------------------
+STEPS, GLOBAL = 3, 8
+
+
+def offloaded_run(rank, world_size, stage):
+    eng = engine.initialize(mlp(), {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 2,
+                                    "zero_optimization": {"stage": stage, **BOTH}}, optimizer=sgd)
+    for batch in regression_batches(STEPS, GLOBAL):
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
+    policy = eng.strategy.offload_policy
+    held = [t for t in eng.strategy.held_tensors() if t is not None]
+    local = [getattr(t, "_local_tensor", t) for t in held]  # DTensor shards: their local storage
+    optimizer_state = [v for s in eng.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    result = {"policy": (type(policy).__name__, getattr(policy, "pin_memory", None)),
+              "devices": sorted({t.device.type for t in local}),
+              "optimizer_state": (len(optimizer_state), sorted({t.device.type for t in optimizer_state})),
+              "param_devices": sorted({p.to_local().device.type for p in eng.module.parameters()}),
+              "state": eng.full_state_dict()}
+    eng.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def offloaded():
+    return run_scenarios({f"stage{s}": functools.partial(offloaded_run, stage=s) for s in (2, 3)},
+                         world_size=2, timeout=180)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_training_holds_everything_on_the_host_and_equals_the_reference(offloaded, stage):
+    expected = state(reference_train(mlp(), regression_batches(STEPS, GLOBAL), mse, sgd))
+    for result in offloaded[f"stage{stage}"]:
+        assert result["policy"] == (CPUOffloadPolicy.__name__, False)  # no accelerator: not pinned
+        assert result["devices"] == ["cpu"] and result["param_devices"] == ["cpu"]
+        assert result["optimizer_state"][0] > 0 and result["optimizer_state"][1] == ["cpu"]
+        assert max_param_diff(result["state"], expected) < TOL
+
+
+ONE_PROCESS = """
+import torch, engine
+from tests.reference import max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state
+eng = engine.initialize(mlp(), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}},
+    optimizer=sgd)
+batches = regression_batches(3, 8)
+for batch in batches:
+    eng.train_batch(batch, mse)
+diff = max_param_diff(eng.full_state_dict(), state(reference_train(mlp(), batches, mse, sgd)))
+print(eng.strategy.name, type(eng.strategy.offload_policy).__name__, diff < 1e-10)
+eng.close()
+"""
+
+
+def test_one_process_without_a_launcher_offloads_and_equals_the_reference():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", ONE_PROCESS], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["fsdp", "CPUOffloadPolicy", "True"], result.stdout
