@@ -685,6 +685,23 @@ def test_what_deepspeed_cannot_do_is_refused_before_it_starts():
                                                                      zero_optimization={"stage": 2})
     assert problems(train_micro_batch_size_per_gpu="auto", zero_optimization={"stage": 2, "defer_reduction": True}) == ""
     assert problems(zero_optimization={"stage": 3}) == ""
+    if not torch.cuda.is_available():
+        for stage in STAGES:
+            fp16 = problems(fp16={"enabled": True}, zero_optimization={"stage": stage})
+            assert "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only" in fp16 and "bf16" in fp16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA GPU")
+def test_fp16_on_a_cpu_only_machine_is_refused_by_initialize_and_validate(tmp_path, capsys):
+    from engine.cli import main
+
+    config = {"backend": "deepspeed", "train_batch_size": 8, "fp16": {"enabled": True}}
+    with pytest.raises(engine.ConfigError, match=r"fp16.enabled: .*CUDA GPUs only.*bf16: \{enabled: true\}"):
+        engine.initialize(mlp(dtype=F32), config, optimizer=sgd)  # before any process group or DeepSpeed import
+    path = tmp_path / "fp16.json"
+    path.write_text(json.dumps(config))
+    assert main(["validate", str(path)]) == 2
+    assert "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only" in capsys.readouterr().err
 
 
 def test_without_deepspeed_the_torch_backend_works_and_deepspeed_names_the_install(monkeypatch):
