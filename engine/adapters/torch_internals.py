@@ -100,7 +100,11 @@ def fsdp_params(unit):
 def drop_unreduced_gradients(root, units) -> None:
     """Forget a window abandoned mid-way. ``reset_iter_state`` (on the root) drops FSDP's
     half-finished forward/backward bookkeeping but keeps the unsharded gradients accumulated
-    without reduction (in 2.11 and 2.13 alike): those are cleared by hand."""
+    without reduction (in 2.11 and 2.13 alike): those are cleared by hand. Before the
+    model's first forward FSDP is not initialised (lazily, in that forward) and holds nothing
+    to drop; resetting it then would fail."""
+    if root._get_fsdp_state()._is_root is None:
+        return
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
     else:
