@@ -27,6 +27,16 @@ def weighted_one_over_a(eng):
     return eng
 
 
+def ignores_window_total(eng):
+    """A window's gradient divided by the planned global batch instead of the samples (or
+    token count) it really holds: a short window is weighted as a full one (its gradient
+    shrinks with it, as with a fixed 1/A over fewer micro-steps), token losses by samples."""
+    strategy = eng.strategy
+    step = strategy.step
+    strategy.step = lambda multiplier, max_norm, want_norm=False: step(1.0, max_norm, want_norm)
+    return eng
+
+
 def gradient_doubled(eng):
     """Every gradient twice too large: a constant factor, which AdamW all but hides and SGD
     with momentum does not."""
@@ -57,5 +67,3 @@ def keeps_failed_windows(eng):
     return eng
 
 
-BROKEN = {"1/A": weighted_one_over_a, "gradient x2": gradient_doubled,
-          "clipped each micro-step": clipped_each_micro_step, "keeps failed windows": keeps_failed_windows}
