@@ -207,6 +207,10 @@ class DeepSpeedStrategy(Strategy):
 
     def backward(self, loss, weight):
         self._open_block()
+        if self.stage == 0:  # DeepSpeed leaves its stage-0 fp16 loss scale to us (see the adapter)
+            scale = internals.stage0_loss_scale(self.ds_engine.optimizer)
+            if scale != 1.0:  # in fp32, as DeepSpeed's own fp16 optimizers scale
+                loss, weight = loss.float(), weight * scale
         self.ds_engine.backward(loss * weight, scale_wrt_gas=False)
         self.deferral.observe()
 
