@@ -49,7 +49,7 @@ from tests.reference import (
     token_loss_sum,
     train_steps,
 )
-from tests.test_precision import assert_precision_results, precision_scenarios
+from tests.test_precision import assert_precision_results, precision_case, precision_scenarios
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -375,9 +375,10 @@ def stage_scenarios(stage):
         for name, (fn, kwargs, _) in EXACTNESS.items():
             scenarios[(name, defer)] = functools.partial(fn, stage=stage, defer=defer, **kwargs)
         scenarios[("collectives", defer)] = functools.partial(collectives, stage=stage, defer=defer)
-        scenarios[("fp16 refused", defer)] = functools.partial(refused, config={
-            "backend": "deepspeed", "train_batch_size": 8, "fp16": {"enabled": True},
-            "zero_optimization": zero(stage, **({"defer_reduction": defer} if stage >= 2 else {}))})
+        if not torch.cuda.is_available():
+            scenarios[("fp16 refused", defer)] = functools.partial(refused, config={
+                "backend": "deepspeed", "train_batch_size": 8, "fp16": {"enabled": True},
+                "zero_optimization": zero(stage, **({"defer_reduction": defer} if stage >= 2 else {}))})
     for name, bug in BROKEN.items():
         fn, kwargs, _ = EXACTNESS[name]
         scenarios[(name, "broken")] = functools.partial(fn, stage=stage, breaks=bug, **kwargs)
@@ -446,7 +447,7 @@ def test_stage_equals_reference(stage):
             assert got["manual"] == expected, (defer, got["manual"])
             assert got["manual clipped"] == expected_collectives(stage, defer, clipped=True), (defer, got)
             assert got["train_batch"] == window_total(expected, 1), (defer, got["train_batch"])  # + the window's totals
-        for message in results[("fp16 refused", defer)]:
+        for message in results.get(("fp16 refused", defer), []):
             assert "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only" in message and "bf16" in message
         for result in results.get(("offload", defer), []):
             assert result["diff"] < TOL
@@ -484,6 +485,46 @@ def test_stage_equals_reference(stage):
         assert (ds["params"] - torch_run["params"]).abs().max().item() < TOL
         assert ds["losses"] == pytest.approx(torch_run["losses"], rel=1e-5)
         assert ds["lr"] == pytest.approx(torch_run["lr"])
+
+
+# -- fp16: refused on CPU, its arithmetic checked where DeepSpeed's CPU accelerator runs it ------
+def fp16_case(rank, world, **kwargs):
+    """precision_case in fp16 with the CPU-only refusal lifted in this process: the stage-0
+    loss scale, the ZeRO optimizers' scaled step and the window weighting GPUs run."""
+    import engine.config_checks
+    import engine.strategies.deepspeed as deepspeed_strategy
+
+    refusals = deepspeed_strategy.unsupported
+
+    def refusals_but_fp16(config):
+        return [problem for problem in refusals(config) if not problem.startswith("fp16.enabled")]
+
+    engine.config_checks.unsupported = deepspeed_strategy.unsupported = refusals_but_fp16
+    try:
+        return precision_case(rank, world, backend="deepspeed", precision="fp16", **kwargs)
+    finally:
+        engine.config_checks.unsupported = deepspeed_strategy.unsupported = refusals
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.is_available() or not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+                    reason="DeepSpeed's CPU accelerator runs fp16 only where oneDNN supports it")
+def test_fp16_arithmetic_on_every_stage():
+    """DeepSpeed 0.19's engine.backward leaves the stage-0 fp16 loss scale out while its fp16
+    optimizer divides by it: updates were 1/scale of the right ones before the strategy applied
+    the scale itself. Clipping, token losses and a short window, as for bf16."""
+    scenarios = {}
+    for stage in STAGES:
+        for loss in ("mean", "tokens"):
+            scenarios[("fp16", loss, stage, False)] = functools.partial(fp16_case, stage=stage, loss=loss)
+            scenarios[("fp16", loss, stage, "broken")] = functools.partial(fp16_case, stage=stage, loss=loss,
+                                                                          breaks=ignores_window_total)
+    results = run_scenarios(scenarios, world_size=2, timeout=200, env=ENV)
+    assert_precision_results(results, "deepspeed")
+    assert all(result["dtype"] == "torch.float16" for per_rank in results.values() for result in per_rank)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

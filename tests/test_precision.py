@@ -142,7 +142,8 @@ PRECISION_CASES = {"mean": (mse, mse, 1.0), "tokens": (token_loss_sum, token_los
 # 2.3e-4, torch fp16 3.8e-5, DeepSpeed bf16 (bf16 parameters) 1.9e-3. A short window weighted
 # as a full one, and token losses weighted by samples (tests.broken.ignores_window_total),
 # miss every one of them: measured 1.9e-2 with mean losses, 7.8e-3 to 8.1e-3 with token losses.
-TOLERANCE = {("torch", "bf16"): 1e-3, ("torch", "fp16"): 2e-4, ("deepspeed", "bf16"): 4e-3}
+TOLERANCE = {("torch", "bf16"): 1e-3, ("torch", "fp16"): 2e-4, ("deepspeed", "bf16"): 4e-3,
+             ("deepspeed", "fp16"): 1e-3}  # measured 1.8e-4 and 2.3e-4 (fp16 parameters), where it runs
 
 
 def share(batch, rank, world):
@@ -179,8 +180,11 @@ def precision_case(rank, world, backend, stage, precision, loss, defer=False, br
     zero = {"stage": stage, **({"defer_reduction": defer} if stage >= 2 else {})}
     if backend == "deepspeed" and stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
+    half = {"enabled": True}
+    if backend == "deepspeed" and precision == "fp16":  # fp16 gradients: a scale that fits them from the start
+        half["initial_scale_power"] = 8
     config = {"backend": backend, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-              "zero_optimization": zero, "gradient_clipping": clip, precision: {"enabled": True}}
+              "zero_optimization": zero, "gradient_clipping": clip, precision: half}
     eng = breaks(engine.initialize(copy.deepcopy(model), config, optimizer=sgd))
     norms = []
     for batch in batches:
