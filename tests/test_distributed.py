@@ -364,8 +364,9 @@ def uneven_micro_steps(rank, world, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_uneven_micro_steps_at_zero_2_and_3_end_in_a_clear_error(stage):
     """The rank waiting in flush gives up after distributed.agreement_timeout_seconds with an
-    error naming the fix; its exit releases the peer stuck in the collective. Without the
-    agreement timeout both would wait for the process group's timeout (30 minutes)."""
+    error naming the fix; its exit releases the peer stuck in the collective. (The process
+    group exists before initialize here, as when a script calls init_distributed itself: the
+    config's timeout must still hold.)"""
     with pytest.raises(DistributedRunError) as failure:
         run_distributed(functools.partial(uneven_micro_steps, stage=stage), world_size=2, timeout=90)
     message = str(failure.value)
