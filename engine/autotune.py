@@ -159,6 +159,8 @@ class TokenBudget:
 class MicroBatchTuner:
     """Owns the ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``)."""
 
+    clock = staticmethod(time.perf_counter)  # seconds, for explore's measurements (tests give their own)
+
     def __init__(self, engine, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
         self.engine = engine
         self.meter = PeakMeter(engine.strategy)
@@ -331,14 +333,14 @@ class MicroBatchTuner:
         metered = self._metered(loss_fn, track_peak=True)
         seconds = []
         for attempt in range(self.warmup + self.repeats):
-            began = time.perf_counter()
+            began = self.clock()
             try:
                 eng.run_window(batch, metered)
             except WindowFailed:
                 eng.discard_window()
                 return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=False,
                                  micro_batch_tokens=plan.micro_batch_tokens)
-            elapsed = time.perf_counter() - began
+            elapsed = self.clock() - began
             eng.discard_window()
             if attempt >= self.warmup:
                 seconds.append(elapsed)

@@ -25,6 +25,7 @@ from typing import Mapping, MutableSequence
 import torch
 import torch.distributed as dist
 
+from engine.adapters.torch_internals import set_group_timeout
 from engine.errors import DistributedEnvError
 
 LAUNCH_HINT = (
@@ -194,7 +195,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 _owns_group = False  # True when init_distributed created the default group
 _atexit_registered = False
-_control: tuple | None = None  # (the default group it belongs to, the control group)
+_control: tuple | None = None  # (the default group it belongs to, the control group, its timeout in seconds)
 AGREEMENT_TIMEOUT_SECONDS = 600.0
 
 
@@ -343,11 +344,16 @@ def control_group() -> dist.ProcessGroup | None:
 
 
 def _ensure_control_group(timeout_seconds: float) -> None:
+    """Create the control group, or give the existing one ``timeout_seconds`` (a config's
+    ``agreement_timeout_seconds`` holds even when the process group was set up before)."""
     global _control
     if _control is not None and _control[0] is dist.group.WORLD:
+        if _control[2] != timeout_seconds:
+            set_group_timeout(_control[1], timeout_seconds)
+            _control = (*_control[:2], timeout_seconds)
         return
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
-    _control = (dist.group.WORLD, group)
+    _control = (dist.group.WORLD, group, timeout_seconds)
 
 
 def is_peer_lost(error: BaseException) -> bool:

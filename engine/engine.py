@@ -596,15 +596,15 @@ class Engine:
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
+        loss, units, item_weighted = self._loss_and_units(output, samples)
+        _check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
+        if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
+            units = 0
         if self.world_size > 1 and not window.forwarded:
             raise EngineUsageError(
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
                 "so that gradient synchronisation is planned for this micro-step"
             )
-        loss, units, item_weighted = self._loss_and_units(output, samples)
-        if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
-            units = 0
-        _check_loss(loss)
         if window.item_weighted is None:
             window.item_weighted = item_weighted
         elif window.item_weighted != item_weighted:

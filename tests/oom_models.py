@@ -1,9 +1,8 @@
-"""Models that run out of memory on purpose: they raise the exception CUDA raises
-(``torch.OutOfMemoryError``) when a micro-batch is larger than they can hold."""
+"""Models that run out of memory on purpose (they raise the exception CUDA raises,
+``torch.OutOfMemoryError``, when a micro-batch is larger than they can hold), and models
+whose forward costs virtual time (``explore`` measured without a real clock)."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -66,23 +65,40 @@ def tripwire_mlp(seed: int = 0, **tripwire) -> torch.nn.Sequential:
     ).to(DTYPE)
 
 
-class SlowPerCall(torch.nn.Module):
-    """Sleeps ``overhead + per_square · rows²`` seconds per forward: the fastest micro-batch
-    size for a batch of P rows minimises (P/m)·(overhead + per_square·m²), i.e. m = √(overhead/per_square)."""
+class VirtualClock:
+    """Seconds that pass only when a CostPerCall module says so: explore's measurements
+    become exact and independent of the machine's load (``MicroBatchTuner.clock``)."""
 
-    def __init__(self, overhead: float, per_square: float):
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostPerCall(torch.nn.Module):
+    """Identity that advances ``clock`` by ``overhead + per_square · rows²`` seconds per
+    forward: the fastest micro-batch size for a batch of P rows minimises
+    (P/m)·(overhead + per_square·m²), i.e. m = √(overhead/per_square)."""
+
+    def __init__(self, clock: VirtualClock, overhead: float, per_square: float):
         super().__init__()
-        self.overhead, self.per_square = overhead, per_square
+        self.clock, self.overhead, self.per_square = clock, overhead, per_square
 
     def forward(self, x):
-        time.sleep(self.overhead + self.per_square * x.shape[0] ** 2)
+        self.clock.now += self.overhead + self.per_square * x.shape[0] ** 2
         return x
 
 
-# Factories for `python -m engine explore` in tests (module:function references).
+# Factories for `python -m engine explore` in tests (module:function references); the
+# test points MicroBatchTuner.clock at EXPLORE_CLOCK.
+EXPLORE_CLOCK = VirtualClock()
+
+
 def explore_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(SlowPerCall(overhead=0.02, per_square=0.00125), torch.nn.Linear(8, 3)).to(DTYPE)
+    return torch.nn.Sequential(CostPerCall(EXPLORE_CLOCK, overhead=0.02, per_square=0.00125),
+                               torch.nn.Linear(8, 3)).to(DTYPE)
 
 
 def explore_batch(size: int):

@@ -20,13 +20,15 @@ from tests.dist_utils import run_distributed
 from tests.reference import mlp, mse, train_steps
 
 STAGES = [0, 1, 2, 3]
+SETTINGS = [(0, False), (1, False), (2, False), (2, True), (3, False), (3, True)]  # (stage, defer_reduction)
 GLOBAL_BATCH, STEPS, FIRST_PART = 8, 5, 2
 DATASET_SIZE = 28  # 3 batches per epoch: the resumed part crosses an epoch boundary
 
 
-def config(stage=0, **extra):
+def config(stage=0, defer=False, **extra):
+    zero = {"stage": stage, "defer_reduction": defer} if stage >= 2 else {"stage": stage}
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 2, "seed": 0,
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 0.5,
+            "zero_optimization": zero, "gradient_clipping": 0.5,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
             "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 8, "warmup_num_steps": 3,
                                                                "warmup_type": "linear"}}, **extra}
@@ -38,9 +40,13 @@ def dataset():
                                           torch.randn(DATASET_SIZE, 3, generator=g, dtype=torch.float64))
 
 
-def new_engine(stage, seed=0):
-    eng = engine.initialize(mlp(seed), config(stage))
+def new_engine(stage, seed=0, defer=False):
+    eng = engine.initialize(mlp(seed), config(stage, defer))
     return eng, DistributedBatches(dataset(), eng.plan, seed=11)
+
+
+def name(stage, defer=False):
+    return f"stage{stage}" + ("-deferred" if defer else "")
 
 
 
@@ -89,92 +95,122 @@ def assert_same_optimizer(got: dict, expected: dict, tol: float) -> None:
 # -- multi-process scenarios -----------------------------------------------------------------
 def _straight_and_first_part(rank, world, root):
     results = {}
-    for stage in STAGES:
-        eng, data = new_engine(stage)
+    for stage, defer in SETTINGS:
+        eng, data = new_engine(stage, defer=defer)
         train_steps(eng, data, STEPS)
         straight = snapshot(eng, data)
-        eng, data = new_engine(stage)
+        eng, data = new_engine(stage, defer=defer)
         train_steps(eng, data, FIRST_PART)
-        eng.save_checkpoint(os.path.join(root, f"stage{stage}"), data=data,
+        eng.save_checkpoint(os.path.join(root, name(stage, defer)), data=data,
                             client_state={"note": f"stage {stage}", "rank": rank})
-        results[stage] = straight
+        results[(stage, defer)] = straight
     return results
 
 
 def _resume(rank, world, root):
+    """Every two-rank checkpoint resumed on ``world`` ranks (2, or 4: each rank then runs one
+    micro-step per window instead of two)."""
     results = {}
-    for stage in STAGES:
-        eng, data = new_engine(stage, seed=99)  # another initialisation: the load must replace it
-        client = eng.load_checkpoint(os.path.join(root, f"stage{stage}"), data=data)
+    for stage, defer in SETTINGS:
+        eng, data = new_engine(stage, seed=99, defer=defer)  # another initialisation: the load must replace it
+        client = eng.load_checkpoint(os.path.join(root, name(stage, defer)), data=data)
         assert client == {"note": f"stage {stage}", "rank": 0}
         train_steps(eng, data, STEPS - FIRST_PART)
-        results[stage] = snapshot(eng, data)
+        results[(stage, defer)] = snapshot(eng, data)
     return results
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
-    straight = run_distributed(_straight_and_first_part, world_size=2, args=(root,), timeout=120)
-    resumed = run_distributed(_resume, world_size=2, args=(root,), timeout=120)
+    straight = run_distributed(_straight_and_first_part, world_size=2, args=(root,), timeout=150)
+    resumed = run_distributed(_resume, world_size=2, args=(root,), timeout=150)
     return root, straight, resumed
 
 
+# The module fixture's runs are bounded by their own timeouts: not charged to the first test.
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", STAGES)
-def test_resume_equals_uninterrupted_on_two_ranks(two_rank_runs, stage):
+@pytest.mark.timeout(60, func_only=True)
+@pytest.mark.parametrize("stage,defer", SETTINGS)
+def test_resume_equals_uninterrupted_on_two_ranks(two_rank_runs, stage, defer):
     _, straight, resumed = two_rank_runs
     for rank in range(2):
-        expected, got = straight[rank][stage], resumed[rank][stage]
+        expected, got = straight[rank][(stage, defer)], resumed[rank][(stage, defer)]
         assert_same_run(got, expected, 1e-12)
         assert torch.equal(got["rand"], expected["rand"]), "RNG state not restored"
-    assert_same_optimizer(union([r[stage]["optimizer"] for r in resumed]),
-                          union([r[stage]["optimizer"] for r in straight]), 1e-12)
+    assert_same_optimizer(union([r[(stage, defer)]["optimizer"] for r in resumed]),
+                          union([r[(stage, defer)]["optimizer"] for r in straight]), 1e-12)
     if stage == 1:  # ZeRO-1: each rank holds a disjoint part of the optimizer state
-        assert not resumed[0][1]["optimizer"].keys() & resumed[1][1]["optimizer"].keys()
+        assert not resumed[0][(1, False)]["optimizer"].keys() & resumed[1][(1, False)]["optimizer"].keys()
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_two_ranks_on_one_process(two_rank_runs, stage):
     root, straight, _ = two_rank_runs
     eng, data = new_engine(stage, seed=99)
     assert eng.world_size == 1 and eng.plan.gradient_accumulation_steps == 4
-    eng.load_checkpoint(os.path.join(root, f"stage{stage}"), data=data)
+    eng.load_checkpoint(os.path.join(root, name(stage)), data=data)
     train_steps(eng, data, STEPS - FIRST_PART)
-    got, expected = snapshot(eng, data), straight[0][stage]
+    got, expected = snapshot(eng, data), straight[0][(stage, False)]
     assert expected["accumulation"] == 2 and got["accumulation"] == 4
     assert_same_run(got, expected, 1e-10, same_world=False)
     assert got["counters"][0] == 2 * FIRST_PART + 4 * (STEPS - FIRST_PART)
     assert torch.equal(got["rand"], expected["rand"])  # rank 0's generator
-    assert_same_optimizer(got["optimizer"], union([r[stage]["optimizer"] for r in straight]), 1e-10)
+    assert_same_optimizer(got["optimizer"], union([r[(stage, False)]["optimizer"] for r in straight]), 1e-10)
 
 
-def _save_on_one_load_on_two(rank, world, path):
-    eng, data = new_engine(stage=1, seed=99)
-    eng.load_checkpoint(path, data=data)
-    train_steps(eng, data, STEPS - FIRST_PART)
-    return snapshot(eng, data)
+@pytest.mark.distributed
+@pytest.mark.timeout(120, func_only=True)
+def test_resume_two_ranks_on_four(two_rank_runs):
+    """2 -> 4, every stage and defer setting: accumulation 2 -> 1, the sharded state re-split
+    four ways, ranks 2 and 3 (new) re-seeded; the same training up to the summation order."""
+    root, straight, _ = two_rank_runs
+    four = run_distributed(_resume, world_size=4, args=(root,), timeout=100)
+    for setting in SETTINGS:
+        expected = straight[0][setting]
+        for got in four:
+            got = got[setting]
+            assert got["accumulation"] == 1, setting
+            assert_same_run(got, expected, 1e-10, same_world=False)
+        assert_same_optimizer(union([r[setting]["optimizer"] for r in four]),
+                              union([r[setting]["optimizer"] for r in straight]), 1e-10)
+        assert [torch.equal(r[setting]["rand"], s[setting]["rand"]) for r, s in zip(four, straight)] == [True, True]
+        assert not any(torch.equal(four[r][setting]["rand"], straight[0][setting]["rand"]) for r in (2, 3))
+
+
+def _save_on_one_load_on_two(rank, world, root):
+    results = {}
+    for stage in (1, 2, 3):
+        eng, data = new_engine(stage=stage, seed=99)
+        eng.load_checkpoint(os.path.join(root, name(stage)), data=data)
+        train_steps(eng, data, STEPS - FIRST_PART)
+        results[stage] = snapshot(eng, data)
+    return results
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_resume_one_process_on_two_ranks_zero1(tmp_path):
-    """1 -> 2: the ZeRO-1 ranks each pick their parameters' state from a full one; rank 1
-    did not exist, so its generators are re-seeded."""
-    eng, data = new_engine(stage=0)
-    train_steps(eng, data, FIRST_PART)
-    eng.save_checkpoint(tmp_path / "one", data=data)
-    train_steps(eng, data, STEPS - FIRST_PART)
-    expected = snapshot(eng, data)
-    results = run_distributed(_save_on_one_load_on_two, world_size=2, args=(str(tmp_path / "one"),), timeout=90)
-    for got in results:
-        assert_same_run(got, expected, 1e-10, same_world=False)
-    assert_same_optimizer(union([r["optimizer"] for r in results]), expected["optimizer"], 1e-10)
-    assert torch.equal(results[0]["rand"], expected["rand"])
-    assert not torch.equal(results[1]["rand"], expected["rand"])
+def test_resume_one_process_on_two_ranks(tmp_path):
+    """1 -> 2 at ZeRO-1/2/3: saved by one process running the same config (nothing to shard
+    there), resumed sharded: the ZeRO-1 ranks each pick their parameters' state from a full
+    one, FSDP splits it into shards; rank 1 did not exist, so its generators are re-seeded."""
+    expected = {}
+    for stage in (1, 2, 3):
+        eng, data = new_engine(stage=stage)
+        assert eng.world_size == 1
+        train_steps(eng, data, FIRST_PART)
+        eng.save_checkpoint(tmp_path / name(stage), data=data)
+        train_steps(eng, data, STEPS - FIRST_PART)
+        expected[stage] = snapshot(eng, data)
+    results = run_distributed(_save_on_one_load_on_two, world_size=2, args=(str(tmp_path),), timeout=90)
+    for stage in (1, 2, 3):
+        for got in results:
+            assert_same_run(got[stage], expected[stage], 1e-10, same_world=False)
+        assert_same_optimizer(union([r[stage]["optimizer"] for r in results]), expected[stage]["optimizer"], 1e-10)
+        assert torch.equal(results[0][stage]["rand"], expected[stage]["rand"])
+        assert not torch.equal(results[1][stage]["rand"], expected[stage]["rand"])
 
 
 def _failures_agree(rank, world, path):
@@ -206,10 +242,10 @@ def _failures_agree(rank, world, path):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, func_only=True)
 def test_failures_are_raised_on_every_rank(two_rank_runs, tmp_path):
     root, _, _ = two_rank_runs
-    shutil.copytree(os.path.join(root, "stage2"), tmp_path / "c")
+    shutil.copytree(os.path.join(root, name(2)), tmp_path / "c")
     results = run_distributed(_failures_agree, world_size=2, args=(str(tmp_path / "c"),), timeout=90)
     for out in results:
         assert "shape mismatch: 0.weight: checkpoint (16, 8), model (32, 8)" in out["mismatch"]

@@ -2,12 +2,14 @@
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
 
 import engine
 from engine.microbatch import split_batch
+from tests.broken import clipped_each_micro_step, gradient_doubled, intact, keeps_failed_windows, weighted_one_over_a
 from tests.reference import (
     TinyLM, adamw, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state,
     token_batches, token_loss_mean, token_loss_sum,
@@ -55,10 +57,11 @@ def test_manual_loop_equals_full_batch(global_batch, micro, split, optimizer):
 
 
 @pytest.mark.parametrize("global_batch,micro,split", SHAPES)
-def test_train_batch_equals_full_batch(global_batch, micro, split):
+@pytest.mark.parametrize("optimizer", [sgd, adamw], ids=["sgd", "adamw"])
+def test_train_batch_equals_full_batch(global_batch, micro, split, optimizer):
     model, batches = mlp(), regression_batches(3, global_batch)
-    expected = reference_train(model, batches, mse, adamw)
-    eng = make_engine(copy.deepcopy(model), global_batch, micro, split, adamw)
+    expected = reference_train(model, batches, mse, optimizer)
+    eng = make_engine(copy.deepcopy(model), global_batch, micro, split, optimizer)
     for batch in batches:
         eng.train_batch(batch, mse)
     assert max_param_diff(state(eng.module), state(expected)) < TOL
@@ -74,8 +77,8 @@ def test_train_batch_returns_the_global_batch_loss():
 @pytest.mark.parametrize("micro", [6, 3, 2, 1])
 def test_token_weighted_loss_equals_full_batch(micro):
     model, batches = TinyLM(), token_batches(3, 6)
-    expected = reference_train(model, batches, token_loss_mean, adamw)
-    eng = make_engine(copy.deepcopy(model), 6, micro, optimizer=adamw)
+    expected = reference_train(model, batches, token_loss_mean, sgd)
+    eng = make_engine(copy.deepcopy(model), 6, micro)
     losses = [eng.train_batch(batch, token_loss_sum) for batch in batches]
     assert max_param_diff(state(eng.module), state(expected)) < TOL
     # the returned loss is the mean over the window's valid tokens, as the gradient
@@ -121,8 +124,8 @@ def test_short_last_window_manual_flush():
 def test_short_last_batch_in_train_batch(short_size):
     model, batches = mlp(), regression_batches(2, 8)
     short = (batches[1][0][:short_size], batches[1][1][:short_size])
-    expected = reference_train(model, [batches[0], short], mse, adamw)
-    eng = make_engine(copy.deepcopy(model), 8, 2, optimizer=adamw)
+    expected = reference_train(model, [batches[0], short], mse, sgd)
+    eng = make_engine(copy.deepcopy(model), 8, 2)
     eng.train_batch(batches[0], mse)
     eng.train_batch(short, mse)
     assert max_param_diff(state(eng.module), state(expected)) < TOL
@@ -227,44 +230,200 @@ def test_eval_batch_is_the_mean_over_the_batch_and_changes_nothing():
     assert lm.eval_batch(tokens, token_loss_sum) == pytest.approx(token_loss_mean(lm.module, tokens).item(), rel=1e-12)
 
 
-# -- misuse -------------------------------------------------------------------------------
-def test_step_without_backward_is_an_error():
-    eng = make_engine(mlp(), 8, 2)
-    with pytest.raises(engine.EngineUsageError, match="without a backward"):
+# -- the same families, broken: each misses the tolerance the engine meets -----------------
+def family_manual(global_batch, micro, split, loss="mse"):
+    """Three windows of the manual loop (mean losses, or (sum, count) token losses)."""
+    def run(breaks):
+        if loss == "mse":
+            model, batches, loss_fn, reference_loss = mlp(), regression_batches(3, global_batch), mse, mse
+        else:
+            model, batches = TinyLM(), token_batches(3, global_batch)
+            loss_fn, reference_loss = token_loss_sum, token_loss_mean
+        expected = reference_train(model, batches, reference_loss, sgd)
+        eng = breaks(make_engine(copy.deepcopy(model), global_batch, micro, split))
+        manual_loop(eng, batches, loss_fn)
+        return max_param_diff(state(eng.module), state(expected))
+    return run
+
+
+def family_train_batch(global_batch, micro, split, short=None, clip=0.0, loss="mse"):
+    """Three windows of train_batch; ``short``: the last batch holds that many samples."""
+    def run(breaks):
+        if loss == "mse":
+            model, batches, loss_fn, reference_loss = mlp(), regression_batches(3, global_batch), mse, mse
+        else:
+            model, batches = TinyLM(), token_batches(3, global_batch)
+            loss_fn, reference_loss = token_loss_sum, token_loss_mean
+        if short:
+            batches[-1] = tuple(t[:short] for t in batches[-1])
+        expected = reference_train(model, batches, reference_loss, sgd, clip=clip)
+        eng = breaks(make_engine(copy.deepcopy(model), global_batch, micro, split, gradient_clipping=clip))
+        for batch in batches:
+            eng.train_batch(batch, loss_fn)
+        return max_param_diff(state(eng.module), state(expected))
+    return run
+
+
+def family_flush(breaks):
+    """A full window, then a manual-loop window closed after 2 of its 4 micro-steps."""
+    model, batches = mlp(), regression_batches(2, 8)
+    short = (batches[1][0][:4], batches[1][1][:4])
+    expected = reference_train(model, [batches[0], short], mse)
+    eng = breaks(make_engine(copy.deepcopy(model), 8, 2))
+    manual_loop(eng, [batches[0]], mse)
+    for micro_batch in split_batch(short, (2, 2)):
+        eng.backward(mse(eng, micro_batch))
         eng.step()
+    eng.step(flush=True)
+    return max_param_diff(state(eng.module), state(expected))
 
 
-def test_non_scalar_loss_is_an_error():
-    eng = make_engine(mlp(), 8, 2)
-    (x, y), = regression_batches(1, 2)
-    with pytest.raises(engine.EngineUsageError, match=r"scalar.*shape \(2, 3\)"):
-        eng.backward((eng(x) - y) ** 2)
-    assert eng.micro_steps == 0
+def family_failed_batch(breaks):
+    """A window whose loss function raises at its third micro-step, then the same batch again."""
+    model, (batch,) = mlp(), regression_batches(1, 8)
+    expected = reference_train(model, [batch], mse)
+    eng = breaks(make_engine(copy.deepcopy(model), 8, 2))
+    calls = {"n": 0}
+
+    def flaky(m, b):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("bad sample")
+        return mse(m, b)
+
+    with pytest.raises(ValueError, match="bad sample"):
+        eng.train_batch(batch, flaky)
+    eng.train_batch(batch, mse)
+    return max_param_diff(state(eng.module), state(expected))
 
 
-def test_too_many_backwards_is_an_error():
-    eng = make_engine(mlp(), 4, 2)
-    (batch,) = regression_batches(1, 4)
-    for micro_batch in split_batch(batch, (2, 2)):
+FAMILIES = {  # name: (scenario, the bug it must catch)
+    "manual strict": (family_manual(8, 2, "strict"), gradient_doubled),
+    "manual balanced": (family_manual(7, 2, "balanced"), weighted_one_over_a),
+    "manual tokens": (family_manual(6, 2, "strict", loss="tokens"), weighted_one_over_a),
+    "train_batch strict": (family_train_batch(8, 2, "strict"), gradient_doubled),
+    "train_batch balanced": (family_train_batch(10, 4, "balanced"), weighted_one_over_a),
+    "train_batch tokens": (family_train_batch(6, 2, "strict", loss="tokens"), weighted_one_over_a),
+    "train_batch short window": (family_train_batch(8, 2, "strict", short=5), weighted_one_over_a),
+    "train_batch clipped": (family_train_batch(8, 2, "strict", clip=0.05), clipped_each_micro_step),
+    "flush": (family_flush, weighted_one_over_a),
+    "failed batch": (family_failed_batch, keeps_failed_windows),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_misses_the_tolerance_when_broken(family):
+    scenario, bug = FAMILIES[family]
+    assert scenario(intact) < TOL
+    assert scenario(bug) > 1e-4, family  # measured: 1e-3 to 1e-1
+
+
+def test_adamw_hides_what_sgd_shows():
+    """Why the weighting tests train with SGD and momentum: a gradient twice too large moves
+    SGD's parameters by 0.1 but AdamW's by 3e-7 (measured), inside the fp32 tests' 1e-6."""
+    model, batches = mlp(), regression_batches(3, 8)
+    for optimizer, bound in ((sgd, 1e-2), (adamw, 1e-6)):
+        expected = reference_train(model, batches, mse, optimizer)
+        eng = gradient_doubled(make_engine(copy.deepcopy(model), 8, 2, optimizer=optimizer))
+        manual_loop(eng, batches, mse)
+        diff = max_param_diff(state(eng.module), state(expected))
+        assert (diff > bound) if optimizer is sgd else (diff < bound), (optimizer.__name__, diff)
+
+
+# -- misuse -------------------------------------------------------------------------------
+def _local(eng, extra=0):
+    """A per-device batch for this rank's plan (``extra`` samples more)."""
+    return regression_batches(1, eng.plan.per_device_batch_size + extra)[0]
+
+
+def _micro_step(eng):
+    x, y = _local(eng)
+    eng.backward(mse(eng, (x[:2], y[:2])))
+    eng.step()
+
+
+def _fill_window(eng):
+    x, y = _local(eng)
+    for micro_batch in split_batch((x, y), eng.plan.micro_batch_sizes):
         eng.backward(mse(eng, micro_batch))
-    with pytest.raises(engine.EngineUsageError, match="call step"):
-        eng.backward(mse(eng, micro_batch))
 
 
-@pytest.mark.parametrize("size", [9, 3])
-def test_batch_that_does_not_fit_the_plan_is_an_error(size):
+def _pair_loss(eng):
+    x, y = _local(eng)
+    return ((eng(x[:2]) - y[:2]) ** 2).sum(), 6
+
+
+# name: (what runs first, the misuse, what the error says). Engines: global batch 8, micro 2.
+MISUSES = {
+    "step without backward": (None, lambda eng: eng.step(),
+                              r"step\(\) called without a backward\(\) since the last step\(\)"),
+    "backward after the window's last": (_fill_window, lambda eng: eng.backward(mse(eng, tuple(t[:2] for t in _local(eng)))),
+                                         r"backward\(\) called \d+ times in a window of \d+ micro-steps: call step\(\) after every"),
+    "non-scalar loss": (None, lambda eng: eng.backward((eng(_local(eng)[0][:2]) - _local(eng)[1][:2]) ** 2),
+                        r"scalar \(0-dim\) tensor.*got shape \(2, 3\).*\.mean\(\)"),
+    "loss without grad": (None, lambda eng: eng.backward(mse(eng, tuple(t[:2] for t in _local(eng))).detach()),
+                          r"the loss does not require grad: it was computed without the model's parameters, or under "
+                          r"torch.no_grad\(\)"),
+    "loss that is not a tensor": (None, lambda eng: eng.train_batch(_local(eng), lambda m, b: 1.0),
+                                  r"the loss must be a scalar tensor .* or a pair \(loss_sum, num_items\); got float"),
+    "mixed loss kinds": (_micro_step, lambda eng: eng.backward(_pair_loss(eng)),
+                         r"one window mixes mean losses and \(sum, count\) losses; use one kind per window"),
+    "train_batch mid-window": (_micro_step, lambda eng: eng.train_batch(_local(eng), mse),
+                               r"train_batch\(\) called in the middle of a manual-loop window \(1 micro-steps done\): "
+                               r"finish it with step\(\) first"),
+    "train_batch without a loss function": (None, lambda eng: eng.train_batch(_local(eng)),
+                                            r"no loss function: pass loss_fn\(model, micro_batch\) to "
+                                            r"train_batch\(\)/eval_batch\(\) or to engine.initialize"),
+    "eval_batch without a loss function": (None, lambda eng: eng.eval_batch(_local(eng)), r"no loss function"),
+    "batch larger than the plan's": (None, lambda eng: eng.train_batch(_local(eng, extra=1), mse),
+                                     r"got a batch of \d+ samples but the plan gives this rank .* pass exactly \d+ samples"),
+    "backward without a forward through the engine": (  # an error on several ranks only
+        None, lambda eng: eng.backward(mse(eng.module, tuple(t[:2] for t in _local(eng)))),
+        r"backward\(\) without a forward through the engine: call eng\(x\), not eng.module\(x\)"),
+}
+SEVERAL_RANKS_ONLY = {"backward without a forward through the engine"}
+
+
+def misuse_errors(engine_factory) -> dict[str, tuple[str, bool]]:
+    """Each misuse on a fresh engine: {name: (the error's message, whether it left the
+    counters and the window as they were)}; a misuse that raised nothing reports None."""
+    found = {}
+    for name, (prepare, misuse, _) in MISUSES.items():
+        eng = engine_factory()
+        if prepare is not None:
+            prepare(eng)
+        before = (eng.micro_steps, eng.global_steps, eng.global_samples, eng.window_micro_steps)
+        try:
+            misuse(eng)
+        except engine.EngineUsageError as error:
+            after = (eng.micro_steps, eng.global_steps, eng.global_samples, eng.window_micro_steps)
+            found[name] = (str(error), after == before)
+        else:
+            found[name] = None
+    return found
+
+
+def assert_misuse_errors(found: dict, world_size: int) -> None:
+    for name, (_, _, message) in MISUSES.items():
+        if world_size == 1 and name in SEVERAL_RANKS_ONLY:
+            assert found[name] is None, name  # one process: eng.module(x) is the model itself
+            continue
+        assert found[name] is not None, f"{name}: no error"
+        text, unchanged = found[name]
+        assert re.search(message, text), (name, text)
+        assert unchanged, name
+
+
+def test_misuse_errors_say_what_is_wrong_and_change_nothing():
+    assert_misuse_errors(misuse_errors(lambda: make_engine(mlp(), 8, 2)), world_size=1)
+
+
+def test_a_batch_smaller_than_its_window_is_an_error():
     eng = make_engine(mlp(), 8, 2)
-    (batch,) = regression_batches(1, size)
+    (batch,) = regression_batches(1, 3)  # 4 micro-steps cannot share 3 samples
     with pytest.raises(engine.EngineUsageError, match="pass exactly 8 samples"):
         eng.train_batch(batch, mse)
     assert eng.global_steps == 0
-
-
-def test_loss_of_wrong_kind_is_an_error():
-    eng = make_engine(mlp(), 4, 4)
-    (batch,) = regression_batches(1, 4)
-    with pytest.raises(engine.EngineUsageError, match="scalar tensor"):
-        eng.train_batch(batch, lambda m, b: 1.0)
 
 
 # -- construction -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import engine
 from engine.config import MonitorConfig
 from engine.monitor import FIELDS, Monitor
 from engine.optim import WarmupLR
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import (
     TinyLM, mlp, mse, regression_batches, token_batches, token_loss_mean, token_loss_sum,
 )
@@ -284,9 +284,12 @@ def test_grad_norm_can_be_turned_off():
     assert eng.last_window.step.grad_norm is None
 
 
-def _grad_norms(rank, world, stage):
+def _grad_norms(rank, world, stage, defer=False):
     model, batches = TinyLM(), token_batches(3, 8)
-    eng = engine.initialize(copy.deepcopy(model), config(stage=stage))
+    cfg = config(stage=stage)
+    if stage >= 2:
+        cfg["zero_optimization"]["defer_reduction"] = defer
+    eng = engine.initialize(copy.deepcopy(model), cfg)
     for batch in batches:
         eng.train_batch(rank_slice(batch, eng.plan), token_loss_sum)
     return [float(eng.last_window.step.grad_norm)] + [r["grad_norm"] for r in eng.monitor.history]
@@ -294,10 +297,13 @@ def _grad_norms(rank, world, stage):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [0, 2])
-def test_grad_norm_on_two_ranks_equals_the_full_batch_norm(stage):
+def test_grad_norm_on_two_ranks_equals_the_full_batch_norm():
+    """Every stage, both defer settings at ZeRO-2/3, in one set of ranks."""
     expected = reference_norms(TinyLM(), token_batches(3, 8), token_loss_mean)
-    rank0, rank1 = run_distributed(functools.partial(_grad_norms, stage=stage), 2)
-    assert rank0[1:] == pytest.approx(expected, rel=1e-10)
-    assert rank1[0] == pytest.approx(rank0[0], rel=1e-12)  # the same norm on every rank
-    assert rank1[1:] == []  # rank 1 keeps no history
+    settings = [(0, False), (1, False), (2, False), (2, True), (3, False), (3, True)]
+    results = run_scenarios({setting: functools.partial(_grad_norms, stage=setting[0], defer=setting[1])
+                             for setting in settings}, world_size=2, timeout=100)
+    for setting, (rank0, rank1) in results.items():
+        assert rank0[1:] == pytest.approx(expected, rel=1e-10), setting
+        assert rank1[0] == pytest.approx(rank0[0], rel=1e-12), setting  # the same norm on every rank
+        assert rank1[1:] == [], setting  # rank 1 keeps no history

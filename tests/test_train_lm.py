@@ -59,7 +59,7 @@ def check_learned(summary: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180, func_only=True)  # the module fixture's run has its own timeout
 def test_two_processes_learn_and_write_their_files(two_process_run):
     out, result = two_process_run
     summary = json.loads((out / "summary.json").read_text())
@@ -80,7 +80,7 @@ def test_two_processes_learn_and_write_their_files(two_process_run):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180, func_only=True)
 def test_one_process_trains_the_same_model(two_process_run, train_lm, tmp_path):
     """Global batch 64 = 2 × 8 × 4 on two processes, 1 × 16 × 4 on one: the same steps."""
     two = json.loads((two_process_run[0] / "summary.json").read_text())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from tests.dist_utils import run_scenarios
 from tests.reference import mse
 
 WIDTH, LAYERS, MICRO, ACCUMULATION = 16, 4, 2, 4
+REPO = Path(__file__).resolve().parents[1]
+# DeepSpeed compiles a small op on first use: keep it where scripts/test.sh and the other tests keep it
+DEEPSPEED_ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 LAYER_PARAMS = WIDTH * WIDTH + WIDTH
 P = LAYERS * LAYER_PARAMS * 8  # model bytes (float64)
 
@@ -109,8 +114,7 @@ def test_deepspeed_defaults_hold_zero_memory():
     scenarios = {(stage, defer): functools.partial(held_after_each_backward, stage=stage, defer=defer,
                                                    backend="deepspeed")
                  for stage in (2, 3) for defer in (False, True)}
-    results = run_scenarios(scenarios, world_size=2, timeout=240,
-                            env={"TORCH_EXTENSIONS_DIR": ".cache/torch_extensions"})
+    results = run_scenarios(scenarios, world_size=2, timeout=240, env=DEEPSPEED_ENV)
     p32, sharded = P / 2, 4 * P / 2 / 2
     for held in results[(2, False)]:
         assert max(held) == pytest.approx(p32 + sharded, rel=0.02), held
@@ -122,21 +126,31 @@ def test_deepspeed_defaults_hold_zero_memory():
 
 
 # -- collectives ----------------------------------------------------------------------------------
-def collectives_per_micro_step(rank, world, stage, defer, unit):
-    eng = make_engine(world, stage, defer, unit)
-    batch = window(world)
-    eng.train_batch(batch, mse)
-    with CommCounter() as comm:
-        if stage < 2:
-            comm.watch_ddp(eng.strategy.forward_module)
+def collectives_per_window(rank, world, stage, defer, unit):
+    """What each micro-step of a manual-loop window sends, and what a whole train_batch window
+    sends, without and with clipping (counted after a first window: optimizer state exists)."""
+    def counted_windows(clip):
+        eng = make_engine(world, stage, defer, unit, gradient_clipping=clip)
+        batch = window(world)
+        eng.train_batch(batch, mse)
+        with CommCounter() as comm:
+            if stage < 2:
+                comm.watch_ddp(eng.strategy.forward_module)
 
-        def counted(e):
-            calls = dict(comm.calls)
+            def counted(e):
+                calls = dict(comm.calls)
+                comm.reset()
+                return calls
+
             comm.reset()
-            return calls
+            manual = per_micro_step(eng, batch, counted, after_step=True)
+            eng.train_batch(batch, mse)
+            return manual, dict(comm.calls)
 
-        comm.reset()
-        return per_micro_step(eng, batch, counted, after_step=True)
+    manual, train_batch = counted_windows(0.0)
+    manual_clipped, train_batch_clipped = counted_windows(1.0)
+    return {"manual": manual, "train_batch": train_batch, "manual clipped": manual_clipped,
+            "train_batch clipped": train_batch_clipped}
 
 
 def expected_collectives(stage, defer, units):
@@ -158,18 +172,46 @@ def expected_collectives(stage, defer, units):
     return [{"all_gather": units + again, "all_to_all": units}] * ACCUMULATION
 
 
+def with_extra_all_reduces(calls: dict, extra: int) -> dict:
+    calls = dict(calls)
+    if extra:
+        calls["all_reduce"] = calls.get("all_reduce", 0) + extra
+    return calls
+
+
+def expected_window(stage, defer, units, *, train_batch, clipped):
+    """One whole window: the manual loop's micro-steps summed, plus one small all-reduce of
+    the window's real sample and loss totals (train_batch) and one of the squared gradient
+    norm when clipping needs the norm of sharded gradients (ZeRO-2/3)."""
+    total: dict = {}
+    for step in expected_collectives(stage, defer, units):
+        for kind, count in step.items():
+            total[kind] = total.get(kind, 0) + count
+    return with_extra_all_reduces(total, int(train_batch) + int(clipped and stage >= 2))
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_collectives_per_micro_step_are_pinned():
+    """Every stage and defer setting, manual loop and train_batch, with and without clipping.
+    A window of the manual loop sends nothing before its last micro-step at stages 0/1
+    ("one gradient all-reduce per window") and when deferring."""
     cases = [(0, False, 10**8), (1, False, 10**8)] + [(stage, defer, unit) for stage in (2, 3)
                                                       for defer in (False, True) for unit in (LAYER_PARAMS, 10**8)]
-    scenarios = {case: functools.partial(collectives_per_micro_step, stage=case[0], defer=case[1], unit=case[2])
+    scenarios = {case: functools.partial(collectives_per_window, stage=case[0], defer=case[1], unit=case[2])
                  for case in cases}
     results = run_scenarios(scenarios, world_size=2, timeout=200)
     for (stage, defer, unit), per_rank in results.items():
         units = LAYERS if unit == LAYER_PARAMS else 1
+        manual = expected_collectives(stage, defer, units)
+        clipped_boundary = with_extra_all_reduces(manual[-1], int(stage >= 2))
         for got in per_rank:
-            assert got == expected_collectives(stage, defer, units), (stage, defer, unit, got)
+            case = (stage, defer, unit, got)
+            assert got["manual"] == manual, case
+            assert got["manual clipped"] == manual[:-1] + [clipped_boundary], case
+            assert got["train_batch"] == expected_window(stage, defer, units, train_batch=True, clipped=False), case
+            assert got["train_batch clipped"] == expected_window(stage, defer, units, train_batch=True,
+                                                                 clipped=True), case
 
 
 def test_shard_units_group_consecutive_layers_by_size():

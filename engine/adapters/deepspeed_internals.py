@@ -89,7 +89,10 @@ def scaled_step(ds_engine, factor: float):
 
 
 def stage0_loss_scale(optimizer) -> float:
-    """The loss scale of DeepSpeed's stage-0 fp16 optimizers (1 for a plain torch optimizer)."""
+    """The loss scale of DeepSpeed's stage-0 fp16 optimizers (1 for a plain torch optimizer).
+    DeepSpeed 0.19's ``engine.backward`` does not apply it (it scales losses for its ZeRO
+    optimizers only) while their ``step`` divides the gradient by it: the caller multiplies
+    the loss by it before ``engine.backward``."""
     for owner in (optimizer, getattr(optimizer, "loss_scale_config", None)):
         scale = getattr(owner, "cur_scale", None)
         if isinstance(scale, (int, float)):

@@ -10,6 +10,8 @@ of failing mid-training (``drop_unreduced_gradients`` runs only after an out-of-
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch._utils
 import torch.distributed as dist
@@ -66,6 +68,14 @@ def _required():
         for name in ("_wait_for_post_backward", "_to_sharded"):
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    yield "distributed_c10d._set_pg_timeout", hasattr(dist.distributed_c10d, "_set_pg_timeout")
+
+
+# -- process groups ---------------------------------------------------------------------------
+def set_group_timeout(group, seconds: float) -> None:
+    """How long the collectives of ``group`` wait from now on (local: no collective). The only
+    way to change the timeout of a group that already exists."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 # -- DDP -------------------------------------------------------------------------------------
@@ -90,7 +100,11 @@ def fsdp_params(unit):
 def drop_unreduced_gradients(root, units) -> None:
     """Forget a window abandoned mid-way. ``reset_iter_state`` (on the root) drops FSDP's
     half-finished forward/backward bookkeeping but keeps the unsharded gradients accumulated
-    without reduction (in 2.11 and 2.13 alike): those are cleared by hand."""
+    without reduction (in 2.11 and 2.13 alike): those are cleared by hand. Before the
+    model's first forward FSDP is not initialised (lazily, in that forward) and holds nothing
+    to drop; resetting it then would fail."""
+    if root._get_fsdp_state()._is_root is None:
+        return
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
     else:

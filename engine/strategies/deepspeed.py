@@ -86,6 +86,12 @@ def unsupported(config) -> list[str]:
     """What this backend refuses, as config problems (checked before DeepSpeed starts)."""
     problems = []
     zero = config.zero_optimization
+    if config.fp16.enabled and not torch.cuda.is_available():
+        problems.append(
+            "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only, and this machine has none (DeepSpeed's "
+            "CPU accelerator supports fp16 only on some CPUs, so the same config would start on one machine and "
+            "fail on another); use bf16: {enabled: true}, or backend: torch (its fp16 autocast and loss scaler "
+            "run on CPU)")
     op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
     if op != "mean":
         problems.append(
@@ -201,6 +207,10 @@ class DeepSpeedStrategy(Strategy):
 
     def backward(self, loss, weight):
         self._open_block()
+        if self.stage == 0:  # DeepSpeed leaves its stage-0 fp16 loss scale to us (see the adapter)
+            scale = internals.stage0_loss_scale(self.ds_engine.optimizer)
+            if scale != 1.0:  # in fp32, as DeepSpeed's own fp16 optimizers scale
+                loss, weight = loss.float(), weight * scale
         self.ds_engine.backward(loss * weight, scale_wrt_gas=False)
         self.deferral.observe()
 

@@ -1,0 +1,69 @@
+"""Known-wrong engines, to show that a correctness test would catch the bug it is about.
+
+Each function takes an engine and breaks it in place, by wrapping one method of its strategy
+(the interface the engine drives: ``backward(loss, weight)``, ``step(multiplier, max_norm,
+want_norm)``, ``discard_window()``) on that one instance. A test runs its scenario once as it
+is (within the tolerance of the full-batch reference) and once broken (outside it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def intact(eng):
+    return eng
+
+
+def weighted_one_over_a(eng):
+    """The fixed weighting of a naive accumulation loop (DeepSpeed's ``loss / A``): every
+    micro-batch loss divided by the accumulation steps and gradients averaged over ranks,
+    whatever the micro-batch, the rank or the window really holds. Exact only for equal
+    micro-batches on equal ranks in full windows of mean losses."""
+    strategy = eng.strategy
+    backward, step = strategy.backward, strategy.step
+    strategy.backward = lambda loss, weight: backward(loss, 1.0 / eng.plan.gradient_accumulation_steps)
+    strategy.step = lambda multiplier, max_norm, want_norm=False: step(1.0, max_norm, want_norm)
+    return eng
+
+
+def ignores_window_total(eng):
+    """A window's gradient divided by the planned global batch instead of the samples (or
+    token count) it really holds: a short window is weighted as a full one (its gradient
+    shrinks with it, as with a fixed 1/A over fewer micro-steps), token losses by samples."""
+    strategy = eng.strategy
+    step = strategy.step
+    strategy.step = lambda multiplier, max_norm, want_norm=False: step(1.0, max_norm, want_norm)
+    return eng
+
+
+def gradient_doubled(eng):
+    """Every gradient twice too large: a constant factor, which AdamW all but hides and SGD
+    with momentum does not."""
+    strategy = eng.strategy
+    backward = strategy.backward
+    strategy.backward = lambda loss, weight: backward(loss, 2.0 * weight)
+    return eng
+
+
+def clipped_each_micro_step(eng):
+    """Clipping after every micro-step's backward (a loop calling ``clip_grad_norm_`` before
+    each ``step()``) instead of once on the window's whole gradient. Unsharded models."""
+    strategy, max_norm = eng.strategy, eng.config.gradient_clipping
+    backward = strategy.backward
+
+    def clipping(loss, weight):
+        backward(loss, weight)
+        torch.nn.utils.clip_grad_norm_(eng.module.parameters(), max_norm)
+
+    strategy.backward = clipping
+    return eng
+
+
+def keeps_failed_windows(eng):
+    """A window abandoned mid-way (a raising loss function, an out-of-memory) keeps its
+    gradients: they leak into the next window. Unsharded models."""
+    eng.strategy.discard_window = lambda: None
+    return eng
+
+
