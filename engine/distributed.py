@@ -194,7 +194,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 _owns_group = False  # True when init_distributed created the default group
 _atexit_registered = False
-_control: tuple | None = None  # (the default group it belongs to, the control group)
+_control: tuple | None = None  # (the default group it belongs to, the control group, its timeout in s)
 AGREEMENT_TIMEOUT_SECONDS = 600.0
 
 
@@ -343,11 +343,21 @@ def control_group() -> dist.ProcessGroup | None:
 
 
 def _ensure_control_group(timeout_seconds: float) -> None:
+    """A control group of the current default group with this timeout: a new one when there
+    is none yet or when the one there has another timeout (a config's own setting wins over
+    the group a launcher or an earlier engine made). Collective."""
     global _control
-    if _control is not None and _control[0] is dist.group.WORLD:
+    if _control is not None and _control[0] is dist.group.WORLD and _control[2] == timeout_seconds:
         return
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
-    _control = (dist.group.WORLD, group)
+    _control = (dist.group.WORLD, group, timeout_seconds)
+
+
+def agreement_timeout_seconds() -> float:
+    """How long a collective on the control group waits for a peer before it gives up."""
+    if _control is None or _control[0] is not dist.group.WORLD:
+        return AGREEMENT_TIMEOUT_SECONDS
+    return _control[2]
 
 
 def is_peer_lost(error: BaseException) -> bool:

@@ -11,8 +11,10 @@ one in-place multiply of the gradient, once per optimizer step.
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
 (``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
-``micro_step_guard``) and the checkpointer (``engine.checkpoint``: it saves and restores
-``state_dict()`` and the strategy's state).
+``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
+``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.autosave``:
+told when ``batches()`` makes data, when a training window starts and when one closes, where it
+may save, or stop the run on a stop signal).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from engine.batch_plan import BatchPlan, split_evenly
 from engine.collectives import max_over_ranks
+from engine.data import DistributedBatches
 from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.memory import PeakMeter
@@ -94,6 +97,8 @@ class Engine:
         self.monitor = monitor
         self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune)
         self.checkpointer = None  # saves and restores this engine (engine.checkpoint)
+        self.autosave = None  # automatic checkpoints and stop signals (engine.autosave)
+        self._batches = None  # (dataset, options, DistributedBatches) of batches()
         # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
         # size replaces it with one that makes every rank agree on a failure before going on.
         self.micro_step_guard: Callable[[Callable[[], None]], None] = _run
@@ -138,6 +143,8 @@ class Engine:
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
+            if self.autosave is not None:
+                self.autosave.on_window_start()
             self._recording = self.monitor is not None and self.monitor.records(self.global_steps + 1)
             if self._recording:
                 self._peak.start()
@@ -277,6 +284,22 @@ class Engine:
             return self.micro_batch_tuner.run_eval(batch, loss_fn)
         return self.evaluate(batch, loss_fn, self.plan.train_micro_batch_size_per_gpu)
 
+    def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                collate_fn=None) -> DistributedBatches:
+        """This rank's per-device batches of a map-style ``dataset`` for ``eng.plan``, one per
+        optimizer step (``engine.data.DistributedBatches``). Automatic checkpoints save its
+        position, and after a resume it starts where the saved run was. Called again with the
+        same arguments it returns the same object, which goes on with the next epoch."""
+        options = (shuffle, seed, drop_last, collate_fn)
+        if self._batches is not None and self._batches[0] is dataset and self._batches[1] == options:
+            return self._batches[2]
+        data = DistributedBatches(dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                  collate_fn=collate_fn)
+        self._batches = (dataset, options, data)
+        if self.autosave is not None:
+            self.autosave.on_batches(data)
+        return data
+
     # -- windows, for the micro-batch tuner ---------------------------------------------
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Forward and backward of every micro-batch of one window as the plan splits
@@ -409,6 +432,8 @@ class Engine:
         return self.checkpointer
 
     def close(self) -> None:
+        if self.autosave is not None:
+            self.autosave.close()
         if self.monitor is not None:
             self.monitor.close()
         self.strategy.close()
@@ -512,6 +537,8 @@ class Engine:
         self._window, self._recording = _Window(), False
         if self.monitor is not None:
             self.monitor.on_window(self, self.last_window)
+        if self.autosave is not None:
+            self.autosave.on_boundary()
 
     def _window_totals(self, window: _Window, *, over_all_ranks: bool):
         """(mean loss, units, samples) of the window. Over all ranks: one small all-reduce

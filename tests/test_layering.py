@@ -18,12 +18,12 @@ LAYERS = {
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.collectives", "engine.memory"],
     1: ["engine.batch_plan", "engine.microbatch", "engine.token_budget", "engine.data", "engine.optim", "engine.precision",
-        "engine.rank_consistency"],
+        "engine.rank_consistency", "engine.preemption"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",
         "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.deepspeed"],
     3: ["engine.engine"],
-    4: ["engine.checkpoint", "engine.autotune", "engine.monitor", "engine.explore_report", "engine.config_checks"],
+    4: ["engine.checkpoint", "engine.autosave", "engine.autotune", "engine.monitor", "engine.explore_report", "engine.config_checks"],
     5: ["engine.build", "engine.cli", "engine", "engine.__main__"],
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
