@@ -257,14 +257,32 @@ def _join_default_group(timeout_seconds: float, backend: str, group_for_one_proc
                             ("LOCAL_RANK", env.local_rank),
                             ("LOCAL_WORLD_SIZE", env.local_world_size)):
             os.environ.setdefault(name, str(value))
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        store = _store_of_this_attempt(env, timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
         info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend)
     _owns_group = True
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return info
+
+
+def _store_of_this_attempt(env: LaunchEnv, timeout: datetime.timedelta):
+    """torchrun's agent hosts the store of every attempt of its workers (it shares its
+    rendezvous store: TORCHELASTIC_USE_AGENT_STORE=True), and that store keeps the keys of an
+    attempt that failed. After ``--max-restarts`` restarted the workers, the new ones would
+    read the dead ones' addresses there and wait on them (pytorch/pytorch#135712). Each attempt
+    gets keys of its own. None when there is nothing to fix (env:// as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"microstep/attempt{attempt}", store)
 
 
 def shutdown(barrier_timeout_seconds: float = 30) -> None:
