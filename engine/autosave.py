@@ -186,7 +186,13 @@ class AutoCheckpoint:
     def save(self) -> str:
         """Save ``dir/step_<N>`` now (at a boundary), then keep the newest ``keep_last``. Collective."""
         steps = self.engine.global_steps
-        path = self.checkpointer.save(self.dir / checkpoint_name(steps), data=self.data)
+        target = self.dir / checkpoint_name(steps)
+        if self.engine.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
+            # A save or a removal of ours cut short (no manifest: never loadable); the save
+            # would refuse to replace a directory that is not a checkpoint.
+            log.info("removing %s, an incomplete checkpoint, before saving there", target)
+            shutil.rmtree(target, ignore_errors=True)
+        path = self.checkpointer.save(target, data=self.data)
         self.last_saved = path
         if self.section.keep_last is not None and self.engine.rank == 0:
             self._remove_older(steps)

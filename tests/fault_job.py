@@ -9,7 +9,7 @@ As a script, under torchrun (every rank writes ``OUT/rank<r>.pt``, a :func:`snap
 
 ``--kill-at N``: rank ``--kill-rank`` kills itself (SIGKILL) in its N-th micro-batch loss,
 on the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0). ``--term-at N``: every
-rank sends itself SIGTERM there instead, on the first attempt.
+rank sends itself SIGTERM there instead.
 """
 
 from __future__ import annotations
@@ -50,21 +50,25 @@ def dataset() -> torch.utils.data.TensorDataset:
 
 
 class FaultyLoss:
-    """``mse``, with a signal sent to this process in its ``at``-th call (1-based)."""
+    """``mse``, with a signal sent to this process in its ``at``-th call (1-based). Every call
+    also draws from torch's generator, as dropout would, so that random generators restored
+    at the wrong state show in the draw a snapshot makes."""
 
     def __init__(self, at: int | None = None, sig: int = signal.SIGTERM):
         self.at, self.sig, self.calls = at, sig, 0
 
     def __call__(self, model, batch):
         self.calls += 1
+        torch.rand(1)
         if self.calls == self.at:
             os.kill(os.getpid(), self.sig)
         return mse(model, batch)
 
 
-def train(eng, loss_fn=mse, steps: int = STEPS):
+def train(eng, loss_fn=None, steps: int = STEPS):
     """The documented loop; returns its DistributedBatches. eng.batches() called again with the
     same arguments returns the same object, which goes on with the next epoch."""
+    loss_fn = loss_fn or FaultyLoss()
     data = dataset()
     batches = eng.batches(data, shuffle=True, seed=DATA_SEED)
     while eng.global_steps < steps:
@@ -112,7 +116,7 @@ def main(argv=None) -> None:
     loss_fn = FaultyLoss()
     if first_attempt and args.kill_at is not None and eng.rank == args.kill_rank:
         loss_fn = FaultyLoss(args.kill_at, signal.SIGKILL)
-    elif first_attempt and args.term_at is not None:
+    elif args.term_at is not None:
         loss_fn = FaultyLoss(args.term_at, signal.SIGTERM)
     batches = train(eng, loss_fn)
     torch.save(snapshot(eng, batches), out / f"rank{eng.rank}.pt")
