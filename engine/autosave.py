@@ -96,6 +96,10 @@ class AutoCheckpoint:
         self._rng = self.checkpointer.restore(path, data=position)
         self._position = position.state if position is not None else None
         self.resumed_from = path
+        if position is None and self.engine.rank == 0 and self.engine.global_steps:
+            log.warning("%s holds no data position (it was saved before eng.batches() made the data): "
+                        "data of your own starts where you put it, not at global step %d",
+                        path, self.engine.global_steps)
 
     def _choose(self) -> dict:
         """Rank 0: which checkpoint to load ({"path": ..., "data_position": ...}), or {"error": ...}."""

@@ -31,6 +31,7 @@ from engine.checkpoint import MANIFEST
 from engine.data import DistributedBatches
 from engine.optim import WarmupDecayLR
 from engine.strategies.deepspeed import deepspeed_config
+from launch.cli import build_parser, launcher_environment
 from tests import fault_job as job
 from tests.dist_utils import run_scenarios
 from tests.reference import mlp, mse, reference_train
@@ -233,6 +234,30 @@ def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes
     finally:
         eng.close()
     assert_same_run(got, expected, tol=1e-13)
+
+
+USR1_CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(9))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_launch_forwards_sigusr1_and_has_torchrun_handle_it():
+    """Slurm's warning before a time limit must reach the ranks, not end the launcher."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from launch.cli import run; "
+         f"sys.exit(run([sys.executable, '-c', {USR1_CHILD!r}]))"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert launcher.stdout.readline().strip() == "ready"
+    launcher.send_signal(signal.SIGUSR1)
+    assert launcher.wait(timeout=30) == 9
+    torchrun = build_parser().parse_args(["--nproc-per-node", "2", JOB])
+    added = launcher_environment(torchrun, {})["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")
+    assert {"SIGTERM", "SIGUSR1"} <= set(added)
+    assert launcher_environment(torchrun, {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}) == {}
+    assert launcher_environment(build_parser().parse_args(["--launcher", "deepspeed", JOB]), {}) == {}
 
 
 # -- one process, in this one: damaged checkpoints, keep_last, resume rules ------------------------
