@@ -79,7 +79,6 @@ class AutoCheckpoint:
         self.stop = StopSignals(section.stop_signals) if self.dir is not None and section.stop_signals else None
         self.data = None  # the DistributedBatches of eng.batches(), whose position is saved
         self.resumed_from: str | None = None
-        self.last_saved: str | None = None
         self._position = None  # the resumed data position, until eng.batches() creates the data
         self._rng = None  # the resumed checkpoint, until training starts and its RNG states are set
 
@@ -197,7 +196,6 @@ class AutoCheckpoint:
             log.info("removing %s, an incomplete checkpoint, before saving there", target)
             shutil.rmtree(target, ignore_errors=True)
         path = self.checkpointer.save(target, data=self.data)
-        self.last_saved = path
         if self.section.keep_last is not None and self.engine.rank == 0:
             self._remove_older(steps)
         return path

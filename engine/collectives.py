@@ -109,9 +109,9 @@ def peer_lost_as_error(what: str):
         if isinstance(error, PeerLostError) or not is_peer_lost(error):
             raise
         raise PeerLostError(
-            f"{what}: a peer rank did not answer within distributed.agreement_timeout_seconds "
-            f"({agreement_timeout_seconds():g} s): it has stopped, or is stuck elsewhere (e.g. in "
-            f"another collective) — the first failure on another rank says why ({error})") from error
+            f"{what}: a peer rank is gone or did not answer within distributed."
+            f"agreement_timeout_seconds ({agreement_timeout_seconds():g} s): it has stopped (its own "
+            f"log says why), or is stuck elsewhere, e.g. in another collective [{error}]") from error
 
 
 def from_rank0(value: Any) -> Any:

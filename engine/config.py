@@ -198,7 +198,7 @@ class CheckpointConfig(_DeepSpeedSection):
     """Automatic checkpoints (``engine.autosave``); DeepSpeed's own checkpoint keys are kept
     for the DeepSpeed backend."""
 
-    dir: Optional[Annotated[str, PlainValidator(_path)]] = None  # where step_<N> checkpoints are written; None: no automatic ones
+    dir: Optional[Annotated[str, PlainValidator(_path)]] = None  # for step_<N>; None: nothing automatic
     every_steps: Optional[PositiveInt] = None  # optimizer steps between saves
     keep_last: Optional[PositiveInt] = None  # None: keep every one
     # auto: the newest complete checkpoint in dir; never; or a path, used while dir holds none

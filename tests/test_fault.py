@@ -188,7 +188,7 @@ def test_a_peer_that_never_joins_the_checkpoint_agreement_fails_in_bounded_time(
     seconds, message, cause = two_ranks["lonely"][0]
     assert AGREEMENT_TIMEOUT <= seconds < AGREEMENT_TIMEOUT + 3
     assert "nothing was published" in message
-    assert f"distributed.agreement_timeout_seconds ({AGREEMENT_TIMEOUT:g} s)" in message
+    assert f"agreement_timeout_seconds ({AGREEMENT_TIMEOUT:g} s)" in message
     assert cause == "PeerLostError"
 
 
@@ -283,7 +283,8 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
     trained(tmp_path)
     newest = tmp_path / checkpoint_name(8)
     if damage == "truncate":
-        victim = max((p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST), key=lambda p: p.stat().st_size)
+        files = [p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST]
+        victim = max(files, key=lambda p: p.stat().st_size)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     else:
         (newest / MANIFEST).unlink()
@@ -300,7 +301,8 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
     assert_same_run(got, straight)
 
 
-@pytest.mark.parametrize("every, keep, kept", [(1, 1, (8,)), (1, 3, (6, 7, 8)), (3, 2, (3, 6)), (2, None, (2, 4, 6, 8))])
+@pytest.mark.parametrize("every, keep, kept",
+                         [(1, 1, (8,)), (1, 3, (6, 7, 8)), (3, 2, (3, 6)), (2, None, (2, 4, 6, 8))])
 def test_keep_last_keeps_exactly_that_many(tmp_path, every, keep, kept):
     trained(tmp_path, every_steps=every, keep_last=keep)
     assert listing(tmp_path) == steps(*kept)
