@@ -33,7 +33,7 @@ from engine.optim import WarmupDecayLR
 from engine.strategies.deepspeed import deepspeed_config
 from launch.cli import build_parser, launcher_environment
 from tests import fault_job as job
-from tests.dist_utils import run_scenarios
+from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import mlp, mse, reference_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -342,6 +342,35 @@ def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
         assert eng.batches(data, seed=4).state_dict()["seed"] == 4
     finally:
         eng.close()
+
+
+def _deepspeed_resume(rank, world, root):
+    """Two runs on the DeepSpeed backend: the first saves step 2 and 4, the second resumes."""
+    config = job.config(0, root, stop_signals=[], tag_validation="Fail")
+    config["backend"] = "deepspeed"
+    data = torch.utils.data.TensorDataset(*(t.float() for t in job.dataset().tensors))  # DeepSpeed: no float64
+    seen = []
+    for attempt in range(2):
+        eng = engine.initialize(mlp(0, dtype=torch.float32), config)
+        try:
+            seen.append((eng.strategy.ds_engine.checkpoint_tag_validation_fail(), eng.global_steps))
+            while attempt == 0 and eng.global_steps < 5:
+                for batch in eng.batches(data):
+                    if eng.global_steps == 5:
+                        break
+                    eng.train_batch(batch, mse)
+        finally:
+            eng.close()
+    return seen, eng.autosave.resumed_from
+
+
+@pytest.mark.distributed
+def test_deepspeed_backend_resumes_and_gets_its_checkpoint_keys(tmp_path):
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    [(seen, resumed_from)] = run_distributed(_deepspeed_resume, world_size=1, args=(str(tmp_path),), timeout=240,
+                                             env=env)
+    assert seen == [(True, 0), (True, 4)]  # tag_validation: Fail reached DeepSpeed; resumed at step 4
+    assert resumed_from == str(tmp_path / checkpoint_name(4))
 
 
 def test_checkpoint_section_keys_and_deepspeed_pass_through():
