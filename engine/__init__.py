@@ -8,8 +8,9 @@ from engine.distributed import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
-    OutOfMemoryAtMicroBatchOne, PeerError,
+    OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError,
 )
+from engine.preemption import Preempted
 
 __all__ = [
     "initialize",
@@ -30,4 +31,6 @@ __all__ = [
     "CheckpointError",
     "OutOfMemoryAtMicroBatchOne",
     "PeerError",
+    "PeerLostError",
+    "Preempted",
 ]

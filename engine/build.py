@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.autosave import attach as attach_autosave
 from engine.autotune import MicroBatchTuner
 from engine.batch_plan import plan_from_config
 from engine.checkpoint import Checkpointer
@@ -76,6 +77,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
+    eng.autosave = attach_autosave(eng, eng.checkpointer, config.checkpoint)  # may resume: last
     return eng
 
 

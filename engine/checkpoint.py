@@ -28,18 +28,19 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engine.collectives import agree, describe
+from engine.collectives import agree, describe, peer_lost_as_error
 from engine.distributed import control_group
 from engine.errors import CheckpointError, EngineUsageError
 from engine.rng import restore_rng_state, rng_state, seed_everything
 
-__all__ = ["Checkpointer", "CheckpointError", "MANIFEST"]
+__all__ = ["Checkpointer", "CheckpointError", "MANIFEST", "Restored", "verify_checkpoint"]
 
 log = logging.getLogger("engine")
 
@@ -68,6 +69,9 @@ class Checkpointer:
     def load(self, path, *, data=None) -> dict:
         return load_checkpoint(self.engine, path, data=data)
 
+    def restore(self, path, *, data=None) -> Restored:
+        return restore_checkpoint(self.engine, path, data=data)
+
 
 # =========================================================================== save
 def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None) -> str:
@@ -78,9 +82,10 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
     started = time.perf_counter()
     rank = engine.rank
     target = Path(os.path.abspath(path))
-    token = _agreed_token(target)
-    tmp = target.parent / f".{target.name}.tmp-{token}"
+    tmp = None
     try:
+        token = _agreed_token(target)
+        tmp = target.parent / f".{target.name}.tmp-{token}"
         problem = None
         if rank == 0:
             problem = _prepare_target(target, tmp)
@@ -97,13 +102,13 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
         problem, cause = None, None
         if rank == 0:
             try:
-                _write_manifest(engine, tmp)
+                _write_manifest(engine, tmp, data_position=data is not None)
                 _publish(tmp, target, token)
             except Exception as error:  # noqa: BLE001
                 problem, cause = f"publishing failed: {error!r}", error
         agree(problem, cause)
     except BaseException as error:
-        if rank == 0:
+        if rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
@@ -133,7 +138,7 @@ def _engine_state(engine, data_state, client_state) -> dict:
             "data": data_state, "client_state": client_state}
 
 
-def _write_manifest(engine, tmp: Path) -> None:
+def _write_manifest(engine, tmp: Path, *, data_position: bool) -> None:
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {
         "format": FORMAT,
@@ -144,6 +149,7 @@ def _write_manifest(engine, tmp: Path) -> None:
         "train_batch_size": engine.plan.train_batch_size,
         "strategy": engine.strategy.name,
         "state_format": engine.strategy.checkpoint_format,
+        "data_position": data_position,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
@@ -208,10 +214,33 @@ def _recover(target: Path) -> None:
 
 
 # =========================================================================== load
+@dataclass
+class Restored:
+    """A checkpoint restored into an engine, all but its random generators: ``restore_rng()``
+    sets them (``load_checkpoint`` at once; an automatic resume when training starts, so that
+    what the script draws between ``initialize`` and its loop does not shift them)."""
+
+    path: str
+    client_state: dict
+    _engine: Any
+    _rng: dict | None  # this rank's saved states; None: the rank did not exist then
+    _saved_world_size: int
+
+    def restore_rng(self) -> None:
+        _restore_rng(self._engine, self._rng, self._saved_world_size)
+
+
 def load_checkpoint(engine, path, *, data=None) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` (possibly on another number
     of ranks, with the same ``train_batch_size``); returns its ``client_state``.
     Collective: every rank calls it."""
+    restored = restore_checkpoint(engine, path, data=data)
+    restored.restore_rng()
+    return restored.client_state
+
+
+def restore_checkpoint(engine, path, *, data=None) -> Restored:
+    """:func:`load_checkpoint` without the random generators (see :class:`Restored`)."""
     _require_boundary(engine, "load_checkpoint")
     started = time.perf_counter()
     target = Path(os.path.abspath(path))
@@ -223,8 +252,7 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
     _agreed_token(target)  # every rank names the same path; the others wait for rank 0 here
     saved, mine, problem, cause = None, None, None, None
     try:
-        manifest = _read_manifest(target)
-        _check_files(target, manifest)
+        manifest = verify_checkpoint(target)
         _check_compatible(engine, target, manifest)
         saved = _load(target / ENGINE_STATE)
         if engine.rank < manifest["world_size"]:
@@ -253,12 +281,25 @@ def load_checkpoint(engine, path, *, data=None) -> dict:
             data.load_state_dict(data_before)
         raise
     engine.load_state_dict(saved)
-    _restore_rng(engine, mine, manifest)
     if engine.rank == 0:
         log.info("loaded checkpoint %s (global step %d, saved on %d rank(s)) in %.2f s", target,
                  engine.global_steps, manifest["world_size"], time.perf_counter() - started)
     client_state = saved.get("client_state")
-    return client_state if client_state is not None else {}
+    return Restored(str(target), client_state if client_state is not None else {}, engine,
+                    mine["rng"] if mine is not None else None, manifest["world_size"])
+
+
+def verify_checkpoint(path) -> dict:
+    """The manifest of the complete checkpoint at ``path``. Raises CheckpointError when there is
+    none, or it is damaged: no or an unreadable manifest (an interrupted save), a file missing
+    or of another size than was written (truncated). Local: reads, no collective."""
+    target = Path(os.path.abspath(path))
+    manifest = _read_manifest(target)
+    try:
+        _check_files(target, manifest)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{target}/{MANIFEST} is malformed: {error!r}") from None
+    return manifest
 
 
 def _read_manifest(target: Path) -> dict:
@@ -315,17 +356,17 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
 
 
 # =========================================================================== RNG
-def _restore_rng(engine, mine: dict | None, manifest: dict) -> None:
-    if mine is None:
+def _restore_rng(engine, states: dict | None, saved_world_size: int) -> None:
+    if states is None:
         seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
         log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
-                 "re-seeded with %d", engine.rank, manifest["world_size"], seed)
+                 "re-seeded with %d", engine.rank, saved_world_size, seed)
         seed_everything(seed)
         return
-    restore_rng_state(mine["rng"])
-    if engine.rank == 0 and manifest["world_size"] > engine.world_size:
+    restore_rng_state(states)
+    if engine.rank == 0 and saved_world_size > engine.world_size:
         log.info("the random generator states of checkpoint ranks %d..%d are not used",
-                 engine.world_size, manifest["world_size"] - 1)
+                 engine.world_size, saved_world_size - 1)
 
 
 # =========================================================================== shared helpers
@@ -347,7 +388,8 @@ def _agreed_token(target: Path) -> str:
     if group is None:
         return mine[1]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=group)
+    with peer_lost_as_error(f"checkpoint {target}: agreeing on the path"):
+        dist.all_gather_object(everyone, mine, group=group)
     paths = sorted({path for path, _ in everyone})
     if len(paths) > 1:
         raise CheckpointError(f"ranks passed different checkpoint paths: {paths}; every rank must pass the same one")

@@ -4,19 +4,21 @@
 * small statistics (a few numbers summed or maxed over ranks);
 * failure votes: every rank learns which ranks failed in a window before anyone enters the
   next collective, so no rank is left waiting for one that has given up;
-* ``agree``: the same for errors found while checkpointing, raised on every rank.
+* ``agree``: the same for errors found while checkpointing, raised on every rank;
+* ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
-from engine.distributed import control_group
-from engine.errors import CheckpointError, PeerError
+from engine.distributed import agreement_timeout_seconds, control_group, is_peer_lost
+from engine.errors import CheckpointError, PeerError, PeerLostError
 
 BUCKET_BYTES = 25 * 1024 * 1024
 OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
@@ -96,6 +98,33 @@ def check_peers(group, *, rank: int, world_size: int, device) -> None:
 
 
 # -- failures while checkpointing ----------------------------------------------------------
+@contextlib.contextmanager
+def peer_lost_as_error(what: str):
+    """Inside: collectives on the control group. One that gave up on a peer (the peer's process
+    is gone, or it did not come within the agreement timeout) raises a PeerLostError that
+    says so instead of the transport's message."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, PeerLostError) or not is_peer_lost(error):
+            raise
+        raise PeerLostError(
+            f"{what}: a peer rank is gone or did not answer within distributed."
+            f"agreement_timeout_seconds ({agreement_timeout_seconds():g} s): it has stopped (its own "
+            f"log says why), or is stuck elsewhere, e.g. in another collective [{error}]") from error
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (a small picklable object) on every rank, over the control group."""
+    group = control_group()
+    if group is None:
+        return value
+    box = [value]
+    with peer_lost_as_error("waiting for rank 0's decision"):
+        dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def agree(problem: str | None, cause: BaseException | None = None) -> None:
     """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
     group = control_group()
@@ -103,7 +132,8 @@ def agree(problem: str | None, cause: BaseException | None = None) -> None:
         everyone: list[Any] = [problem]
     else:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problem, group=group)
+        with peer_lost_as_error("checkpoint agreement"):
+            dist.all_gather_object(everyone, problem, group=group)
     failed = [(rank, text) for rank, text in enumerate(everyone) if text]
     if not failed:
         return

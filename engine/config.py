@@ -17,11 +17,12 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import signal
 import warnings
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
-                      ValidationError, field_validator)
+                      ValidationError, field_validator, model_validator)
 
 from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
 from engine.config_loaders import ConfigError, KeyPath, RawConfig, parse_scalar, read_file
@@ -44,7 +45,7 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
     "communication_data_type", "seq_parallel_communication_data_type",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
     "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-    "checkpoint", "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
+    "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
     "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
     "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
     "sparse_attention", "pipeline", "tensor_parallel", "hybrid_engine", "eigenvalue",
@@ -73,6 +74,12 @@ DEEPSPEED_ZERO_KEYS = frozenset({
     "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
     "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
     "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+})
+
+# DeepSpeed's own keys of the checkpoint section, handed to the DeepSpeed backend.
+DEEPSPEED_CHECKPOINT_KEYS = frozenset({
+    "tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+    "checkpoint_serialization", "writer",
 })
 
 # Other engines' top-level keys Microstep keeps, unused, in a pass-through section.
@@ -161,6 +168,57 @@ class DistributedConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
+def _stop_signal(value):
+    """A catchable signal's name, as ``SIGTERM`` (``TERM`` is accepted)."""
+    name = value.upper() if isinstance(value, str) else value
+    if isinstance(name, str) and not name.startswith("SIG"):
+        name = "SIG" + name
+    if not isinstance(name, str) or not isinstance(getattr(signal, name, None), signal.Signals):
+        raise ValueError(f"expected a signal name such as SIGTERM or SIGUSR1, got {value!r}")
+    if name in ("SIGKILL", "SIGSTOP"):
+        raise ValueError(f"{name} cannot be caught: no process can save before it stops")
+    return name
+
+
+def _path(value):
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and value.strip():
+        return value
+    raise ValueError(f"expected a path, got {value!r}")
+
+
+def _resume(value):
+    try:
+        return _path(value)
+    except ValueError:
+        raise ValueError(f"expected auto, never or the path of a checkpoint, got {value!r}") from None
+
+
+class CheckpointConfig(_DeepSpeedSection):
+    """Automatic checkpoints (``engine.autosave``); DeepSpeed's own checkpoint keys are kept
+    for the DeepSpeed backend."""
+
+    dir: Optional[Annotated[str, PlainValidator(_path)]] = None  # for step_<N>; None: nothing automatic
+    every_steps: Optional[PositiveInt] = None  # optimizer steps between saves
+    keep_last: Optional[PositiveInt] = None  # None: keep every one
+    # auto: the newest complete checkpoint in dir; never; or a path, used while dir holds none
+    resume: Annotated[str, PlainValidator(_resume)] = "auto"
+    # Signals that make every rank save at the next boundary and exit with stop_exit_code.
+    stop_signals: list[Annotated[str, PlainValidator(_stop_signal)]] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    stop_exit_code: Annotated[int, Field(ge=1, le=255)] = 75  # EX_TEMPFAIL: "try again"
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_CHECKPOINT_KEYS
+
+    @model_validator(mode="after")
+    def _needs_dir(self):
+        given = [key for key in ("every_steps", "keep_last") if getattr(self, key) is not None]
+        if given and self.dir is None:
+            raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} dir, the "
+                             "directory automatic checkpoints are written into")
+        return self
+
+
 class MonitorConfig(Section):
     """Training metrics and progress (``engine.monitor``); rank 0 writes, others stay quiet."""
 
@@ -200,6 +258,7 @@ class Config(BaseModel):
     batch_statistics: Literal["warn", "error", "ignore"] = "warn"
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     constants: dict[str, Any] = Field(default_factory=dict)
     deepspeed_extras: dict[str, Any] = Field(default_factory=dict)
     colossalai_extras: dict[str, Any] = Field(default_factory=dict)
@@ -282,7 +341,7 @@ def locate(config: Config, problems: list[str]) -> list[str]:
 def _deepspeed_only_settings(config: Config) -> list[str]:
     """DeepSpeed keys the config holds (top level and inside sections), sorted."""
     names = list(config.deepspeed_extras)
-    for section in ("zero_optimization", "fp16", "bf16"):
+    for section in ("zero_optimization", "fp16", "bf16", "checkpoint"):
         names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
     return sorted(names)
 

@@ -25,7 +25,6 @@ from typing import Mapping, MutableSequence
 import torch
 import torch.distributed as dist
 
-from engine.adapters.torch_internals import set_group_timeout
 from engine.errors import DistributedEnvError
 
 LAUNCH_HINT = (
@@ -195,7 +194,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 _owns_group = False  # True when init_distributed created the default group
 _atexit_registered = False
-_control: tuple | None = None  # (the default group it belongs to, the control group, its timeout in seconds)
+_control: tuple | None = None  # (the default group it belongs to, the control group, its timeout in s)
 AGREEMENT_TIMEOUT_SECONDS = 600.0
 
 
@@ -258,14 +257,32 @@ def _join_default_group(timeout_seconds: float, backend: str, group_for_one_proc
                             ("LOCAL_RANK", env.local_rank),
                             ("LOCAL_WORLD_SIZE", env.local_world_size)):
             os.environ.setdefault(name, str(value))
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        store = _store_of_this_attempt(env, timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
         info = DistInfo(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend)
     _owns_group = True
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return info
+
+
+def _store_of_this_attempt(env: LaunchEnv, timeout: datetime.timedelta):
+    """torchrun's agent hosts the store of every attempt of its workers (it shares its
+    rendezvous store: TORCHELASTIC_USE_AGENT_STORE=True), and that store keeps the keys of an
+    attempt that failed. After ``--max-restarts`` restarted the workers, the new ones would
+    read the dead ones' addresses there and wait on them (pytorch/pytorch#135712). Each attempt
+    gets keys of its own. None when there is nothing to fix (env:// as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"microstep/attempt{attempt}", store)
 
 
 def shutdown(barrier_timeout_seconds: float = 30) -> None:
@@ -344,16 +361,21 @@ def control_group() -> dist.ProcessGroup | None:
 
 
 def _ensure_control_group(timeout_seconds: float) -> None:
-    """Create the control group, or give the existing one ``timeout_seconds`` (a config's
-    ``agreement_timeout_seconds`` holds even when the process group was set up before)."""
+    """A control group of the current default group with this timeout: a new one when there
+    is none yet or when the one there has another timeout (a config's own setting wins over
+    the group a launcher or an earlier engine made). Collective."""
     global _control
-    if _control is not None and _control[0] is dist.group.WORLD:
-        if _control[2] != timeout_seconds:
-            set_group_timeout(_control[1], timeout_seconds)
-            _control = (*_control[:2], timeout_seconds)
+    if _control is not None and _control[0] is dist.group.WORLD and _control[2] == timeout_seconds:
         return
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
     _control = (dist.group.WORLD, group, timeout_seconds)
+
+
+def agreement_timeout_seconds() -> float:
+    """How long a collective on the control group waits for a peer before it gives up."""
+    if _control is None or _control[0] is not dist.group.WORLD:
+        return AGREEMENT_TIMEOUT_SECONDS
+    return _control[2]
 
 
 def is_peer_lost(error: BaseException) -> bool:

@@ -26,8 +26,10 @@ size.
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
 (``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
-``micro_step_guard``) and the checkpointer (``engine.checkpoint``: it saves and restores
-``state_dict()`` and the strategy's state).
+``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
+``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.autosave``:
+told when ``batches()`` makes data, when a training window starts and when one closes, where it
+may save, or stop the run on a stop signal).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 
 from engine.batch_plan import BatchPlan, split_evenly
 from engine.collectives import max_over_ranks
+from engine.data import DistributedBatches
 from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.memory import PeakMeter
@@ -120,6 +123,8 @@ class Engine:
         # micro-batches of the latest split (the micro-batch tuner shrinks the budget from them).
         self.token_splitter = TokenSplitter(lengths, config.sequence_keys)
         self.token_groups: list = []
+        self.autosave = None  # automatic checkpoints and stop signals (engine.autosave)
+        self._batches = None  # (dataset, options, DistributedBatches) of batches()
         # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
         # size replaces it with one that makes every rank agree on a failure before going on.
         self.micro_step_guard: Callable[[Callable[[], None]], None] = _run
@@ -174,6 +179,8 @@ class Engine:
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
+            if self.autosave is not None:
+                self.autosave.on_window_start()
             self._recording = self.monitor is not None and self.monitor.records(self.global_steps + 1)
             if self._recording:
                 self._peak.start()
@@ -348,6 +355,22 @@ class Engine:
             micro = -(-batch_size(batch) // self.plan.gradient_accumulation_steps)
         return self.evaluate(batch, loss_fn, micro)
 
+    def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                collate_fn=None) -> DistributedBatches:
+        """This rank's per-device batches of a map-style ``dataset`` for ``eng.plan``, one per
+        optimizer step (``engine.data.DistributedBatches``). Automatic checkpoints save its
+        position, and after a resume it starts where the saved run was. Called again with the
+        same arguments it returns the same object, which goes on with the next epoch."""
+        options = (shuffle, seed, drop_last, collate_fn)
+        if self._batches is not None and self._batches[0] is dataset and self._batches[1] == options:
+            return self._batches[2]
+        data = DistributedBatches(dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                  collate_fn=collate_fn)
+        self._batches = (dataset, options, data)
+        if self.autosave is not None:
+            self.autosave.on_batches(data)
+        return data
+
     # -- windows, for the micro-batch tuner ---------------------------------------------
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Forward and backward of every micro-batch of one window as the plan splits
@@ -500,6 +523,8 @@ class Engine:
         return self.checkpointer
 
     def close(self) -> None:
+        if self.autosave is not None:
+            self.autosave.close()
         if self.monitor is not None:
             self.monitor.close()
         self.strategy.close()
@@ -650,6 +675,8 @@ class Engine:
         self._window, self._recording = _Window(), False
         if self.monitor is not None:
             self.monitor.on_window(self, self.last_window)
+        if self.autosave is not None:
+            self.autosave.on_boundary()
 
     def _weighting_batch(self) -> int:
         """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""

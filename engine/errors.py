@@ -39,6 +39,11 @@ class CheckpointError(MicrostepError, RuntimeError):
     """A checkpoint cannot be written or read: incomplete, corrupt, or not this run's."""
 
 
+class PeerLostError(MicrostepError, RuntimeError):
+    """A peer rank never joined an agreement (a checkpoint's, the stop-signal check at a
+    boundary) within ``distributed.agreement_timeout_seconds``: it died, or is stuck."""
+
+
 class DistributedEnvError(MicrostepError, RuntimeError):
     """The launch environment is incomplete or inconsistent."""
 

@@ -2,8 +2,8 @@
 
 A thin front over torchrun (``python -m torch.distributed.run``, the default) and the
 deepspeed launcher (``python -m deepspeed.launcher.runner``). It validates the arguments,
-prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP to it and
-exits with its exit code.
+prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP / SIGUSR1 to
+it and exits with its exit code.
 """
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ import sys
 
 DEFAULT_MASTER_PORT = 29500
 DEEPSPEED_INSTALL_HINT = "pip install 'microstep[deepspeed]'"
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1 is Slurm's usual warning before a time limit (sbatch --signal); the engine saves and
+# stops on it (checkpoint.stop_signals), so it must not end the launcher.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# torchrun's agent handles these (it passes the one it gets to its workers and waits
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for them); its default list lacks SIGUSR1, which
+# would kill it and leave its workers without the agent that reports their exit.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 class LaunchError(ValueError):
@@ -153,6 +159,13 @@ def build_command(args: argparse.Namespace, python: str = sys.executable) -> lis
     return _deepspeed_command(args, python)
 
 
+def launcher_environment(args: argparse.Namespace, environ) -> dict[str, str]:
+    """Variables to add to the launcher's environment (none the user set is replaced)."""
+    if args.launcher == "torchrun" and "TORCHELASTIC_SIGNALS_TO_HANDLE" not in environ:
+        return {"TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
+    return {}
+
+
 def _signal_group(child: subprocess.Popen, signum: int) -> None:
     # The whole group, as a terminal would: the deepspeed runner dies on SIGTERM without
     # passing it on, which would leave its workers running.
@@ -197,4 +210,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[launch] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
+    os.environ.update(launcher_environment(args, os.environ))
     return run(cmd)

@@ -10,7 +10,6 @@ of failing mid-training (``drop_unreduced_gradients`` runs only after an out-of-
 
 from __future__ import annotations
 
-import datetime
 
 import torch
 import torch._utils
@@ -68,14 +67,7 @@ def _required():
         for name in ("_wait_for_post_backward", "_to_sharded"):
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
-    yield "distributed_c10d._set_pg_timeout", hasattr(dist.distributed_c10d, "_set_pg_timeout")
 
-
-# -- process groups ---------------------------------------------------------------------------
-def set_group_timeout(group, seconds: float) -> None:
-    """How long the collectives of ``group`` wait from now on (local: no collective). The only
-    way to change the timeout of a group that already exists."""
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 # -- DDP -------------------------------------------------------------------------------------

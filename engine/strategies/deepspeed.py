@@ -70,6 +70,8 @@ def deepspeed_config(config, world_size: int) -> dict:
         "gradient_clipping": config.gradient_clipping,
         "zero_optimization": zero,
     })
+    if config.checkpoint.model_extra:  # DeepSpeed's own checkpoint keys (the rest is Microstep's)
+        ds["checkpoint"] = json.loads(json.dumps(config.checkpoint.model_extra))
     if config.fp16.enabled:
         ds["fp16"] = config.fp16.model_dump()
     if config.bf16.enabled:

@@ -1,0 +1,221 @@
+"""Automatic checkpoints, from the config's ``checkpoint`` section::
+
+    checkpoint:
+      dir: runs/exp1/checkpoints
+      every_steps: 100
+      keep_last: 3
+      resume: auto
+
+* When the engine is built: ``resume: auto`` loads the newest complete ``dir/step_<N>``; a
+  newer one that is incomplete or damaged (no manifest, a file missing or truncated) is
+  skipped with a warning, never loaded. A path loads that checkpoint while ``dir`` holds none
+  of its own (so a restarted job continues from its own newest, not from the path again);
+  ``never`` loads nothing and refuses a ``dir`` that already holds checkpoints. The data
+  position goes to the ``DistributedBatches`` of ``eng.batches()``, the random generators are
+  set when training starts (``eng.batches()`` or the first training forward).
+* At every boundary: every ``every_steps`` optimizer steps, ``dir/step_<N>`` is saved with the
+  data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted.
+* A stop signal (``stop_signals``, default SIGTERM and SIGUSR1) on any rank: every rank saves
+  at the next boundary (the one they agree on, see ``engine.preemption``) and raises
+  ``Preempted``, which exits the process with ``stop_exit_code`` (75) unless caught.
+
+The engine calls ``on_batches`` / ``on_window_start`` / ``on_boundary``; it knows nothing else
+of this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from engine.checkpoint import MANIFEST, verify_checkpoint
+from engine.collectives import from_rank0
+from engine.errors import CheckpointError
+from engine.preemption import Preempted, StopSignals
+
+log = logging.getLogger("engine")
+
+_NAME = re.compile(r"step_(\d+)")
+
+
+def checkpoint_name(global_steps: int) -> str:
+    return f"step_{global_steps:08d}"
+
+
+def attach(engine, checkpointer, section) -> "AutoCheckpoint | None":
+    """Resume as ``section`` (the config's ``checkpoint``) says and start watching for stop
+    signals; None when it asks for nothing automatic. Collective."""
+    if section.dir is None and section.resume in ("auto", "never"):
+        return None
+    auto = AutoCheckpoint(engine, checkpointer, section)
+    auto.resume()
+    if auto.stop is not None:
+        auto.stop.install()
+    return auto
+
+
+class _DataPosition:
+    """Takes the data position out of a checkpoint before there is data to give it to."""
+
+    state = None
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state) -> None:
+        self.state = state
+
+
+class AutoCheckpoint:
+    """Resumes, saves every ``every_steps`` and on a stop signal, keeps the last ``keep_last``."""
+
+    def __init__(self, engine, checkpointer, section):
+        self.engine = engine
+        self.checkpointer = checkpointer
+        self.section = section
+        self.dir = Path(section.dir).absolute() if section.dir is not None else None
+        self.stop = StopSignals(section.stop_signals) if self.dir is not None and section.stop_signals else None
+        self.data = None  # the DistributedBatches of eng.batches(), whose position is saved
+        self.resumed_from: str | None = None
+        self._position = None  # the resumed data position, until eng.batches() creates the data
+        self._rng = None  # the resumed checkpoint, until training starts and its RNG states are set
+
+    # -- resuming -----------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Load what ``resume`` chooses (every rank loads rank 0's choice). Collective."""
+        decision = from_rank0(self._choose() if self.engine.rank == 0 else None)
+        if "error" in decision:
+            raise CheckpointError(decision["error"])
+        path = decision["path"]
+        if path is None:
+            return
+        position = _DataPosition() if decision["data_position"] else None
+        self._rng = self.checkpointer.restore(path, data=position)
+        self._position = position.state if position is not None else None
+        self.resumed_from = path
+        if position is None and self.engine.rank == 0 and self.engine.global_steps:
+            log.warning("%s holds no data position (it was saved before eng.batches() made the data): "
+                        "data of your own starts where you put it, not at global step %d",
+                        path, self.engine.global_steps)
+
+    def _choose(self) -> dict:
+        """Rank 0: which checkpoint to load ({"path": ..., "data_position": ...}), or {"error": ...}."""
+        try:
+            found = self._checkpoints()
+        except OSError as error:
+            return {"error": f"checkpoint.dir {self.dir} cannot be read: {error}"}
+        mode = self.section.resume
+        if mode == "never":
+            if found:
+                return {"error": (
+                    f"checkpoint.resume: never, but checkpoint.dir {self.dir} already holds checkpoints "
+                    f"({', '.join(path.name for _, path in found[-3:])}{', ...' if len(found) > 3 else ''}) "
+                    "that this run's would mix with: use another dir, remove them, or set resume: auto "
+                    "to continue from the newest")}
+            return {"path": None}
+        for step, path in reversed(found):
+            try:
+                manifest = verify_checkpoint(path)
+            except CheckpointError as error:
+                log.warning("checkpoint.resume: skipping %s, it is incomplete or damaged: %s", path, error)
+                continue
+            log.info("checkpoint.resume: %s: resuming from %s, the newest complete checkpoint in %s",
+                     mode, path.name, self.dir)
+            return {"path": str(path), "data_position": manifest.get("data_position", True)}
+        if mode == "auto":
+            log.info("checkpoint.resume: auto: %s holds no complete checkpoint; starting at step 0",
+                     self.dir if self.dir is not None else "(no checkpoint.dir)")
+            return {"path": None}
+        try:
+            manifest = verify_checkpoint(mode)
+        except CheckpointError as error:
+            return {"error": f"checkpoint.resume: {mode}: {error}"}
+        log.info("checkpoint.resume: resuming from %s (checkpoint.dir holds no checkpoint of its own yet)", mode)
+        return {"path": mode, "data_position": manifest.get("data_position", True)}
+
+    def _checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, path) of the ``step_<N>`` directories in dir, oldest first."""
+        if self.dir is None or not self.dir.is_dir():
+            return []
+        found = [(int(match[1]), entry) for entry in self.dir.iterdir()
+                 if (match := _NAME.fullmatch(entry.name)) and entry.is_dir()]
+        return sorted(found)
+
+    def _start_training(self) -> None:
+        if self._rng is not None:
+            self._rng.restore_rng()
+            self._rng = None
+
+    # -- the engine's hooks ---------------------------------------------------------------------
+    def on_batches(self, data) -> None:
+        """``eng.batches()`` created ``data``: its position is the one saved from now on, and
+        the resumed position, if any, is given to it."""
+        self.data = data
+        self._start_training()
+        if self._position is None:
+            return
+        position, self._position = self._position, None
+        if position.get("seed") != data.seed:
+            log.warning("eng.batches(seed=%s): the resumed run shuffled with seed %s; it keeps that seed so "
+                        "the data order goes on unchanged", data.seed, position.get("seed"))
+        data.load_state_dict(position)
+        if self.engine.rank == 0:
+            log.info("data position restored: epoch %d, batch %d of %d", data.epoch, data.step, len(data))
+
+    def on_window_start(self) -> None:
+        """A training window's first forward."""
+        if self._rng is not None:
+            self._start_training()
+
+    def on_boundary(self) -> None:
+        """A window closed: save when due; stop when any rank received a stop signal."""
+        saved = None
+        every = self.section.every_steps
+        if every is not None and self.engine.global_steps % every == 0:
+            saved = self.save()
+        received = self.stop.agreed() if self.stop is not None else None
+        if received is None:
+            return
+        saved = saved or self.save()
+        code = self.section.stop_exit_code
+        if self.engine.rank == 0:
+            log.warning("%s received: saved %s at global step %d; stopping with exit code %d (the same "
+                        "command again resumes from it)", received.name, saved, self.engine.global_steps, code)
+        raise Preempted(code, received.name, saved)
+
+    # -- saving -------------------------------------------------------------------------------------
+    def save(self) -> str:
+        """Save ``dir/step_<N>`` now (at a boundary), then keep the newest ``keep_last``. Collective."""
+        steps = self.engine.global_steps
+        target = self.dir / checkpoint_name(steps)
+        if self.engine.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
+            # A save or a removal of ours cut short (no manifest: never loadable); the save
+            # would refuse to replace a directory that is not a checkpoint.
+            log.info("removing %s, an incomplete checkpoint, before saving there", target)
+            shutil.rmtree(target, ignore_errors=True)
+        path = self.checkpointer.save(target, data=self.data)
+        if self.section.keep_last is not None and self.engine.rank == 0:
+            self._remove_older(steps)
+        return path
+
+    def _remove_older(self, newest: int) -> None:
+        """Rank 0, once checkpoint ``newest`` is complete: delete all but the newest
+        ``keep_last`` up to it (newer ones, damaged leftovers of an earlier run, are left)."""
+        keep = self.section.keep_last
+        older = [path for step, path in self._checkpoints() if step <= newest][:-keep]
+        for path in older:
+            try:
+                # The manifest first: a deletion cut short leaves an incomplete checkpoint, which a
+                # resume skips, never one that looks complete.
+                (path / MANIFEST).unlink(missing_ok=True)
+                shutil.rmtree(path)
+            except OSError as error:
+                log.warning("could not remove the old checkpoint %s (keep_last: %d): %s", path, keep, error)
+                continue
+            log.info("removed the old checkpoint %s (keep_last: %d)", path.name, keep)
+
+    def close(self) -> None:
+        if self.stop is not None:
+            self.stop.uninstall()

@@ -1,0 +1,391 @@
+"""Surviving faults with nothing lost: automatic checkpoints from the config, resume after a
+killed rank (torchrun --max-restarts), stop signals saved at an agreed boundary, damaged
+checkpoints skipped, keep_last, and agreements that give up on a peer in bounded time.
+
+"Nothing lost" is checked against the uninterrupted run of the same job (tests/fault_job.py:
+float64, SGD with momentum, a warm-up schedule, data crossing epochs), which itself equals
+the plain-PyTorch full-batch reference: parameters and momentum to 1e-12, counters, learning
+rate, data position and the random generators exactly. A step counted twice or lost moves
+the parameters by ~1e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import engine
+from engine.autosave import checkpoint_name
+from engine.checkpoint import MANIFEST
+from engine.data import DistributedBatches
+from engine.optim import WarmupDecayLR
+from engine.strategies.deepspeed import deepspeed_config
+from launch.cli import build_parser, launcher_environment
+from tests import fault_job as job
+from tests.dist_utils import run_distributed, run_scenarios
+from tests.reference import mlp, mse, reference_train
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = str(REPO / "tests" / "fault_job.py")
+TOL = 1e-12
+
+
+def assert_same_run(got: dict, expected: dict, tol: float = TOL) -> None:
+    assert got["counters"] == expected["counters"]
+    assert got["lr"] == expected["lr"]
+    assert got["data"] == expected["data"]
+    assert torch.equal(got["rand"], expected["rand"]), "the random generators differ"
+    for part in ("params", "momentum"):
+        assert got[part].keys() == expected[part].keys()
+        for key, value in expected[part].items():
+            assert (got[part][key] - value).abs().max().item() <= tol, f"{part} {key}"
+
+
+def listing(directory) -> list[str]:
+    return sorted(entry.name for entry in Path(directory).iterdir())
+
+
+def steps(*numbers) -> list[str]:
+    return [checkpoint_name(n) for n in numbers]
+
+
+# -- two ranks, in-process: the uninterrupted runs, stop signals and their reruns ------------------
+def _uninterrupted(rank, world, root, stage):
+    eng = engine.initialize(mlp(0), job.config(stage, Path(root) / f"straight{stage}"))
+    try:
+        snapshot = job.snapshot(eng, job.train(eng))
+        dist.barrier()  # rank 0 removes old checkpoints after a save, while the others go on
+        return snapshot, listing(eng.autosave.dir)
+    finally:
+        eng.close()
+
+
+def _stopped_by_signal(rank, world, root, name, calls):
+    """Every rank in ``calls`` sends itself SIGTERM in its calls[rank]-th micro-batch loss."""
+    eng = engine.initialize(mlp(0), job.config(0, Path(root) / name))
+    loss_fn = job.FaultyLoss(calls.get(rank))
+    try:
+        job.train(eng, loss_fn)
+    except engine.Preempted as stop:
+        dist.barrier()  # rank 0 removes old checkpoints after a save, while the others go on
+        manifest = json.loads((Path(stop.checkpoint) / MANIFEST).read_text())
+        return {"code": stop.code, "signal": stop.signal_name, "checkpoint": Path(stop.checkpoint).name,
+                "global_steps": eng.global_steps, "saved_step": manifest["global_steps"],
+                "listing": listing(eng.autosave.dir)}
+    finally:
+        eng.close()
+    return "not stopped"
+
+
+def _rerun(rank, world, root, name):
+    eng = engine.initialize(mlp(0), job.config(0, Path(root) / name))
+    try:
+        return job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+
+
+def _peer_never_joins(rank, world, root, timeout):
+    """Rank 1 waits in another collective (a default-group barrier) instead of saving."""
+    config = job.config(0, Path(root) / "lonely", stop_signals=[])
+    config["distributed"] = {"agreement_timeout_seconds": timeout}
+    eng = engine.initialize(mlp(0), config)
+    try:
+        if rank == 1:
+            dist.barrier()  # released by rank 0 once its save gave up
+            return None
+        started = time.monotonic()
+        try:
+            eng.save_checkpoint(Path(root) / "lonely" / "manual")
+        except engine.CheckpointError as error:
+            outcome = (time.monotonic() - started, str(error), type(error.__cause__).__name__)
+        else:
+            outcome = "saved without its peer"
+        dist.barrier()
+        return outcome
+    finally:
+        eng.close()
+
+
+SIGNAL_ONLY_RANK1 = {1: 10}  # rank 1, window 5, its second micro-step: stop at step 5
+SIGNAL_EVERY_RANK = {0: 7, 1: 8}  # window 4, different micro-steps: stop at step 4 (a periodic save)
+AGREEMENT_TIMEOUT = 1.5
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fault"))
+    scenarios = {
+        "straight0": functools.partial(_uninterrupted, root=root, stage=0),
+        "straight3": functools.partial(_uninterrupted, root=root, stage=3),
+        "stop_one": functools.partial(_stopped_by_signal, root=root, name="one", calls=SIGNAL_ONLY_RANK1),
+        "rerun_one": functools.partial(_rerun, root=root, name="one"),
+        "stop_every": functools.partial(_stopped_by_signal, root=root, name="every", calls=SIGNAL_EVERY_RANK),
+        "rerun_every": functools.partial(_rerun, root=root, name="every"),
+        "lonely": functools.partial(_peer_never_joins, root=root, timeout=AGREEMENT_TIMEOUT),
+    }
+    return run_scenarios(scenarios, world_size=2, timeout=180)
+
+
+def full_batch_reference():
+    """Plain PyTorch on the same global batches, one process."""
+    data = job.dataset()
+    order = DistributedBatches(data, engine.resolve_batch_plan(1, train_batch_size=job.GLOBAL_BATCH),
+                               shuffle=True, seed=job.DATA_SEED)
+    per_epoch = len(order)
+    batches = []
+    for step in range(job.STEPS):
+        indices = order.global_batch_indices(step // per_epoch, step % per_epoch)
+        batches.append(tuple(t[indices] for t in data.tensors))
+    model = reference_train(
+        mlp(0), batches, mse, lambda p: torch.optim.SGD(p, lr=job.LR, momentum=job.MOMENTUM),
+        scheduler_factory=lambda o: WarmupDecayLR(o, total_num_steps=job.STEPS, warmup_num_steps=job.WARMUP))
+    return {name: value.detach() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.distributed
+def test_uninterrupted_run_equals_the_full_batch_reference(two_ranks):
+    reference = full_batch_reference()
+    for stage in (0, 3):
+        for snapshot, directory in two_ranks[f"straight{stage}"]:
+            assert snapshot["counters"][1:] == (job.STEPS, job.STEPS * job.GLOBAL_BATCH, 0)
+            for name, value in reference.items():
+                assert (snapshot["params"][name] - value).abs().max().item() <= 1e-10, (stage, name)
+            assert directory == steps(6, 8)  # keep_last 2 of the saves at 2, 4, 6, 8
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, stop_step, saved", [("one", 5, steps(4, 5)), ("every", 4, steps(2, 4))])
+def test_stop_signal_saves_at_the_agreed_boundary_and_stops(two_ranks, name, stop_step, saved):
+    """A signal on one rank only, or on every rank at different micro-steps: every rank saves
+    at the same boundary, the first after the earliest signal, and stops."""
+    for outcome in two_ranks[f"stop_{name}"]:
+        assert outcome == {"code": 75, "signal": "SIGTERM", "checkpoint": checkpoint_name(stop_step),
+                           "global_steps": stop_step, "saved_step": stop_step, "listing": saved}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["one", "every"])
+def test_rerun_after_a_stop_equals_the_uninterrupted_run(two_ranks, name):
+    for rank, (got, (expected, _)) in enumerate(zip(two_ranks[f"rerun_{name}"], two_ranks["straight0"])):
+        assert got["resumed_from"].endswith(checkpoint_name(5 if name == "one" else 4))
+        assert_same_run(got, expected)
+
+
+@pytest.mark.distributed
+def test_a_peer_that_never_joins_the_checkpoint_agreement_fails_in_bounded_time(two_ranks):
+    seconds, message, cause = two_ranks["lonely"][0]
+    assert AGREEMENT_TIMEOUT <= seconds < AGREEMENT_TIMEOUT + 3
+    assert "nothing was published" in message
+    assert f"agreement_timeout_seconds ({AGREEMENT_TIMEOUT:g} s)" in message
+    assert cause == "PeerLostError"
+
+
+# -- a killed rank under torchrun --max-restarts 1 ------------------------------------------------
+def run_job(out, *args, launcher=(), timeout=240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="10")
+    return subprocess.run([sys.executable, *launcher, JOB, str(out), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 3])
+def test_killed_rank_resumes_under_torchrun_with_nothing_counted_twice(two_ranks, tmp_path, stage):
+    """Rank 1 is SIGKILLed in the middle of window 6 (last checkpoint: step 4); torchrun restarts
+    both ranks, which resume from step 4 and end equal to the uninterrupted run."""
+    out = tmp_path / "run"
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
+    result = run_job(out, "--stage", str(stage), "--kill-at", "11", launcher=torchrun)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "exitcode: -9" in result.stderr  # the kill happened, and the restart finished the job
+    assert "resuming from step_00000004" in result.stderr
+    for rank, (expected, _) in enumerate(two_ranks[f"straight{stage}"]):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert got["resumed_from"].endswith(checkpoint_name(4))
+        assert_same_run(got, expected)
+    assert listing(out / "checkpoints") == steps(6, 8)
+
+
+def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes(tmp_path):
+    """One process: SIGTERM mid-window -> exit 75 after saving, no traceback; again -> done."""
+    out = tmp_path / "run"
+    stopped = run_job(out, "--term-at", "10")  # window 3 of 4 micro-steps
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "SIGTERM received: saved" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert listing(out / "checkpoints") == steps(2, 3)
+    finished = run_job(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "resuming from step_00000003" in finished.stderr
+    got = torch.load(out / "rank0.pt", weights_only=False)
+    eng = engine.initialize(mlp(0), job.config(0, tmp_path / "straight", stop_signals=[]))
+    try:
+        expected = job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+    assert_same_run(got, expected, tol=1e-13)
+
+
+USR1_CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(9))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_launch_forwards_sigusr1_and_has_torchrun_handle_it():
+    """Slurm's warning before a time limit must reach the ranks, not end the launcher."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from launch.cli import run; "
+         f"sys.exit(run([sys.executable, '-c', {USR1_CHILD!r}]))"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert launcher.stdout.readline().strip() == "ready"
+    launcher.send_signal(signal.SIGUSR1)
+    assert launcher.wait(timeout=30) == 9
+    torchrun = build_parser().parse_args(["--nproc-per-node", "2", JOB])
+    added = launcher_environment(torchrun, {})["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")
+    assert {"SIGTERM", "SIGUSR1"} <= set(added)
+    assert launcher_environment(torchrun, {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}) == {}
+    assert launcher_environment(build_parser().parse_args(["--launcher", "deepspeed", JOB]), {}) == {}
+
+
+# -- one process, in this one: damaged checkpoints, keep_last, resume rules ------------------------
+def one_process(directory, **checkpoint):
+    return engine.initialize(mlp(0), job.config(0, directory, stop_signals=[], **checkpoint))
+
+
+def trained(directory, steps_=job.STEPS, **checkpoint):
+    eng = one_process(directory, **checkpoint)
+    try:
+        return job.snapshot(eng, job.train(eng, steps=steps_))
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("straight"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no manifest"])
+def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight, damage, caplog):
+    trained(tmp_path)
+    newest = tmp_path / checkpoint_name(8)
+    if damage == "truncate":
+        files = [p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST]
+        victim = max(files, key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    else:
+        (newest / MANIFEST).unlink()
+    with caplog.at_level(logging.INFO, logger="engine"):
+        eng = one_process(tmp_path)
+    try:
+        assert eng.autosave.resumed_from == str(tmp_path / checkpoint_name(6)) and eng.global_steps == 6
+        skipped = [r for r in caplog.records if r.levelno == logging.WARNING and "skipping" in r.getMessage()]
+        assert len(skipped) == 1 and checkpoint_name(8) in skipped[0].getMessage()
+        assert ("truncated" if damage == "truncate" else "not a complete checkpoint") in skipped[0].getMessage()
+        got = job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+    assert_same_run(got, straight)
+
+
+@pytest.mark.parametrize("every, keep, kept",
+                         [(1, 1, (8,)), (1, 3, (6, 7, 8)), (3, 2, (3, 6)), (2, None, (2, 4, 6, 8))])
+def test_keep_last_keeps_exactly_that_many(tmp_path, every, keep, kept):
+    trained(tmp_path, every_steps=every, keep_last=keep)
+    assert listing(tmp_path) == steps(*kept)
+
+
+def test_resume_never_and_resume_from_a_path(tmp_path, straight):
+    first = tmp_path / "first"
+    trained(first, steps_=4)
+    with pytest.raises(engine.CheckpointError, match="resume: never, but checkpoint.dir .* already holds"):
+        one_process(first, resume="never")
+    # A path is where a run starts while its own dir is empty ...
+    second = tmp_path / "second"
+    eng = one_process(second, resume=str(first / checkpoint_name(2)))
+    try:
+        assert eng.global_steps == 2
+        job.train(eng, steps=5)  # saves step 4 into its own dir
+    finally:
+        eng.close()
+    # ... after which a restart continues from its own newest checkpoint, not from the path.
+    eng = one_process(second, resume=str(first / checkpoint_name(2)))
+    try:
+        assert eng.autosave.resumed_from == str(second / checkpoint_name(4)) and eng.global_steps == 4
+        got = job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+    assert_same_run(got, straight)
+    with pytest.raises(engine.CheckpointError, match="resume: .*does not exist"):
+        one_process(tmp_path / "third", resume=str(tmp_path / "nowhere"))
+
+
+def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
+    eng = one_process(tmp_path)
+    try:
+        data = job.dataset()
+        batches = eng.batches(data, seed=3)
+        assert eng.batches(data, seed=3) is batches and eng.batches(data, seed=4) is not batches
+        assert eng.batches(data, seed=4).state_dict()["seed"] == 4
+    finally:
+        eng.close()
+
+
+def _deepspeed_resume(rank, world, root):
+    """Two runs on the DeepSpeed backend: the first saves step 2 and 4, the second resumes."""
+    config = job.config(0, root, stop_signals=[], tag_validation="Fail")
+    config["backend"] = "deepspeed"
+    data = torch.utils.data.TensorDataset(*(t.float() for t in job.dataset().tensors))  # DeepSpeed: no float64
+    seen = []
+    for attempt in range(2):
+        eng = engine.initialize(mlp(0, dtype=torch.float32), config)
+        try:
+            seen.append((eng.strategy.ds_engine.checkpoint_tag_validation_fail(), eng.global_steps))
+            while attempt == 0 and eng.global_steps < 5:
+                for batch in eng.batches(data):
+                    if eng.global_steps == 5:
+                        break
+                    eng.train_batch(batch, mse)
+        finally:
+            eng.close()
+    return seen, eng.autosave.resumed_from
+
+
+@pytest.mark.distributed
+def test_deepspeed_backend_resumes_and_gets_its_checkpoint_keys(tmp_path):
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    [(seen, resumed_from)] = run_distributed(_deepspeed_resume, world_size=1, args=(str(tmp_path),), timeout=240,
+                                             env=env)
+    assert seen == [(True, 0), (True, 4)]  # tag_validation: Fail reached DeepSpeed; resumed at step 4
+    assert resumed_from == str(tmp_path / checkpoint_name(4))
+
+
+def test_checkpoint_section_keys_and_deepspeed_pass_through():
+    config = engine.load_config({"checkpoint": {"dir": "ckpt", "every_steps": 5, "tag_validation": "Fail",
+                                                "load_universal": False}, "backend": "deepspeed"})
+    assert config.checkpoint.dir == "ckpt" and config.checkpoint.resume == "auto"
+    assert "checkpoint" not in config.deepspeed_extras
+    assert deepspeed_config(config, 2)["checkpoint"] == {"tag_validation": "Fail", "load_universal": False}
+    assert "checkpoint" not in deepspeed_config(engine.load_config({"backend": "deepspeed"}), 2)
+    with pytest.raises(engine.ConfigError) as problems:
+        engine.load_config({"checkpoint": {"every_steps": 5, "keep_last": 0, "stop_signals": ["SIGKILL"],
+                                           "every_step": 1}})
+    text = str(problems.value)
+    for expected in ("checkpoint.every_step: unknown key; did you mean every_steps?",
+                     "checkpoint.keep_last: must be > 0", "SIGKILL cannot be caught"):
+        assert expected in text
+    with pytest.raises(engine.ConfigError, match="every_steps needs dir"):
+        engine.load_config({"checkpoint": {"every_steps": 5}})
