@@ -24,7 +24,7 @@ rank's time counts (median over rounds). Bytes: one optimizer step per variant c
 ``bench.comm_count.CommCounter`` (torch.distributed calls, DDP's hook) plus
 ``CommCounter.watch_deepspeed`` (DeepSpeed's comm backend, which
 binds some torch functions at start-up): every collective is counted once, as the bytes
-one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed_compare.json.
+one rank puts on the wire with ring algorithms. Results: bench/results/deepspeed_compare_w<W>.json.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the slowest rank's time counts. Rows by memory profile:
 * Deferred reduction (``defer_reduction: true``: memory traded for traffic): against FSDP2
   with gradient sync and resharding deferred to the window's last micro-step.
 
-Results: bench/results/distributed.json (rank 0 prints a table). Held memory and traffic:
+Results: bench/results/distributed_w<W>.json (rank 0 prints a table). Held memory and traffic:
 bench/zero_memory.py.
 """
 
