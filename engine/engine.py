@@ -18,7 +18,8 @@ Sizes in the manual loop. The k-th micro-step of a window is taken to hold
 ``plan.micro_batch_sizes[k]`` samples (no collective at the boundary), unless
 ``sizes_from_inputs`` is set (the DeepSpeed / Colossal-AI adapters set it) or the plan is
 data-defined (the config gives only A): then a micro-batch holds what the tensors passed
-to ``eng(...)`` hold along dim 0, and U is summed over the ranks at the boundary. A
+to ``eng(...)`` hold along dim 0 — in the forward its loss came from, when a micro-step ran
+several (``engine.forward_sizes``) — and U is summed over the ranks at the boundary. A
 data-defined plan has no G: the weights use a nominal one, the previous window's real
 total (A·W before the first), so the multiplier G / U is 1 whenever windows repeat their
 size.
@@ -46,8 +47,9 @@ from engine.collectives import max_over_ranks
 from engine.data import DistributedBatches
 from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
+from engine.forward_sizes import forward_of_loss, record_forward
 from engine.memory import PeakMeter
-from engine.microbatch import BatchError, batch_size, split_batch, tensor_leaves
+from engine.microbatch import BatchError, batch_size, split_batch
 from engine.strategies.base import StepResult, Strategy
 from engine.token_budget import LengthsFn, TokenCost, TokenSplitter, take_rows, token_cost
 
@@ -73,7 +75,7 @@ class _Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
-    input_samples: int | None = None  # dim 0 of the inputs of this micro-step's forward
+    forwards: list = field(default_factory=list)  # sizes read from the inputs: this micro-step's forwards
 
     def loss_total(self) -> torch.Tensor:
         """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
@@ -186,17 +188,18 @@ class Engine:
                 self._peak.start()
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
-        if not self._splitting:
-            if self._reads_input_sizes():
-                if window.input_samples is None:  # the micro-step's first forward with a batch
-                    window.input_samples = _input_batch_size(args, kwargs)
-            else:
-                self._check_manual_micro_batch(args)
+        reads_sizes = not self._splitting and self._reads_input_sizes()
+        if not self._splitting and not reads_sizes:
+            self._check_manual_micro_batch(args)
         window.forwarded = True
         if not self._recording:
-            return self.strategy.forward(*args, **kwargs)
-        with self._peak.forward():
-            return self.strategy.forward(*args, **kwargs)
+            output = self.strategy.forward(*args, **kwargs)
+        else:
+            with self._peak.forward():
+                output = self.strategy.forward(*args, **kwargs)
+        if reads_sizes:  # every forward: the loss tells at backward which one it came from
+            window.forwards.append(record_forward(args, kwargs, output))
+        return output
 
     def _check_manual_micro_batch(self, args) -> None:
         """The manual loop weights the k-th micro-step as the plan's k-th micro-batch: say so
@@ -238,25 +241,37 @@ class Engine:
                 "micro-steps: call step() after every backward()"
             )
         if self._reads_input_sizes():
-            self._backward(loss, self._input_samples(), exact_counts=True)
+            self._backward(loss, self._input_samples(loss), exact_counts=True)
         else:
             self._backward(loss, self.plan.micro_batch_sizes[k], exact_counts=False)
 
     def _reads_input_sizes(self) -> bool:
         return self.sizes_from_inputs or self.plan.is_data_defined
 
-    def _input_samples(self) -> int:
-        window = self._window
-        if not window.forwarded:
+    def _input_samples(self, output) -> int:
+        """The batch size of the forward this micro-step's loss came from (engine.forward_sizes)."""
+        forwards = self._window.forwards
+        if not forwards:
             raise EngineUsageError(
                 "backward() without a forward through the engine: the micro-batch's size is read from what "
                 "eng(...) is given — call eng(x), not eng.module(x)")
-        if window.input_samples is None:
+        loss = self._loss_and_units(output, 0)[0]
+        _check_loss(loss)
+        forward = forward_of_loss(loss, forwards)
+        if forward is None:
+            forward = forwards[-1]
+            if not self._size_warned:
+                self._size_warned = True
+                log.warning("micro-step %d ran %d forwards of different batch sizes (%s) and the loss could not "
+                            "be traced to one of them: it is weighted by the last one's; run other forwards under "
+                            "torch.no_grad()", self._window.micro_steps, len(forwards),
+                            ", ".join(str(f.samples) for f in forwards))
+        if forward.samples is None:
             raise EngineUsageError(
                 "cannot tell this micro-batch's size: the tensors given to eng(...) do not share a first "
                 "(batch) dimension, or there are none. Pass the batch's tensors to eng(...), or set "
                 "train_micro_batch_size_per_gpu in the config so the plan gives the sizes")
-        return window.input_samples
+        return forward.samples
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-step in progress (or just back-propagated) is the last of its window."""
@@ -647,7 +662,7 @@ class Engine:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
         window.backward_since_step = True
-        window.forwarded, window.input_samples = False, None
+        window.forwarded, window.forwards = False, []
         self.micro_steps += 1
 
     def _close_window(self) -> None:
@@ -734,12 +749,6 @@ def _restore_optional(obj, state, what: str) -> None:
         log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
     elif state is not None:
         log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
-
-
-def _input_batch_size(args, kwargs) -> int | None:
-    """The first dimension shared by every tensor given to a forward (None: none, or they differ)."""
-    sizes = {t.shape[0] for _, t in tensor_leaves((args, kwargs)) if t.dim() > 0}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _check_loss(loss) -> None:

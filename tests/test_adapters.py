@@ -57,6 +57,18 @@ def test_tensor_helpers():
     assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
 
 
+def test_autograd_sequence_numbers_fall_along_the_graph():
+    """What engine.forward_sizes relies on: a node's inputs were numbered before it."""
+    x = torch.ones(2, requires_grad=True)
+    first = x * 2
+    second = (x + 1).sum()
+    loss = first.sum() * second
+    number = torch_internals.autograd_sequence_nr
+    assert number(first.grad_fn) < number(second.grad_fn) < number(loss.grad_fn)
+    for node, _ in loss.grad_fn.next_functions:
+        assert number(node) < number(loss.grad_fn)
+
+
 # -- torch: DDP and FSDP2, on two ranks -----------------------------------------------------------
 def _ddp_gradient_sync(rank, world):
     model = torch.nn.Linear(2, 1, bias=False)

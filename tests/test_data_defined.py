@@ -162,11 +162,31 @@ def test_sizes_come_from_the_forward_and_must_be_readable():
         eng.backward(torch.nn.functional.mse_loss(eng.module(x, torch.ones(1, dtype=x.dtype)), y))
     with pytest.raises(engine.EngineUsageError, match="do not share a first"):
         eng.backward(torch.nn.functional.mse_loss(eng(x, torch.ones(1, dtype=x.dtype)), y))
-    # a second forward in the same micro-step does not change its size: the first one's counts
-    loss = torch.nn.functional.mse_loss(eng(x, torch.ones(4, 1, dtype=x.dtype)), y)
-    eng(x[:1], torch.ones(1, 1, dtype=x.dtype))
-    eng.backward(loss)
+    eng.close()
+
+
+def failing_loss(model, x):
+    model(x)
+    raise ValueError("a loss that fails after its forward")
+
+
+def test_a_micro_step_holds_what_the_forward_its_loss_came_from_held(caplog):
+    """Forwards with gradients enabled that reach no backward (an evaluation pass without
+    no_grad, a forward whose loss raised, one after the loss's own) do not size the micro-step:
+    a window of 1 + 3 samples equals the full-batch reference with any of them around."""
+    x, y = samples(0, 0, 4, 0)
+    big, _ = samples(1, 0, 16, 0)
+    expected = state(reference_train(mlp(), [(x, y)], mse, sgd))
+    eng = engine.initialize(mlp(), {**CONFIG, "gradient_accumulation_steps": 2})
+    eng(big)  # an evaluation pass that forgot torch.no_grad()
+    eng.backward(mse(eng, (x[:1], y[:1])))
     eng.step()
-    eng.flush()
-    assert eng.global_samples == 4
+    with pytest.raises(ValueError):  # a forward whose loss fails, then the micro-step again
+        failing_loss(eng, big)
+    loss = mse(eng, (x[1:], y[1:]))
+    eng(x[:2])  # a forward after the loss's own
+    eng.backward(loss)
+    assert eng.step()
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    assert eng.global_samples == 4 and not caplog.records  # every loss traced to its forward: nothing to warn
     eng.close()

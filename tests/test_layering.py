@@ -18,7 +18,7 @@ LAYERS = {
         "engine.config",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.collectives", "engine.memory"],
-    1: ["engine.batch_plan", "engine.microbatch", "engine.token_budget", "engine.data", "engine.optim", "engine.precision",
+    1: ["engine.batch_plan", "engine.microbatch", "engine.forward_sizes", "engine.token_budget", "engine.data", "engine.optim", "engine.precision",
         "engine.rank_consistency", "engine.preemption"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",

@@ -67,7 +67,15 @@ def _required():
         for name in ("_wait_for_post_backward", "_to_sharded"):
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
 
+
+# -- autograd ----------------------------------------------------------------------------------
+def autograd_sequence_nr(node) -> int:
+    """When autograd created ``node``: a per-thread counter that increases with every node,
+    so a node's inputs (its ``next_functions``) carry smaller numbers than the node itself
+    (``AccumulateGrad`` of a leaf: the largest integer)."""
+    return node._sequence_nr()
 
 
 # -- DDP -------------------------------------------------------------------------------------
