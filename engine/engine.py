@@ -266,12 +266,23 @@ class Engine:
                             "be traced to one of them: it is weighted by the last one's; run other forwards under "
                             "torch.no_grad()", self._window.micro_steps, len(forwards),
                             ", ".join(str(f.samples) for f in forwards))
-        if forward.samples is None:
+        if forward.samples is not None:
+            return forward.samples
+        if self.plan.is_data_defined:
             raise EngineUsageError(
-                "cannot tell this micro-batch's size: the tensors given to eng(...) do not share a first "
-                "(batch) dimension, or there are none. Pass the batch's tensors to eng(...), or set "
-                "train_micro_batch_size_per_gpu in the config so the plan gives the sizes")
-        return forward.samples
+                f"cannot tell this micro-batch's size: the tensors given to eng(...) do not share a first (batch) "
+                f"dimension ({forward.inputs}). The config gives only gradient_accumulation_steps, so each "
+                "micro-batch counts with the batch size of its inputs: give every tensor passed to eng(...) the "
+                "batch as its first dimension (e.g. position_ids [batch, T], not [1, T]), or set "
+                "train_micro_batch_size_per_gpu (or train_batch_size) so the plan gives the sizes")
+        planned = self.plan.micro_batch_sizes[self._window.micro_steps]
+        if not self._size_warned:
+            self._size_warned = True
+            log.warning("micro-step %d: the tensors given to eng(...) do not share a first (batch) dimension (%s); "
+                        "it counts as the plan's micro-batch of %d samples (eng.plan.micro_batch_sizes), as will "
+                        "any other micro-step whose size cannot be read (shown once)",
+                        self._window.micro_steps, forward.inputs, planned)
+        return planned
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-step in progress (or just back-propagated) is the last of its window."""

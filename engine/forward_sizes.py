@@ -40,8 +40,8 @@ class Forward:
 
 def record_forward(args, kwargs, output: Any) -> Forward:
     """What ``eng(*args, **kwargs)`` returning ``output`` tells about the micro-batch's size."""
-    dims = [(path.replace("batch", "inputs", 1), t.shape[0]) for path, t in tensor_leaves((args, kwargs))
-            if t.dim() > 0]
+    leaves = [*tensor_leaves(args, "args"), *tensor_leaves(kwargs, "kwargs")]
+    dims = [(path, t.shape[0]) for path, t in leaves if t.dim() > 0]
     sizes = {n for _, n in dims}
     samples = sizes.pop() if len(sizes) == 1 else None
     inputs = "" if samples is not None else \

@@ -18,7 +18,7 @@ import engine
 import engine.compat.deepspeed as compat_deepspeed
 from engine.batch_plan import plan_from_config
 from tests.dist_utils import run_scenarios
-from tests.reference import mlp, reference_train, regression_batches
+from tests.reference import mlp, reference_train, regression_batches, sgd
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -204,6 +204,38 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
     assert model_engine.load_checkpoint(str(tmp_path)) == (None, None)  # no latest file, as DeepSpeed
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    model_engine.destroy()
+
+
+class SharedShift(torch.nn.Module):
+    """A model given, beside the batch, a tensor the whole batch shares ([1, d], as position_ids
+    [1, T] often are): the inputs have no one batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x, shift):
+        return self.inner(x + shift)
+
+
+def test_inputs_without_one_batch_dimension_count_as_the_plans_micro_batches(caplog):
+    """With train_micro_batch_size_per_gpu set, such inputs weigh as the plan's sizes (a warning,
+    once) instead of failing at backward; equal to the float64 full-batch reference."""
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    model_engine, *_ = compat_deepspeed.initialize(model=SharedShift(), config=config)
+    batches = regression_batches(2, 4)
+    shift = torch.zeros(1, 8, dtype=torch.float64)
+    for x, y in batches:
+        for part in (slice(0, 2), slice(2, 4)):
+            model_engine.backward(F.mse_loss(model_engine(x[part], shift), y[part]))
+            model_engine.step()
+    expected = reference_train(mlp(), batches, lambda m, b: F.mse_loss(m(b[0]), b[1]), sgd).state_dict()
+    ours = model_engine.module_state_dict()
+    assert max((ours[f"inner.{k}"] - v).abs().max().item() for k, v in expected.items()) < 1e-12
+    warned = [r.getMessage() for r in caplog.records if "do not share a first (batch) dimension" in r.getMessage()]
+    assert len(warned) == 1 and "args[0]: 2, args[1]: 1" in warned[0] and "micro-batch of 2 samples" in warned[0], warned
     model_engine.destroy()
 
 
