@@ -6,6 +6,7 @@ reference. Two gloo ranks; DeepSpeed runs on its CPU accelerator (fp32: it refus
 import argparse
 import functools
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -205,6 +206,22 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
     model_engine.destroy()
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"train_micro_batch_size_per_gpu": "auto"},
+     r"train_micro_batch_size_per_gpu: 'auto': give a number \('auto' in a DeepSpeed JSON written for the Hugging "
+     r"Face Trainer is a placeholder.*the DeepSpeed-style loop forms its own micro-batches"),
+    ({"train_micro_batch_size_per_gpu": "explore"}, r"'explore': give a number; the DeepSpeed-style loop"),
+    ({"micro_batch_tokens": 64}, r"micro_batch_tokens: the DeepSpeed-style loop forms its own micro-batches"),
+])
+def test_what_only_train_batch_can_do_is_refused_at_initialize(tmp_path, settings, problem):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **settings,
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    with pytest.raises(engine.ConfigError, match=problem) as refused:
+        compat_deepspeed.initialize(model=mlp(dtype=F32), config=str(path))
+    assert str(refused.value).startswith(f"{path}:")  # where the key was written
 
 
 class SharedShift(torch.nn.Module):

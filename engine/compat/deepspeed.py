@@ -36,6 +36,7 @@ import torch
 
 import engine
 from engine.batch_plan import split_evenly
+from engine.compat import refuse_engine_formed_micro_batches
 from engine.config import Config, load_config
 from engine.config_checks import check_without_model
 from engine.data import DistributedBatches
@@ -105,6 +106,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     problems = check_without_model(config)
     if problems:
         raise ConfigError(problems)
+    refuse_engine_formed_micro_batches(config, "DeepSpeed-style")
     params = list(model.parameters() if model_parameters is None else model_parameters)
     optimizer, config = _client_or_config_optimizer(optimizer, params, config)
     lr_scheduler, config = _client_or_config_scheduler(lr_scheduler, config)
