@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
-from engine.errors import BatchError, OutOfMemoryAtMicroBatchOne, PeerError
+from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
 from engine.token_budget import budget_candidates, smaller_budget
 
@@ -142,7 +142,7 @@ class TokenBudget:
         try:
             layout, _ = engine.token_splitter.read(batch, engine.plan.micro_batch_tokens)
             longest = max(layout.lengths)
-        except BatchError:  # the window's own split reports it, on every rank
+        except Exception:  # noqa: BLE001 - e.g. the user's lengths(): the window's own split reports it, on every rank
             longest = 0
         return budget_candidates(engine.plan.micro_batch_tokens, max_over_ranks([longest])[0])[-MAX_CANDIDATES:]
 

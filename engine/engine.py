@@ -49,7 +49,7 @@ from engine.distributed import is_peer_lost
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.forward_sizes import forward_of_loss, record_forward
 from engine.memory import PeakMeter
-from engine.microbatch import BatchError, batch_size, split_batch
+from engine.microbatch import batch_size, split_batch
 from engine.strategies.base import StepResult, Strategy
 from engine.token_budget import LengthsFn, TokenCost, TokenSplitter, take_rows, token_cost
 
@@ -605,7 +605,7 @@ class Engine:
         try:
             layout, fewest = self.token_splitter.read(batch, budget, cap)
             problem = None
-        except BatchError as error:  # every rank must reach the agreement, even this one
+        except Exception as error:  # noqa: BLE001 - e.g. the user's lengths(): every rank must reach the agreement
             layout, fewest, problem = None, 0, error
         steps, failed = self._agree_max([fewest, self.rank + 1 if problem else 0], "split its batch by tokens")
         if problem is not None:

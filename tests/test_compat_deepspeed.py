@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,31 @@ def microstep(rank, world_size, name, root):
     return training_script(compat_deepspeed, CONFIGS[name], os.path.join(root, f"ms-{name}"))
 
 
+def latest_as_rank_0_reads_it(rank, world_size, root):
+    """Ranks whose views of ``latest`` differ (rank 1's lags, as on a file system that syncs late):
+    every rank loads the checkpoint rank 0 reads, instead of some loading another or none."""
+    save_dir = os.path.join(root, "latest")
+    model_engine, *_ = compat_deepspeed.initialize(model=mlp(dtype=F32), config=CONFIGS["stage0"])
+    x, y = batches()[0]
+    for tag in ("first", "second"):
+        for k in range(2):
+            part = slice(4 * rank + 2 * k, 4 * rank + 2 * k + 2)
+            model_engine.backward(F.mse_loss(model_engine(x[part]), y[part]))
+            model_engine.step()
+        model_engine.save_checkpoint(save_dir, tag=tag)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 has read latest by now
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write("first")
+    try:
+        path, _ = model_engine.load_checkpoint(save_dir)
+        outcome = os.path.basename(path)
+    except engine.MicrostepError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    model_engine.destroy()
+    return outcome
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("compat_ds"))
@@ -114,7 +140,13 @@ def runs(tmp_path_factory):
             scenarios[f"microstep-{name}"] = functools.partial(microstep, name=name, root=root)
         if HAS_DEEPSPEED and "backend" not in CONFIGS[name]:
             scenarios[f"deepspeed-{name}"] = functools.partial(real_deepspeed, name=name, root=root)
+    scenarios["latest"] = functools.partial(latest_as_rank_0_reads_it, root=root)
     return run_scenarios(scenarios, world_size=2, timeout=300, env=ENV)
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_finds_in_latest(runs):
+    first, second = runs["latest"]
+    assert first == second and first in ("first", "second"), (first, second)
 
 
 def reference(lrs, clip):

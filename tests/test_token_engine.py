@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import time
 
 import pytest
 import torch
@@ -305,11 +306,29 @@ def left_padded_on_rank_1(rank, world):
     return outcome, eng.global_steps
 
 
+def lengths_fail_on_rank_1(rank, world):
+    """A lengths(batch) that raises (not a BatchError) on one rank: that rank raises its error, the
+    other learns at the agreement which rank failed, nobody waits out the agreement timeout."""
+    def lengths(batch):
+        if rank == 1:
+            raise ValueError("lengths() failed on rank 1")
+        return batch["attention_mask"].sum(1)
+
+    eng = token_engine(tiny_lm(), global_batch=4, lengths=lengths, distributed={"agreement_timeout_seconds": 20})
+    started = time.perf_counter()
+    try:
+        eng.train_batch(padded_batch([3, 2], width=4))
+    except (ValueError, engine.EngineUsageError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, time.perf_counter() - started
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     scenarios = {f"llama stage {stage}": functools.partial(llama_scenario, stage=stage) for stage in (0, 3)}
     scenarios |= {f"oom stage {stage}": functools.partial(oom_scenario, stage=stage) for stage in (0, 3)}
     scenarios["left padded on rank 1"] = left_padded_on_rank_1
+    scenarios["lengths fail on rank 1"] = lengths_fail_on_rank_1
     return run_scenarios(scenarios, world_size=2, timeout=240)
 
 
@@ -353,6 +372,15 @@ def test_a_batch_one_rank_cannot_split_stops_every_rank(two_ranks):
                      "every rank stops at the same micro-step")
     assert second.startswith("TokenBudgetError: batch['attention_mask']: row 0 is left-padded")
     assert steps0 == steps1 == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_lengths_function_failing_on_one_rank_stops_every_rank_at_once(two_ranks):
+    (first, waited0), (second, waited1) = two_ranks["lengths fail on rank 1"]
+    assert first.startswith("EngineUsageError: rank 1 could not split its batch by tokens")
+    assert second == "ValueError: lengths() failed on rank 1"
+    assert max(waited0, waited1) < 10  # not the agreement timeout (20 s)
 
 
 def deepspeed_scenario(rank, world, stage):

@@ -36,6 +36,7 @@ import torch
 
 import engine
 from engine.batch_plan import split_evenly
+from engine.collectives import from_rank0
 from engine.compat import refuse_engine_formed_micro_batches
 from engine.config import Config, load_config
 from engine.config_checks import check_without_model
@@ -323,7 +324,7 @@ class DeepSpeedEngine:
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
-        """Restore ``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names). Returns
+        """Restore ``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names, as rank 0 reads it). Returns
         ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``. Collective."""
         partial = {name: value for name, value, default in (
             ("load_module_strict", load_module_strict, True), ("load_optimizer_states", load_optimizer_states, True),
@@ -334,18 +335,25 @@ class DeepSpeedEngine:
                 f"load_checkpoint({', '.join(f'{k}={v!r}' for k, v in partial.items())}): Microstep restores the "
                 "whole training state of a checkpoint; to start from a model's weights only, load them into the model "
                 "before deepspeed.initialize")
-        if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+        if tag is None:  # rank 0's reading, on every rank: another file system view would split the ranks
+            tag = from_rank0(_read_latest(load_dir) if self.engine.rank == 0 else None)
+            if tag is None:
                 log.warning("no %s file in %s: nothing loaded (pass tag= to load a given checkpoint)", LATEST, load_dir)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
         return path, self.engine.load_checkpoint(path)
 
     def destroy(self) -> None:
         self.engine.close()
+
+
+def _read_latest(load_dir: str) -> str | None:
+    """The tag ``load_dir/latest`` names, or None without that file."""
+    try:
+        with open(os.path.join(load_dir, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _write_latest(save_dir: str, tag: str) -> None:
