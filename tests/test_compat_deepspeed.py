@@ -256,6 +256,20 @@ def test_what_only_train_batch_can_do_is_refused_at_initialize(tmp_path, setting
     assert str(refused.value).startswith(f"{path}:")  # where the key was written
 
 
+def test_a_data_defined_plans_train_batch_size_is_the_last_windows():
+    config = {"gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    model_engine, *_ = compat_deepspeed.initialize(model=mlp(dtype=F32), config=config)
+    with pytest.raises(engine.EngineUsageError, match=r"train_batch_size\(\): the config gives only "
+                       r"gradient_accumulation_steps.*known once a window has closed"):
+        model_engine.train_batch_size()
+    x, y = regression_batches(1, 4, dtype=F32)[0]
+    for part in (slice(0, 1), slice(1, 4)):
+        model_engine.backward(F.mse_loss(model_engine(x[part]), y[part]))
+        model_engine.step()
+    assert model_engine.train_batch_size() == 4 and model_engine.train_micro_batch_size_per_gpu() is None
+    model_engine.destroy()
+
+
 class SharedShift(torch.nn.Module):
     """A model given, beside the batch, a tensor the whole batch shares ([1, d], as position_ids
     [1, T] often are): the inputs have no one batch dimension."""

@@ -11,6 +11,7 @@ import torch
 
 import engine
 from engine.batch_plan import plan_from_config
+from engine.errors import CheckpointError
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mlp, mse, reference_train, sgd, state
 
@@ -191,3 +192,24 @@ def test_a_micro_step_holds_what_the_forward_its_loss_came_from_held(caplog):
     assert max_param_diff(eng.full_state_dict(), expected) < TOL
     assert eng.global_samples == 4 and not caplog.records  # every loss traced to its forward: nothing to warn
     eng.close()
+
+
+def test_resuming_across_a_data_defined_plan_names_the_keys_to_change(tmp_path):
+    x, y = samples(0, 0, 3, 0)
+    engines = {"data": engine.initialize(mlp(), CONFIG),
+               "planned": engine.initialize(mlp(), {**CONFIG, "train_batch_size": 3})}
+    for name, eng in engines.items():
+        for k in range(ACCUMULATION):
+            eng.backward(mse(eng, (x[k:k + 1], y[k:k + 1])))
+            eng.step()
+        eng.save_checkpoint(tmp_path / name)
+    with pytest.raises(CheckpointError, match=r"trained with a data-defined batch \(the config gave only "
+                       r"gradient_accumulation_steps\); this engine has 3\..*give only "
+                       r"gradient_accumulation_steps, as when it was saved: remove train_batch_size and "
+                       r"train_micro_batch_size_per_gpu"):
+        engines["planned"].load_checkpoint(tmp_path / "data")
+    with pytest.raises(CheckpointError, match=r"trained with train_batch_size 3 \(the global batch\); this engine has "
+                       r"a data-defined batch .*set train_batch_size: 3"):
+        engines["data"].load_checkpoint(tmp_path / "planned")
+    for eng in engines.values():
+        eng.close()

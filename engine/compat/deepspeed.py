@@ -261,10 +261,22 @@ class DeepSpeedEngine:
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
 
-    def train_batch_size(self) -> int | None:
-        return self.engine.plan.train_batch_size
+    def train_batch_size(self) -> int:
+        """The global batch. A config giving only ``gradient_accumulation_steps`` (which
+        DeepSpeed itself refuses) plans none: the data defines it, and this is the last
+        window's, every rank's samples summed; an error before the first window closed."""
+        plan, last = self.engine.plan, self.engine.last_window
+        if not plan.is_data_defined:
+            return plan.train_batch_size
+        if not last.samples:
+            raise EngineUsageError(
+                "train_batch_size(): the config gives only gradient_accumulation_steps, so the global batch is "
+                "whatever the data loader yields, known once a window has closed (then: the last window's samples "
+                "over every rank); set train_batch_size or train_micro_batch_size_per_gpu for a planned one")
+        return last.samples
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The planned micro-batch size (None when the config gives only the accumulation steps)."""
         return self.engine.plan.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
