@@ -1,7 +1,10 @@
 """``import engine.compat.deepspeed as deepspeed``: the same DeepSpeed script and JSON train
 the same model as DeepSpeed itself (stages 0 and 2, clipping by the config and by
 DeepSpeed's default, WarmupLR, a checkpoint round trip), and equal the float64 full-batch
-reference. Two gloo ranks; DeepSpeed runs on its CPU accelerator (fp32: it refuses float64)."""
+reference. Clipping at every step would hide a constant factor in the weighting, so a second
+script runs without clipping, with unequal and short micro-batches: exact against the
+reference, DeepSpeed's 1/A where DeepSpeed weights so, and broken facades miss. Two gloo ranks;
+DeepSpeed runs on its CPU accelerator (fp32: it refuses float64)."""
 
 import argparse
 import functools
@@ -19,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import engine
 import engine.compat.deepspeed as compat_deepspeed
 from engine.batch_plan import plan_from_config
+from tests import broken
 from tests.dist_utils import run_scenarios
 from tests.reference import mlp, reference_train, regression_batches, sgd
 
@@ -106,6 +110,78 @@ def microstep(rank, world_size, name, root):
     return training_script(compat_deepspeed, CONFIGS[name], os.path.join(root, f"ms-{name}"))
 
 
+# -- no clipping: the weighting itself, with unequal and short micro-batches -----------------------
+# Clipping at every step (above) rescales each update to the clip norm, which hides a constant
+# factor in the gradient (a 2x or 1/A weighting moves the result by ~1e-8 there). Without it,
+# with SGD + momentum, the weighting shows directly.
+NO_CLIP = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "zero_allow_untested_optimizer": True}
+# window -> rank -> its micro-batch sizes: equal; unequal within and between ranks; a short last one
+UNEQUAL = [[(2, 2), (2, 2)], [(3, 1), (1, 3)], [(2, 1), (2, 1)]]
+
+
+def unequal_windows():
+    """Every window's micro-batches, per rank (fp32; targets scaled as in batches())."""
+    g = torch.Generator().manual_seed(5)
+    return [[[(torch.randn(n, 8, generator=g), 4 * torch.randn(n, 3, generator=g)) for n in sizes]
+             for sizes in window] for window in UNEQUAL]
+
+
+def unequal_script(deepspeed, config, breaks=None):
+    """The model after each window of UNEQUAL, run by ``deepspeed`` (either one); ``breaks``: a
+    tests.broken variant applied to the facade's engine."""
+    model = mlp(dtype=F32)
+    model_engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if breaks is not None:
+        breaks(model_engine.engine)
+    states = []
+    for window in unequal_windows():
+        for x, y in window[model_engine.global_rank]:
+            model_engine.backward(F.mse_loss(model_engine(x.to(model_engine.device)), y.to(model_engine.device)))
+            model_engine.step()
+        states.append(flat(model_engine.module_state_dict()))
+    model_engine.destroy()
+    return states
+
+
+def unequal_real_deepspeed(rank, world_size, stage):
+    from engine.adapters.deepspeed_internals import import_deepspeed
+
+    return unequal_script(import_deepspeed(), {**NO_CLIP, "zero_optimization": {"stage": stage}})
+
+
+def unequal_microstep(rank, world_size, stage, breaks=None):
+    return unequal_script(compat_deepspeed, {**NO_CLIP, "zero_optimization": {"stage": stage}}, breaks)
+
+
+def unequal_reference(weight):
+    """Float64 SGD + momentum on every window's micro-batches at once, each micro-batch's mean
+    loss weighted by ``weight(samples, window_samples)``; the model after each window."""
+    model = mlp(dtype=F32).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    states = []
+    for window in unequal_windows():
+        parts = [(x.double(), y.double()) for rank in window for x, y in rank]
+        total = sum(len(x) for x, _ in parts)
+        optimizer.zero_grad()
+        sum(weight(len(x), total) * F.mse_loss(model(x), y) for x, y in parts).backward()
+        optimizer.step()
+        states.append(flat(model.state_dict()))
+    return states
+
+
+BUGS = (broken.weighted_one_over_a, broken.gradient_doubled)  # facades that got the weighting wrong
+
+
+def exact_weights(samples, total):
+    return samples / total  # the mean over the window's samples
+
+
+def one_over_a_weights(samples, total):
+    return 1 / (NO_CLIP["gradient_accumulation_steps"] * 2)  # every micro-batch 1/A, every rank 1/W
+
+
 def latest_as_rank_0_reads_it(rank, world_size, root):
     """Ranks whose views of ``latest`` differ (rank 1's lags, as on a file system that syncs late):
     every rank loads the checkpoint rank 0 reads, instead of some loading another or none."""
@@ -141,7 +217,41 @@ def runs(tmp_path_factory):
         if HAS_DEEPSPEED and "backend" not in CONFIGS[name]:
             scenarios[f"deepspeed-{name}"] = functools.partial(real_deepspeed, name=name, root=root)
     scenarios["latest"] = functools.partial(latest_as_rank_0_reads_it, root=root)
+    for stage in (0, 2):
+        scenarios[f"microstep-noclip-stage{stage}"] = functools.partial(unequal_microstep, stage=stage)
+    for bug in BUGS:
+        scenarios[f"microstep-noclip-{bug.__name__}"] = functools.partial(unequal_microstep, stage=2, breaks=bug)
+    if HAS_DEEPSPEED:
+        scenarios["deepspeed-noclip-stage2"] = functools.partial(unequal_real_deepspeed, stage=2)
     return run_scenarios(scenarios, world_size=2, timeout=300, env=ENV)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_without_clipping_unequal_and_short_micro_batches_equal_the_reference(runs, stage):
+    exact, one_over_a = unequal_reference(exact_weights), unequal_reference(one_over_a_weights)
+    for states in runs[f"microstep-noclip-stage{stage}"]:
+        assert all((ours - expected).abs().max() < TOL for ours, expected in zip(states, exact))
+    # the 1/A weighting agrees on the equal window, then misses by far more than the tolerance
+    assert (one_over_a[0] - exact[0]).abs().max() < TOL
+    assert all((wrong - expected).abs().max() > 1000 * TOL for wrong, expected in zip(one_over_a[1:], exact[1:]))
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda bug: bug.__name__)
+def test_without_clipping_a_weighting_bug_misses_the_reference(runs, bug):
+    exact = unequal_reference(exact_weights)
+    for states in runs[f"microstep-noclip-{bug.__name__}"]:
+        assert (states[-1] - exact[-1]).abs().max() > 1000 * TOL
+
+
+@needs_deepspeed
+def test_without_clipping_deepspeed_weights_by_one_over_a_where_the_facade_is_exact(runs):
+    """DeepSpeed's own semantics: equal micro-batches give the facade's model; unequal or short
+    ones are weighted 1/A by DeepSpeed (its result is the 1/A reference), exactly by the facade."""
+    one_over_a = unequal_reference(one_over_a_weights)
+    for ours, theirs in zip(runs["microstep-noclip-stage2"], runs["deepspeed-noclip-stage2"]):
+        assert (ours[0] - theirs[0]).abs().max() < TOL
+        assert all((state - wrong).abs().max() < TOL for state, wrong in zip(theirs, one_over_a))
+        assert (ours[-1] - theirs[-1]).abs().max() > 1000 * TOL
 
 
 def test_every_rank_loads_the_checkpoint_rank_0_finds_in_latest(runs):
