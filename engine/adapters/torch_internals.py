@@ -86,15 +86,27 @@ def set_ddp_gradient_sync(ddp, enabled: bool) -> None:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------
-def fsdp_params(unit):
-    """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
+def _fsdp_param_groups(unit) -> list:
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch versions with one group per state
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
-    for group in groups:
+    return groups
+
+
+def fsdp_params(unit):
+    """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
+    for group in _fsdp_param_groups(unit):
         yield from group.fsdp_params
+
+
+def fsdp_offload_policies(units):
+    """The ``OffloadPolicy`` each unit's parameters were sharded with, one per parameter group
+    (what ``fully_shard(offload_policy=...)`` recorded; FSDP2 has no public getter)."""
+    for unit in units:
+        for group in _fsdp_param_groups(unit):
+            yield group.offload_policy
 
 
 def drop_unreduced_gradients(root, units) -> None:
