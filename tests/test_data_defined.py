@@ -1,9 +1,11 @@
 """A config giving only ``gradient_accumulation_steps`` (Colossal-AI's usual): the batch
 sizes are the data loader's, every micro-batch is weighted by its real size, and the
 result equals the float64 full-batch reference on 2 ranks with unequal micro-batches and
-unequal ranks. A 1/A weighting misses the same tolerance."""
+unequal ranks, at ZeRO stages 0, 2 and 3 and on the DeepSpeed backend (float32, ZeRO-2). A
+1/A weighting misses the same tolerance."""
 
 import functools
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mlp, mse, reference_train, sgd, state
 
 TOL = 1e-10
+FP32_TOL = 1e-6  # the DeepSpeed backend's float32 run against the float64 reference
 ACCUMULATION = 3
 CONFIG = {"gradient_accumulation_steps": ACCUMULATION,
           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
@@ -26,25 +29,26 @@ WHOLE_BATCHES = [{0: 7, 1: 5}]  # train_batch: each rank's batch, split into A n
 SHORT_WINDOW = {0: [2, 3], 1: [4, 1]}  # two micro-steps of three, closed by flush()
 
 
-def samples(window: int, rank: int, size: int, part: int):
-    """A deterministic micro-batch (float64) that every process can rebuild."""
+def samples(window: int, rank: int, size: int, part: int, dtype=torch.float64):
+    """A deterministic micro-batch that every process can rebuild."""
     g = torch.Generator().manual_seed(1000 * window + 100 * rank + part)
-    return torch.randn(size, 8, generator=g, dtype=torch.float64), torch.randn(size, 3, generator=g, dtype=torch.float64)
+    return (torch.randn(size, 8, generator=g, dtype=torch.float64).to(dtype),
+            torch.randn(size, 3, generator=g, dtype=torch.float64).to(dtype))
 
 
 def concat(parts):
     return tuple(torch.cat(column) for column in zip(*parts))
 
 
-def windows():
+def windows(dtype=torch.float64):
     """Every window as {rank: [micro-batches]}: manual windows, whole batches, the short one."""
     out = []
     for w, sizes in enumerate(MANUAL_SIZES):
-        out.append({r: [samples(w, r, n, k) for k, n in enumerate(ns)] for r, ns in sizes.items()})
+        out.append({r: [samples(w, r, n, k, dtype) for k, n in enumerate(ns)] for r, ns in sizes.items()})
     for w, sizes in enumerate(WHOLE_BATCHES, start=len(out)):
-        out.append({r: [samples(w, r, n, 0)] for r, n in sizes.items()})
+        out.append({r: [samples(w, r, n, 0, dtype)] for r, n in sizes.items()})
     w = len(out)
-    out.append({r: [samples(w, r, n, k) for k, n in enumerate(ns)] for r, ns in SHORT_WINDOW.items()})
+    out.append({r: [samples(w, r, n, k, dtype) for k, n in enumerate(ns)] for r, ns in SHORT_WINDOW.items()})
     return out
 
 
@@ -68,10 +72,12 @@ def one_over_a_reference():
     return state(model)
 
 
-def data_defined_run(rank, world_size, stage):
-    eng = engine.initialize(mlp(), {**CONFIG, "zero_optimization": {"stage": stage}})
+def data_defined_run(rank, world_size, stage, backend="torch"):
+    fp32 = backend == "deepspeed"  # DeepSpeed trains float32 at most
+    eng = engine.initialize(mlp(dtype=torch.float32 if fp32 else torch.float64),
+                            {**CONFIG, "zero_optimization": {"stage": stage}, "backend": backend})
     plan = eng.plan
-    everything = windows()
+    everything = windows(torch.float32 if fp32 else torch.float64)
     updated_at = []
     for window in everything[:len(MANUAL_SIZES)]:  # the manual loop, Colossal-AI style
         for x, y in window[rank]:
@@ -94,19 +100,25 @@ def data_defined_run(rank, world_size, stage):
     return result
 
 
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+RUNS = [f"stage{stage}" for stage in (0, 2, 3)] + (["deepspeed stage2"] if HAS_DEEPSPEED else [])
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_scenarios({f"stage{stage}": functools.partial(data_defined_run, stage=stage) for stage in (0, 2)},
-                         world_size=2, timeout=180)
+    scenarios = {f"stage{stage}": functools.partial(data_defined_run, stage=stage) for stage in (0, 2, 3)}
+    if HAS_DEEPSPEED:
+        scenarios["deepspeed stage2"] = functools.partial(data_defined_run, stage=2, backend="deepspeed")
+    return run_scenarios(scenarios, world_size=2, timeout=240)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_accumulation_alone_equals_the_full_batch_reference(runs, stage):
+@pytest.mark.parametrize("name", RUNS)
+def test_accumulation_alone_equals_the_full_batch_reference(runs, name):
     expected = reference()
     total = sum(len(batch[0]) for batch in global_batches())
-    for result in runs[f"stage{stage}"]:
+    for result in runs[name]:
         assert result["data_defined"] and result["train_batch_size"] is None
-        assert max_param_diff(result["state"], expected) < TOL
+        assert max_param_diff(result["state"], expected) < (FP32_TOL if "deepspeed" in name else TOL)
         # parameters move only at the last micro-step of each window
         assert result["updated_at"] == [False, False, True] * len(MANUAL_SIZES)
         assert result["global_samples"] == total
@@ -114,7 +126,7 @@ def test_accumulation_alone_equals_the_full_batch_reference(runs, stage):
 
 
 def test_one_over_a_weighting_misses_the_tolerance():
-    assert max_param_diff(one_over_a_reference(), reference()) > 1000 * TOL
+    assert max_param_diff(one_over_a_reference(), reference()) > 1000 * FP32_TOL  # the DeepSpeed run's too
 
 
 def test_the_plan_says_the_data_defines_the_batch():
