@@ -196,7 +196,8 @@ def test_a_parallel_size_microstep_cannot_run_is_an_error(tmp_path):
 @pytest.mark.parametrize("text, problem", [
     ("train_batch_size = 8\ntrain_micro_batch_size_per_gpu = 'auto'\n",
      r"config.py:2: train_micro_batch_size_per_gpu: 'auto': give a number.*the Colossal-AI-style loop forms its own"),
-    ("train_batch_size = 8\nmicro_batch_tokens = 64\n", r"micro_batch_tokens: the Colossal-AI-style loop forms its own"),
+    ("train_batch_size = 8\nmicro_batch_tokens = 64\n",
+     r"micro_batch_tokens: the Colossal-AI-style loop forms its own"),
 ])
 def test_what_only_train_batch_can_do_is_refused_at_initialize(tmp_path, text, problem):
     path = tmp_path / "config.py"

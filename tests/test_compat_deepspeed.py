@@ -408,7 +408,8 @@ def test_inputs_without_one_batch_dimension_count_as_the_plans_micro_batches(cap
     ours = model_engine.module_state_dict()
     assert max((ours[f"inner.{k}"] - v).abs().max().item() for k, v in expected.items()) < 1e-12
     warned = [r.getMessage() for r in caplog.records if "do not share a first (batch) dimension" in r.getMessage()]
-    assert len(warned) == 1 and "args[0]: 2, args[1]: 1" in warned[0] and "micro-batch of 2 samples" in warned[0], warned
+    assert len(warned) == 1, warned
+    assert "args[0]: 2, args[1]: 1" in warned[0] and "micro-batch of 2 samples" in warned[0], warned
     model_engine.destroy()
 
 

@@ -184,7 +184,8 @@ def test_one_process_without_a_launcher_offloads_and_equals_the_reference():
 
 # -- on a GPU: what offload moves, and that it trains as without --------------------------------
 CLIP = 0.5
-PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
 
 
 def _gpu_config(precision: str, defer: bool, offload: bool) -> dict:

@@ -111,7 +111,7 @@ def test_train_batch_by_tokens_equals_the_full_batch(extra):
         layout_lengths = batch["attention_mask"].sum(1).tolist()
         groups = group_by_tokens(layout_lengths, 20, max_rows=extra.get("train_micro_batch_size_per_gpu"))
         cost = token_cost(groups)
-        assert eng.last_window.micro_steps == len(groups) == len(eng.token_groups)
+        assert eng.last_window.micro_steps == len(groups) == len(eng.window_split.groups)
         assert (eng.last_window.real_tokens, eng.last_window.padded_tokens) == (cost.real_tokens, cost.padded_tokens)
         assert cost.padded_tokens < batch["input_ids"].numel()  # trimmed: fewer positions than the padded batch
     assert max_param_diff(state(eng.module), state(expected)) < TOL
@@ -166,7 +166,7 @@ def test_a_row_over_the_budget_runs_alone_with_one_warning(caplog):
             eng.train_batch(batch)
     warnings = [r.getMessage() for r in caplog.records if "exceed micro_batch_tokens 12" in r.getMessage()]
     assert len(warnings) == 1 and "(14 tokens)" in warnings[0], warnings
-    assert any(g.over_budget for g in eng.token_groups)  # the second step has long rows too: no new warning
+    assert any(g.over_budget for g in eng.window_split.groups)  # the second step has long rows too: no new warning
 
 
 def test_monitor_records_micro_steps_and_padded_vs_real_tokens():
@@ -201,7 +201,7 @@ def test_auto_shrinks_the_budget_and_a_checkpoint_keeps_it(tmp_path):
     changes = eng.micro_batch_tuner.changes
     assert [(c["old"], c["new"]) for c in changes] == [(64, 21)], changes
     assert eng.plan.micro_batch_tokens == 21 and eng.plan.train_batch_size == 8
-    assert max(g.padded_tokens for g in eng.token_groups if len(g.rows) > 1) <= 18
+    assert max(g.padded_tokens for g in eng.window_split.groups if len(g.rows) > 1) <= 18
     assert max_param_diff(state(eng.module), state(expected)) < TOL
     eng.save_checkpoint(tmp_path / "ckpt")
     resumed = token_engine(copy.deepcopy(model), tokens=64, train_micro_batch_size_per_gpu="auto")
@@ -275,7 +275,7 @@ def llama_scenario(rank, world, stage):
         windows = []
         for batch in batches:
             eng.train_batch(rank_slice(batch, eng.plan), loss_fn)
-            windows.append((eng.last_window.micro_steps, sum(g.zero_weight for g in eng.token_groups)))
+            windows.append((eng.last_window.micro_steps, sum(g.zero_weight for g in eng.window_split.groups)))
         results[name] = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "windows": windows,
                          "records": eng.monitor.history}
         eng.close()

@@ -143,8 +143,8 @@ def initialize(model: torch.nn.Module, optimizer, criterion=None, train_dataload
     if ophooks:
         raise EngineUsageError("initialize(ophooks=...): Colossal-AI's operator hooks are not supported")
     refuse_engine_formed_micro_batches(gpc.config.microstep, "Colossal-AI-style")
-    eng = engine.initialize(model, gpc.config.microstep, optimizer=optimizer)
-    eng.sizes_from_inputs = True  # each micro-batch weighted by its real size
+    # each micro-batch weighted by its real size
+    eng = engine.initialize(model, gpc.config.microstep, optimizer=optimizer, manual_sizes="inputs")
     accumulation = eng.plan.gradient_accumulation_steps
     if train_dataloader is not None:
         train_dataloader = WholeWindows(train_dataloader, accumulation)

@@ -111,11 +111,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     params = list(model.parameters() if model_parameters is None else model_parameters)
     optimizer, config = _client_or_config_optimizer(optimizer, params, config)
     lr_scheduler, config = _client_or_config_scheduler(lr_scheduler, config)
-    eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    # Each micro-batch weighted by its real size; get_global_grad_norm() answers at every stage.
+    eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, manual_sizes="inputs",
+                            grad_norm_every_step=True)
     if default_clipping:
         log.info("gradient_clipping: %g (DeepSpeed's default; the config does not set it)", DEFAULT_GRADIENT_CLIPPING)
-    eng.sizes_from_inputs = True  # each micro-batch weighted by its real size
-    eng.compute_grad_norm = True  # get_global_grad_norm() answers at every stage
     loader = None
     if training_data is not None:
         loader = MicroBatchLoader(training_data, eng.plan, collate_fn=collate_fn,
