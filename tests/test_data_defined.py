@@ -225,3 +225,34 @@ def test_resuming_across_a_data_defined_plan_names_the_keys_to_change(tmp_path):
         engines["data"].load_checkpoint(tmp_path / "planned")
     for eng in engines.values():
         eng.close()
+
+
+def test_a_plan_with_sizes_can_count_the_inputs_too():
+    """initialize(manual_sizes="inputs"), what the facades use: a planned window fed 1 + 3
+    samples is weighted by them (exact), not as the plan's 2 + 2; an unknown choice is refused."""
+    x, y = samples(0, 0, 4, 0)
+    expected = state(reference_train(mlp(), [(x, y)], mse, sgd))
+    config = {**CONFIG, "train_batch_size": 4, "gradient_accumulation_steps": 2}
+    for manual_sizes, exact in (("inputs", True), ("plan", False)):
+        eng = engine.initialize(mlp(), config, manual_sizes=manual_sizes)
+        for part in (slice(0, 1), slice(1, 4)):
+            eng.backward(mse(eng, (x[part], y[part])))
+            eng.step()
+        assert (max_param_diff(eng.full_state_dict(), expected) < TOL) == exact, manual_sizes
+        eng.close()
+    with pytest.raises(ValueError, match="manual_sizes must be one of 'plan', 'inputs'; got 'data'"):
+        engine.initialize(mlp(), config, manual_sizes="data")
+
+
+def test_the_gradient_norm_at_every_boundary_on_request():
+    x, y = samples(0, 0, 4, 0)
+    model = mlp()
+    mse(model, (x, y)).backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    norms = {}
+    for every_step in (False, True):
+        eng = engine.initialize(mlp(), CONFIG, grad_norm_every_step=every_step)  # no clipping, no monitor
+        eng.train_batch((x, y), mse)
+        norms[every_step] = eng.last_window.step.grad_norm
+        eng.close()
+    assert norms[False] is None and float(norms[True]) == pytest.approx(expected, rel=1e-12)
