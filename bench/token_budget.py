@@ -102,7 +102,7 @@ def main(argv=None):
         by_tokens = window.padded_tokens is not None
         padded = window.padded_tokens if by_tokens else args.rows * width * info.world_size
         real = window.real_tokens if by_tokens else real_tokens
-        largest = max(g.padded_tokens for g in eng.token_groups) if by_tokens else micro * width
+        largest = max(g.padded_tokens for g in eng.window_split.groups) if by_tokens else micro * width
         rows[name] = {"ms_per_step": times[name] * 1e3, "real_tokens_per_s": real / times[name],
                       "micro_steps": window.micro_steps, "padded_tokens": padded, "real_tokens": real,
                       "padding_fraction": 1 - real / padded, "largest_micro_batch_tokens": largest,

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
-from engine.errors import BatchError, OutOfMemoryAtMicroBatchOne, PeerError
+from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
-from engine.token_budget import budget_candidates, smaller_budget
+from engine.token_budget import budget_candidates
 
 log = logging.getLogger("engine")
 
@@ -97,8 +97,8 @@ class MicroSize:
     def with_value(self, plan, value: int):
         return plan.with_micro_batch_size(value)
 
-    def smaller(self, engine, value: int) -> int | None:
-        """The next size after ``value`` failed in training."""
+    def smaller(self, engine) -> int | None:
+        """The next size after the plan's failed in training."""
         return engine.plan.next_smaller_micro_size()
 
     def smaller_for_eval(self, engine, value: int) -> int | None:
@@ -107,9 +107,6 @@ class MicroSize:
     def candidates(self, engine, batch) -> list[int]:
         plan = engine.plan
         return _thin(_capped(plan.candidate_micro_sizes(), plan))
-
-    def evaluate(self, engine, batch, loss_fn, value: int) -> float:
-        return engine.evaluate(batch, loss_fn, value)
 
     def planned_micro_steps(self, engine) -> int:
         return engine.plan.gradient_accumulation_steps
@@ -132,25 +129,20 @@ class TokenBudget:
     def with_value(self, plan, value: int):
         return plan.with_micro_batch_tokens(value)
 
-    def smaller(self, engine, value: int) -> int | None:
+    def smaller(self, engine) -> int | None:
         """Half the largest micro-batch of two or more rows that any rank just ran."""
-        return max_over_ranks([smaller_budget(engine.token_groups)])[0] or None
+        return max_over_ranks([engine.window_split.smaller_budget()])[0] or None
 
-    smaller_for_eval = smaller
+    def smaller_for_eval(self, engine, value: int) -> int | None:
+        """As in training: from the micro-batches the failed evaluation ran (within ``value``)."""
+        return self.smaller(engine)
 
     def candidates(self, engine, batch) -> list[int]:
-        try:
-            layout, _ = engine.token_splitter.read(batch, engine.plan.micro_batch_tokens)
-            longest = max(layout.lengths)
-        except BatchError:  # the window's own split reports it, on every rank
-            longest = 0
+        longest = engine.window_split.longest_row(batch, engine.plan)  # 0 when unreadable: the split says why
         return budget_candidates(engine.plan.micro_batch_tokens, max_over_ranks([longest])[0])[-MAX_CANDIDATES:]
 
-    def evaluate(self, engine, batch, loss_fn, value: int) -> float:
-        return engine.evaluate_by_tokens(batch, loss_fn, value)
-
     def planned_micro_steps(self, engine) -> int:
-        return len(engine.token_groups)
+        return engine.window_split.micro_steps
 
     def consequence(self, old, new) -> str:
         return "micro-steps follow from the lengths, "
@@ -207,7 +199,7 @@ class MicroBatchTuner:
         value = getattr(self, knob.eval_attribute) or knob.value(eng.plan)
         while True:
             try:
-                loss = knob.evaluate(eng, batch, loss_fn, value)
+                loss = eng.evaluate(batch, loss_fn, value)
             except WindowFailed as failure:
                 eng.discard_window()
                 smaller = knob.smaller_for_eval(eng, value)
@@ -273,7 +265,7 @@ class MicroBatchTuner:
     def _shrink(self, failure: WindowFailed) -> None:
         eng, knob = self.engine, self.knob
         old = eng.plan
-        smaller = knob.smaller(eng, knob.value(old))
+        smaller = knob.smaller(eng)
         if smaller is None:
             raise self._too_large(failure) from None
         eng.replan(knob.with_value(old, smaller))

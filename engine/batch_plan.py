@@ -381,15 +381,15 @@ def resolve_batch_plan(world_size, train_batch_size=None, train_micro_batch_size
                                                  None if mode != "fixed" else m)):
         if value is not None:
             _check_positive_int(name, value)
+    if g is not None and g < world_size:
+        raise BatchConfigError(
+            f"train_batch_size {g} is smaller than world size {world_size}: every rank needs "
+            f"at least one sample; use train_batch_size >= {world_size}")
     if micro_batch_tokens is not None:
         return _token_plan(world_size, g, m, a, batch_split, rank, mode, auto_max, micro_batch_tokens)
     if g is None and m is None:
         raise BatchConfigError("set train_batch_size or train_micro_batch_size_per_gpu "
                                "(gradient_accumulation_steps alone does not fix the batch)")
-    if g is not None and g < world_size:
-        raise BatchConfigError(
-            f"train_batch_size {g} is smaller than world size {world_size}: every rank needs "
-            f"at least one sample; use train_batch_size >= {world_size}")
     if mode != "fixed":
         m = _starting_micro_size(mode, world_size, g, a, batch_split, auto_max)
 

@@ -22,6 +22,7 @@ from engine.rank_consistency import check_same_settings
 from engine.rng import seed_everything
 from engine.strategies import make_strategy
 from engine.token_budget import LengthsFn
+from engine.window_split import MANUAL_SIZES, window_split_for
 
 log = logging.getLogger("engine")
 
@@ -32,7 +33,8 @@ _BATCH_STATISTICS_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)
 
 def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None,
                lr_scheduler: Any = None, loss_fn: LossFn | None = None,
-               overrides=None, lengths: LengthsFn | None = None) -> Engine:
+               overrides=None, lengths: LengthsFn | None = None, manual_sizes: str = "plan",
+               grad_norm_every_step: bool = False) -> Engine:
     """Build an :class:`Engine` for ``model`` from ``config`` (a path, a dict or a Config).
 
     ``optimizer``: an optimizer instance built on ``model.parameters()``, a factory
@@ -42,11 +44,19 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     ``overrides``: dotted ``key=value`` strings applied on top of ``config``.
     ``lengths``: with ``micro_batch_tokens``, ``lengths(batch) -> 1-D int tensor`` of each
     row's real tokens, for batches without an ``attention_mask`` (see engine.token_budget).
+    ``manual_sizes``: what a manual loop's micro-batch counts for when the plan has sizes:
+    ``"plan"`` (its planned size) or ``"inputs"`` (the batch size of what ``eng(...)`` was
+    given; see engine.window_split). A config giving only the accumulation steps always reads
+    the inputs.
+    ``grad_norm_every_step``: compute the gradient norm at every boundary
+    (``eng.last_window.step.grad_norm``), even without clipping or a monitor that asks for it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
     if lengths is not None and not callable(lengths):
         raise TypeError(f"lengths must be a function lengths(batch) -> 1-D int tensor; got {type(lengths).__name__}")
+    if manual_sizes not in MANUAL_SIZES:
+        raise ValueError(f"manual_sizes must be one of {', '.join(map(repr, MANUAL_SIZES))}; got {manual_sizes!r}")
     config = load_config(config, overrides)
     if config.seed is not None:
         seed_everything(config.seed)
@@ -70,8 +80,11 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
-    eng = Engine(config=config, plan=plan, strategy=strategy, loss_fn=loss_fn, monitor=monitor,
-                 lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config), lengths=lengths)
+    window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
+                                    sequence_keys=config.sequence_keys)
+    eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split, loss_fn=loss_fn,
+                 monitor=monitor, lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
+                 grad_norm_every_step=grad_norm_every_step)
     eng.checkpointer = Checkpointer(eng)
     if plan.is_provisional:
         eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)

@@ -343,10 +343,17 @@ def _check_files(target: Path, manifest: dict) -> None:
 def _check_compatible(engine, target: Path, manifest: dict) -> None:
     saved_batch, batch = manifest["train_batch_size"], engine.plan.train_batch_size
     if saved_batch != batch:
+        data_defined = "a data-defined batch (the config gave only gradient_accumulation_steps)"
+        if saved_batch is None:
+            fix = ("give only gradient_accumulation_steps, as when it was saved: remove train_batch_size and "
+                   "train_micro_batch_size_per_gpu from the config")
+        else:
+            fix = f"set train_batch_size: {saved_batch} (world size and micro-batch size may differ)"
         raise CheckpointError(
-            f"{target} was trained with train_batch_size {saved_batch} (the global batch); this "
-            f"engine has {batch}. Resuming with another global batch would change the training: "
-            f"set train_batch_size: {saved_batch} (world size and micro-batch size may differ)")
+            f"{target} was trained with "
+            f"{data_defined if saved_batch is None else f'train_batch_size {saved_batch} (the global batch)'}; "
+            f"this engine has {data_defined if batch is None else batch}. Resuming with "
+            f"another global batch would change the training: {fix}")
     fmt = engine.strategy.checkpoint_format
     if manifest["state_format"] != fmt:
         raise CheckpointError(

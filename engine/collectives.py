@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
 from engine.distributed import agreement_timeout_seconds, control_group, is_peer_lost
-from engine.errors import CheckpointError, PeerError, PeerLostError
+from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
 
 BUCKET_BYTES = 25 * 1024 * 1024
 OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
@@ -77,6 +77,18 @@ def max_over_ranks(values: list[int]) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
+
+
+def agreed_max(values: list[int], stuck: str) -> list[int]:
+    """``max_over_ranks`` for an agreement the engine's callers must all reach: a peer that
+    never came (gone, or absent past the agreement timeout) raises an ``EngineUsageError``
+    saying ``stuck``, with ``{timeout}`` replaced by that timeout in seconds."""
+    try:
+        return max_over_ranks(values)
+    except RuntimeError as error:
+        if isinstance(error, MicrostepError) or not is_peer_lost(error):
+            raise
+        raise EngineUsageError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
 
 
 # -- failures inside a window ---------------------------------------------------------------

@@ -8,25 +8,18 @@ world size and G the planned global batch. At the boundary the gradient is multi
 mean losses U = G and nothing is done; a short window, unequal batches or token counts get
 one in-place multiply of the gradient, once per optimizer step.
 
-Token budgets. With ``plan.micro_batch_tokens`` set, ``train_batch`` / ``eval_batch`` form
-micro-batches by padded tokens (``engine.token_budget``): each rank proposes its fewest
-micro-steps, one small agreement takes the maximum, and every rank runs exactly that many;
-a rank with fewer rows than that repeats its shortest row with weight 0 (a micro-batch of
-0 samples is a zero-weight step: its loss counts for nothing, its collectives still run).
-
-Sizes in the manual loop. The k-th micro-step of a window is taken to hold
-``plan.micro_batch_sizes[k]`` samples (no collective at the boundary), unless
-``sizes_from_inputs`` is set (the DeepSpeed / Colossal-AI adapters set it) or the plan is
-data-defined (the config gives only A): then a micro-batch holds what the tensors passed
-to ``eng(...)`` hold along dim 0, and U is summed over the ranks at the boundary. A
-data-defined plan has no G: the weights use a nominal one, the previous window's real
-total (A·W before the first), so the multiplier G / U is 1 whenever windows repeat their
-size.
+Micro-batches and what they count for. How ``train_batch`` / ``eval_batch`` cut a batch and
+what a manual-loop micro-batch counts for depend on the kind of plan — planned sizes, sizes
+read from the inputs, a data-defined plan, a token budget — and are decided by the window
+split ``engine.initialize`` chose (``engine.window_split``); the engine itself does not ask
+which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss counts for
+nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
+the counts are real rather than planned, U is summed over the ranks at the boundary.
 
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
-(``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` and installs
-``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
+(``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` / ``evaluate`` and
+installs ``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
 ``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.autosave``:
 told when ``batches()`` makes data, when a training window starts and when one closes, where it
 may save, or stop the run on a stop signal).
@@ -41,15 +34,14 @@ from typing import Any, Callable
 
 import torch
 
-from engine.batch_plan import BatchPlan, split_evenly
-from engine.collectives import max_over_ranks
+from engine.batch_plan import BatchPlan
+from engine.collectives import agreed_max
 from engine.data import DistributedBatches
-from engine.distributed import is_peer_lost
-from engine.errors import BatchConfigError, EngineUsageError
+from engine.errors import EngineUsageError
 from engine.memory import PeakMeter
-from engine.microbatch import BatchError, batch_size, split_batch, tensor_leaves
 from engine.strategies.base import StepResult, Strategy
-from engine.token_budget import LengthsFn, TokenCost, TokenSplitter, take_rows, token_cost
+from engine.token_budget import TokenCost
+from engine.window_split import PlannedSplit
 
 log = logging.getLogger("engine")
 
@@ -73,7 +65,7 @@ class _Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
-    input_samples: int | None = None  # dim 0 of the inputs of this micro-step's forward
+    forwards: list = field(default_factory=list)  # this micro-step's forwards, as the window split records them
 
     def loss_total(self) -> torch.Tensor:
         """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
@@ -109,20 +101,19 @@ def _run(work: Callable[[], None]) -> None:
 class Engine:
     """Returned by :func:`engine.initialize`; see DESIGN.md for the contract."""
 
-    def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, lr_scheduler=None,
-                 loss_fn: LossFn | None = None, monitor=None, lengths: LengthsFn | None = None):
+    def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, window_split: PlannedSplit,
+                 lr_scheduler=None, loss_fn: LossFn | None = None, monitor=None, grad_norm_every_step: bool = False):
         self.config = config
         self.plan = plan
         self.strategy = strategy
+        # How windows are cut and what a micro-batch counts for (engine.window_split).
+        self.window_split = window_split
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.monitor = monitor
+        self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
         self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune)
         self.checkpointer = None  # saves and restores this engine (engine.checkpoint)
-        # Reads row lengths when the plan splits by tokens; token_groups: this rank's
-        # micro-batches of the latest split (the micro-batch tuner shrinks the budget from them).
-        self.token_splitter = TokenSplitter(lengths, config.sequence_keys)
-        self.token_groups: list = []
         self.autosave = None  # automatic checkpoints and stop signals (engine.autosave)
         self._batches = None  # (dataset, options, DistributedBatches) of batches()
         # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
@@ -135,14 +126,8 @@ class Engine:
         self.last_window = WindowReport()
         self._window = _Window()
         self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
-        self._size_warned = False
         self._peak = PeakMeter(strategy)  # a recorded window's peak memory (engine.memory)
         self._recording = False
-        # Manual loop: weigh each micro-batch by the size of the inputs given to eng(...).
-        self.sizes_from_inputs = False
-        self.compute_grad_norm = False  # at every boundary, even without clipping or a monitor
-        # The G in the weights of a data-defined plan (see the module docstring).
-        self._nominal_batch = plan.gradient_accumulation_steps * strategy.world_size
 
     # -- what the model is ------------------------------------------------------------
     @property
@@ -186,33 +171,15 @@ class Engine:
                 self._peak.start()
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
-        if not self._splitting:
-            if self._reads_input_sizes():
-                if window.input_samples is None:  # the micro-step's first forward with a batch
-                    window.input_samples = _input_batch_size(args, kwargs)
-            else:
-                self._check_manual_micro_batch(args)
         window.forwarded = True
         if not self._recording:
-            return self.strategy.forward(*args, **kwargs)
-        with self._peak.forward():
-            return self.strategy.forward(*args, **kwargs)
-
-    def _check_manual_micro_batch(self, args) -> None:
-        """The manual loop weights the k-th micro-step as the plan's k-th micro-batch: say so
-        (once) when the data disagrees, since the weighting would then be off."""
-        k = self._window.micro_steps
-        first = args[0] if args else None
-        if (self._size_warned or not isinstance(first, torch.Tensor) or first.dim() == 0
-                or k >= self.plan.gradient_accumulation_steps):
-            return
-        planned = self.plan.micro_batch_sizes[k]
-        if first.shape[0] != planned:
-            self._size_warned = True
-            log.warning("micro-step %d of the window got %d samples but the plan expects %d; in a manual "
-                        "loop each micro-batch is weighted by the plan's size (eng.plan.micro_batch_sizes) — "
-                        "feed those sizes, or use train_batch() with the whole per-device batch",
-                        k, first.shape[0], planned)
+            output = self.strategy.forward(*args, **kwargs)
+        else:
+            with self._peak.forward():
+                output = self.strategy.forward(*args, **kwargs)
+        if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
+            self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
+        return output
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss, weighted by its share of the global batch.
@@ -221,42 +188,17 @@ class Engine:
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
         window is taken to hold ``plan.micro_batch_sizes[k]`` samples, or, when sizes are
         read from the inputs, the batch size of what was passed to ``eng(...)``."""
-        if self.plan.micro_batch_tokens is not None:
-            raise EngineUsageError(
-                f"micro_batch_tokens: {self.plan.micro_batch_tokens} forms micro-batches by tokens out of a whole "
-                "per-device batch; a manual loop (eng(x), backward, step) hands over micro-batches already "
-                "formed. Use eng.train_batch(batch, loss_fn), or remove micro_batch_tokens for a manual loop")
-        if self.micro_batch_tuner is not None:
-            raise EngineUsageError(
-                f"train_micro_batch_size_per_gpu: {self.plan.micro_batch_mode} lets train_batch() choose "
-                "the micro-batches; a manual loop (eng(x), backward, step) needs a number there"
-            )
-        k = self._window.micro_steps
+        window = self._window
+        k = window.micro_steps
         if k >= self.plan.gradient_accumulation_steps:
             raise EngineUsageError(
                 f"backward() called {k + 1} times in a window of {self.plan.gradient_accumulation_steps} "
                 "micro-steps: call step() after every backward()"
             )
-        if self._reads_input_sizes():
-            self._backward(loss, self._input_samples(), exact_counts=True)
-        else:
-            self._backward(loss, self.plan.micro_batch_sizes[k], exact_counts=False)
-
-    def _reads_input_sizes(self) -> bool:
-        return self.sizes_from_inputs or self.plan.is_data_defined
-
-    def _input_samples(self) -> int:
-        window = self._window
-        if not window.forwarded:
-            raise EngineUsageError(
-                "backward() without a forward through the engine: the micro-batch's size is read from what "
-                "eng(...) is given — call eng(x), not eng.module(x)")
-        if window.input_samples is None:
-            raise EngineUsageError(
-                "cannot tell this micro-batch's size: the tensors given to eng(...) do not share a first "
-                "(batch) dimension, or there are none. Pass the batch's tensors to eng(...), or set "
-                "train_micro_batch_size_per_gpu in the config so the plan gives the sizes")
-        return window.input_samples
+        tensor = self._loss_and_units(loss, 0)[0]
+        _check_loss(tensor)
+        samples = self.window_split.manual_samples(window.forwards, self.plan, k, tensor)
+        self._backward(loss, samples, exact_counts=self.window_split.counts_exactly)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-step in progress (or just back-propagated) is the last of its window."""
@@ -288,16 +230,13 @@ class Engine:
         holding the same number of micro-steps (sharded models reduce collectively). Returns
         False when there was nothing to close."""
         window = self._window
-        try:  # on the control group: a peer still inside a micro-step's collective times out clearly
-            negative_fewest, most = max_over_ranks([-window.micro_steps, window.micro_steps])
-        except RuntimeError as error:
-            if not is_peer_lost(error):
-                raise
-            raise EngineUsageError(
-                f"flush(): not every rank reached flush() within distributed.agreement_timeout_seconds "
-                f"({self.config.distributed.agreement_timeout_seconds:g} s), or a rank stopped, while this rank held "
-                f"{window.micro_steps} micro-steps: every rank must run the same number of micro-steps "
-                "(give each rank the same number of batches, e.g. engine.data.DistributedBatches)") from error
+        # On the control group: a peer still inside a micro-step's collective times out clearly.
+        negative_fewest, most = agreed_max(
+            [-window.micro_steps, window.micro_steps],
+            "flush(): not every rank reached flush() within distributed.agreement_timeout_seconds ({timeout} s), "
+            f"or a rank stopped, while this rank held {window.micro_steps} micro-steps: every rank must run the "
+            "same number of micro-steps (give each rank the same number of batches, e.g. "
+            "engine.data.DistributedBatches)")
         fewest = -negative_fewest
         if most == 0:
             return False
@@ -348,12 +287,7 @@ class Engine:
         loss_fn = self._loss_fn(loss_fn)
         if self.micro_batch_tuner is not None:
             return self.micro_batch_tuner.run_eval(batch, loss_fn)
-        if self.plan.micro_batch_tokens is not None:
-            return self.evaluate_by_tokens(batch, loss_fn, self.plan.micro_batch_tokens)
-        micro = self.plan.train_micro_batch_size_per_gpu
-        if self.plan.is_data_defined:  # A near-equal micro-batches, as train_batch splits
-            micro = -(-batch_size(batch) // self.plan.gradient_accumulation_steps)
-        return self.evaluate(batch, loss_fn, micro)
+        return self.evaluate(batch, loss_fn)
 
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:
@@ -399,27 +333,12 @@ class Engine:
             raise EngineUsageError("replan() called in the middle of a window: call it between windows")
         self.plan = plan
 
-    def evaluate(self, batch, loss_fn: LossFn, micro_batch_size: int) -> float:
-        """Evaluate ``batch`` in micro-batches of at most ``micro_batch_size`` (forwards inside
-        ``micro_step_guard``); the mean loss over every rank, per sample or per item."""
-        size = batch_size(batch)
-        # Every rank runs the same number of forwards (sharded models gather parameters in
-        # each); a rank with fewer samples repeats its last micro-batch with weight 0.
-        counts = self.strategy.all_reduce_max(
-            torch.tensor([-(-size // micro_batch_size), -size], device=self.strategy.device))
-        parts, fewest = int(counts[0]), -int(counts[1])
-        if fewest == 0:
-            raise EngineUsageError("eval_batch(): some rank got an empty batch; every rank needs at least one sample")
-        sizes = [n for n in split_evenly(size, parts) if n]
-        pieces = list(zip(split_batch(batch, sizes), sizes))
-        pieces += [(pieces[-1][0], 0)] * (parts - len(pieces))
-        return self._evaluate(pieces, loss_fn)
-
-    def evaluate_by_tokens(self, batch, loss_fn: LossFn, budget: int) -> float:
-        """Evaluate ``batch`` in micro-batches of at most ``budget`` padded tokens, the same
-        number on every rank; the mean loss over every rank, per sample or per item."""
-        _, pieces, _ = self._split_by_tokens(batch, budget)
-        return self._evaluate(pieces, loss_fn)
+    def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
+        """Evaluate ``batch`` in the window split's micro-batches — of at most ``size`` samples,
+        or padded tokens when split by tokens (default: the plan's) — the same number on every
+        rank, forwards inside ``micro_step_guard``; the mean loss over every rank, per sample or
+        per item."""
+        return self._evaluate(self.window_split.eval_pieces(batch, self.plan, size), loss_fn)
 
     @torch.no_grad()
     def _evaluate(self, pieces, loss_fn: LossFn) -> float:
@@ -487,26 +406,9 @@ class Engine:
     def _restore_micro_batch(self, saved: dict) -> None:
         """A micro size (or token budget) found by auto / explore is kept when it suits the
         current plan."""
-        size, plan = saved["size"], self.plan
-        if plan.micro_batch_tokens is not None:
-            tokens = saved.get("tokens")
-            if saved["mode"] != "fixed" and plan.micro_batch_mode != "fixed" and tokens is not None:
-                self.replan(plan.with_micro_batch_tokens(tokens))
-            elif tokens not in (None, plan.micro_batch_tokens):
-                log.info("the checkpoint's micro_batch_tokens %d is not restored: the config sets %d",
-                         tokens, plan.micro_batch_tokens)
-            return
-        if saved["mode"] == "fixed" or size == plan.train_micro_batch_size_per_gpu:
-            return
-        if plan.micro_batch_mode == "fixed":
-            log.info("the checkpoint's micro-batch size %d (%s) is not restored: the config fixes it "
-                     "at %d", size, saved["mode"], plan.train_micro_batch_size_per_gpu)
-            return
-        try:
-            self.replan(plan.with_micro_batch_size(size))
-        except BatchConfigError as error:
-            log.info("the checkpoint's micro-batch size %d does not fit this plan (%s); keeping %d",
-                     size, error, plan.train_micro_batch_size_per_gpu)
+        plan = self.window_split.restored_plan(self.plan, saved)
+        if plan != self.plan:
+            self.replan(plan)
 
     def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
         """Save everything needed to resume at this boundary (see engine.checkpoint). ``data``:
@@ -540,68 +442,10 @@ class Engine:
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
-        steps, pieces, tokens = self._split_for_window(batch)
-        self._window.planned_steps, self._window.tokens = steps, tokens
-        for micro_batch, size in pieces:
+        split = self.window_split.split(batch, self.plan)
+        self._window.planned_steps, self._window.tokens = split.micro_steps, split.tokens
+        for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
-
-    def _split_for_window(self, batch):
-        """(micro-steps, iterable of (micro-batch, samples), TokenCost or None) of one window."""
-        plan = self.plan
-        if plan.micro_batch_tokens is not None:
-            return self._split_by_tokens(batch, plan.micro_batch_tokens)
-        accumulation = plan.gradient_accumulation_steps
-        size = batch_size(batch)
-        if plan.is_data_defined:
-            if size < accumulation:
-                raise EngineUsageError(
-                    f"train_batch() got a batch of {size} samples to split into gradient_accumulation_steps "
-                    f"{accumulation} micro-batches; pass at least {accumulation} samples")
-            sizes = split_evenly(size, accumulation)
-        elif size == plan.per_device_batch_size:
-            sizes = plan.micro_batch_sizes
-        elif accumulation <= size < plan.per_device_batch_size:
-            sizes = split_evenly(size, accumulation)
-        else:
-            shorter = (f" (a shorter last batch of {accumulation} to {plan.per_device_batch_size - 1} samples "
-                       "is run as a short window)" if accumulation < plan.per_device_batch_size else "")
-            raise EngineUsageError(
-                f"train_batch() got a batch of {size} samples but the plan gives this rank (rank "
-                f"{plan.rank}) {plan.per_device_batch_size} per optimizer step in {accumulation} "
-                f"micro-batches; pass exactly {plan.per_device_batch_size} samples{shorter}"
-            )
-        return len(sizes), zip(split_batch(batch, sizes), sizes), None
-
-    def _split_by_tokens(self, batch, budget: int):
-        """``batch`` in micro-batches of at most ``budget`` padded tokens, as many on this rank
-        as on the rank that needs the most (one small agreement); as ``_split_for_window``."""
-        cap = self.plan.train_micro_batch_size_per_gpu
-        try:
-            layout, fewest = self.token_splitter.read(batch, budget, cap)
-            problem = None
-        except BatchError as error:  # every rank must reach the agreement, even this one
-            layout, fewest, problem = None, 0, error
-        steps, failed = self._agree_max([fewest, self.rank + 1 if problem else 0], "split its batch by tokens")
-        if problem is not None:
-            raise problem
-        if failed:
-            raise EngineUsageError(f"rank {failed - 1} could not split its batch by tokens (its error is in "
-                                   "its log); every rank stops at the same micro-step")
-        groups = self.token_splitter.group(layout, budget, steps, cap)
-        self.token_groups = groups
-        return steps, ((take_rows(batch, layout, g), g.samples) for g in groups), token_cost(groups)
-
-    def _agree_max(self, values: list[int], what: str) -> list[int]:
-        """The maximum of a few integers over ranks, or a clear error when a peer never came."""
-        try:
-            return max_over_ranks(values)
-        except RuntimeError as error:
-            if not is_peer_lost(error):
-                raise
-            raise EngineUsageError(
-                f"not every rank reached the agreement to {what} within "
-                f"distributed.agreement_timeout_seconds ({self.config.distributed.agreement_timeout_seconds:g} s), "
-                "or a rank stopped: every rank must call train_batch() / eval_batch() for each step") from error
 
     def _loss_and_units(self, output, samples: int):
         """(loss, the units the window's mean divides by, item-weighted?): a mean loss
@@ -647,7 +491,7 @@ class Engine:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
         window.backward_since_step = True
-        window.forwarded, window.input_samples = False, None
+        window.forwarded, window.forwards = False, []
         self.micro_steps += 1
 
     def _close_window(self) -> None:
@@ -658,9 +502,8 @@ class Engine:
         loss, units, samples, tokens = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples,
-                                    want_norm=self.compute_grad_norm or (recorded and self.monitor.config.grad_norm))
-        if self.plan.is_data_defined and samples:
-            self._nominal_batch = samples  # the same on every rank: summed over them
+                                    want_norm=self.grad_norm_every_step or (recorded and self.monitor.config.grad_norm))
+        self.window_split.window_closed(samples)
         if result.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -680,7 +523,7 @@ class Engine:
 
     def _weighting_batch(self) -> int:
         """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""
-        return self._nominal_batch if self.plan.is_data_defined else self.plan.train_batch_size
+        return self.window_split.weighting_batch(self.plan)
 
     def _window_totals(self, window: _Window, *, over_all_ranks: bool):
         """(mean loss, units, samples, (real, padded) tokens) of the window. Over all ranks: one
@@ -734,12 +577,6 @@ def _restore_optional(obj, state, what: str) -> None:
         log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
     elif state is not None:
         log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
-
-
-def _input_batch_size(args, kwargs) -> int | None:
-    """The first dimension shared by every tensor given to a forward (None: none, or they differ)."""
-    sizes = {t.shape[0] for _, t in tensor_leaves((args, kwargs)) if t.dim() > 0}
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _check_loss(loss) -> None:

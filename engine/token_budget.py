@@ -60,7 +60,6 @@ from typing import Any
 
 import torch
 
-from engine.batch_plan import split_evenly
 from engine.microbatch import BatchError, batch_size, map_tensors, tensor_leaves
 
 log = logging.getLogger("engine")
@@ -408,7 +407,7 @@ def take_rows(batch: Any, layout: SequenceLayout, group: MicroGroup) -> Any:
     return map_tensors(batch, take)
 
 
-# -- cost, for reports and benchmarks ------------------------------------------------------
+# -- cost, for the window report ----------------------------------------------------------
 @dataclass(frozen=True)
 class TokenCost:
     """What a window's micro-batches compute."""
@@ -416,25 +415,8 @@ class TokenCost:
     micro_steps: int
     real_tokens: int
     padded_tokens: int  # positions computed, padding included
-    largest_micro_batch: int  # padded tokens of the biggest micro-batch: what memory holds
-
-    @property
-    def padding_fraction(self) -> float:
-        return 1 - self.real_tokens / self.padded_tokens
 
 
 def token_cost(groups: Sequence[MicroGroup]) -> TokenCost:
     """Totals of ``groups`` (e.g. for the window report: padded vs real tokens)."""
-    return TokenCost(len(groups), sum(g.real_tokens for g in groups),
-                     sum(g.padded_tokens for g in groups), max(g.padded_tokens for g in groups))
-
-
-def fixed_size_groups(lengths: Sequence[int], padded_length: int,
-                      micro_batch_size: int) -> list[MicroGroup]:
-    """The micro-batches a fixed micro size makes of the same rows, for comparison: consecutive,
-    near-equal and none above ``micro_batch_size`` (as the plan cuts them), each padded to the
-    batch's ``padded_length`` since nothing is trimmed."""
-    sizes = split_evenly(len(lengths), math.ceil(len(lengths) / micro_batch_size))
-    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [MicroGroup(tuple(range(a, b)), padded_length, sum(lengths[a:b]))
-            for a, b in zip(edges, edges[1:])]
+    return TokenCost(len(groups), sum(g.real_tokens for g in groups), sum(g.padded_tokens for g in groups))

@@ -57,6 +57,18 @@ def test_tensor_helpers():
     assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
 
 
+def test_autograd_sequence_numbers_fall_along_the_graph():
+    """What engine.forward_sizes relies on: a node's inputs were numbered before it."""
+    x = torch.ones(2, requires_grad=True)
+    first = x * 2
+    second = (x + 1).sum()
+    loss = first.sum() * second
+    number = torch_internals.autograd_sequence_nr
+    assert number(first.grad_fn) < number(second.grad_fn) < number(loss.grad_fn)
+    for node, _ in loss.grad_fn.next_functions:
+        assert number(node) < number(loss.grad_fn)
+
+
 # -- torch: DDP and FSDP2, on two ranks -----------------------------------------------------------
 def _ddp_gradient_sync(rank, world):
     model = torch.nn.Linear(2, 1, bias=False)
@@ -81,7 +93,7 @@ def test_ddp_gradient_sync_switch():
 
 def _fsdp_entries(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from engine.memory import storage_bytes
 
@@ -93,6 +105,14 @@ def _fsdp_entries(rank, world):
     units = [model[0], model]
     x = torch.full((2, 4), float(rank + 1))
     out = {"params": sum(1 for unit in units for _ in torch_internals.fsdp_params(unit))}
+
+    # The offload policy each unit was sharded with.
+    offloaded = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(offloaded[0], mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(offloaded, mesh=mesh)
+    out["policies"] = [type(p).__name__ for p in torch_internals.fsdp_offload_policies(units)]
+    out["offloaded"] = [(type(p).__name__, getattr(p, "pin_memory", None))
+                        for p in torch_internals.fsdp_offload_policies([offloaded[0], offloaded])]
 
     # A gradient accumulated without reduction, then dropped: nothing is left anywhere.
     model.set_requires_gradient_sync(False)
@@ -159,6 +179,8 @@ def test_fsdp2_entries():
     results = run_distributed(_fsdp_entries, world_size=2, timeout=90)
     for out in results:
         assert out["params"] == 4
+        assert out["policies"] == ["OffloadPolicy", "OffloadPolicy"]
+        assert out["offloaded"] == [("CPUOffloadPolicy", False), ("OffloadPolicy", None)]
         # sharded parameters (4 + 2 + 2 + ... values) stay; gathered copies and their gradients go
         assert out["after_drop"] < out["unreduced_bytes"] / 2
         assert out["guard_calls"] >= 2 and out["held"] > 0 and out["guard_raised"]

@@ -193,6 +193,21 @@ def test_a_parallel_size_microstep_cannot_run_is_an_error(tmp_path):
         colossalai.launch_from_torch(config=str(path))
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("train_batch_size = 8\ntrain_micro_batch_size_per_gpu = 'auto'\n",
+     r"config.py:2: train_micro_batch_size_per_gpu: 'auto': give a number.*the Colossal-AI-style loop forms its own"),
+    ("train_batch_size = 8\nmicro_batch_tokens = 64\n",
+     r"micro_batch_tokens: the Colossal-AI-style loop forms its own"),
+])
+def test_what_only_train_batch_can_do_is_refused_at_initialize(tmp_path, text, problem):
+    path = tmp_path / "config.py"
+    path.write_text(text)
+    colossalai.launch_from_torch(config=str(path))
+    model = mlp(dtype=torch.float32)
+    with pytest.raises(engine.ConfigError, match=problem):
+        colossalai.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_the_train_loader_is_cut_to_whole_windows_and_the_scheduler_moves_per_window():
     loader = DataLoader(TensorDataset(torch.arange(36.0)), batch_size=4)  # 9 batches
     windows = colossalai.WholeWindows(loader, 4)

@@ -1,12 +1,17 @@
 """``import engine.compat.deepspeed as deepspeed``: the same DeepSpeed script and JSON train
 the same model as DeepSpeed itself (stages 0 and 2, clipping by the config and by
 DeepSpeed's default, WarmupLR, a checkpoint round trip), and equal the float64 full-batch
-reference. Two gloo ranks; DeepSpeed runs on its CPU accelerator (fp32: it refuses float64)."""
+reference. Clipping at every step would hide a constant factor in the weighting, so a second
+script runs without clipping, with unequal and short micro-batches: exact against the
+reference, DeepSpeed's 1/A where DeepSpeed weights so, and broken facades miss. Two gloo ranks;
+DeepSpeed runs on its CPU accelerator (fp32: it refuses float64)."""
 
 import argparse
 import functools
 import importlib.util
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +22,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import engine
 import engine.compat.deepspeed as compat_deepspeed
 from engine.batch_plan import plan_from_config
+from tests import broken
 from tests.dist_utils import run_scenarios
-from tests.reference import mlp, reference_train, regression_batches
+from tests.reference import mlp, reference_train, regression_batches, sgd
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -104,6 +110,103 @@ def microstep(rank, world_size, name, root):
     return training_script(compat_deepspeed, CONFIGS[name], os.path.join(root, f"ms-{name}"))
 
 
+# -- no clipping: the weighting itself, with unequal and short micro-batches -----------------------
+# Clipping at every step (above) rescales each update to the clip norm, which hides a constant
+# factor in the gradient (a 2x or 1/A weighting moves the result by ~1e-8 there). Without it,
+# with SGD + momentum, the weighting shows directly.
+NO_CLIP = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+           "zero_allow_untested_optimizer": True}
+# window -> rank -> its micro-batch sizes: equal; unequal within and between ranks; a short last one
+UNEQUAL = [[(2, 2), (2, 2)], [(3, 1), (1, 3)], [(2, 1), (2, 1)]]
+
+
+def unequal_windows():
+    """Every window's micro-batches, per rank (fp32; targets scaled as in batches())."""
+    g = torch.Generator().manual_seed(5)
+    return [[[(torch.randn(n, 8, generator=g), 4 * torch.randn(n, 3, generator=g)) for n in sizes]
+             for sizes in window] for window in UNEQUAL]
+
+
+def unequal_script(deepspeed, config, breaks=None):
+    """The model after each window of UNEQUAL, run by ``deepspeed`` (either one); ``breaks``: a
+    tests.broken variant applied to the facade's engine."""
+    model = mlp(dtype=F32)
+    model_engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if breaks is not None:
+        breaks(model_engine.engine)
+    states = []
+    for window in unequal_windows():
+        for x, y in window[model_engine.global_rank]:
+            model_engine.backward(F.mse_loss(model_engine(x.to(model_engine.device)), y.to(model_engine.device)))
+            model_engine.step()
+        states.append(flat(model_engine.module_state_dict()))
+    model_engine.destroy()
+    return states
+
+
+def unequal_real_deepspeed(rank, world_size, stage):
+    from engine.adapters.deepspeed_internals import import_deepspeed
+
+    return unequal_script(import_deepspeed(), {**NO_CLIP, "zero_optimization": {"stage": stage}})
+
+
+def unequal_microstep(rank, world_size, stage, breaks=None):
+    return unequal_script(compat_deepspeed, {**NO_CLIP, "zero_optimization": {"stage": stage}}, breaks)
+
+
+def unequal_reference(weight):
+    """Float64 SGD + momentum on every window's micro-batches at once, each micro-batch's mean
+    loss weighted by ``weight(samples, window_samples)``; the model after each window."""
+    model = mlp(dtype=F32).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    states = []
+    for window in unequal_windows():
+        parts = [(x.double(), y.double()) for rank in window for x, y in rank]
+        total = sum(len(x) for x, _ in parts)
+        optimizer.zero_grad()
+        sum(weight(len(x), total) * F.mse_loss(model(x), y) for x, y in parts).backward()
+        optimizer.step()
+        states.append(flat(model.state_dict()))
+    return states
+
+
+BUGS = (broken.weighted_one_over_a, broken.gradient_doubled)  # facades that got the weighting wrong
+
+
+def exact_weights(samples, total):
+    return samples / total  # the mean over the window's samples
+
+
+def one_over_a_weights(samples, total):
+    return 1 / (NO_CLIP["gradient_accumulation_steps"] * 2)  # every micro-batch 1/A, every rank 1/W
+
+
+def latest_as_rank_0_reads_it(rank, world_size, root):
+    """Ranks whose views of ``latest`` differ (rank 1's lags, as on a file system that syncs late):
+    every rank loads the checkpoint rank 0 reads, instead of some loading another or none."""
+    save_dir = os.path.join(root, "latest")
+    model_engine, *_ = compat_deepspeed.initialize(model=mlp(dtype=F32), config=CONFIGS["stage0"])
+    x, y = batches()[0]
+    for tag in ("first", "second"):
+        for k in range(2):
+            part = slice(4 * rank + 2 * k, 4 * rank + 2 * k + 2)
+            model_engine.backward(F.mse_loss(model_engine(x[part]), y[part]))
+            model_engine.step()
+        model_engine.save_checkpoint(save_dir, tag=tag)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 has read latest by now
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write("first")
+    try:
+        path, _ = model_engine.load_checkpoint(save_dir)
+        outcome = os.path.basename(path)
+    except engine.MicrostepError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    model_engine.destroy()
+    return outcome
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("compat_ds"))
@@ -113,7 +216,47 @@ def runs(tmp_path_factory):
             scenarios[f"microstep-{name}"] = functools.partial(microstep, name=name, root=root)
         if HAS_DEEPSPEED and "backend" not in CONFIGS[name]:
             scenarios[f"deepspeed-{name}"] = functools.partial(real_deepspeed, name=name, root=root)
+    scenarios["latest"] = functools.partial(latest_as_rank_0_reads_it, root=root)
+    for stage in (0, 2):
+        scenarios[f"microstep-noclip-stage{stage}"] = functools.partial(unequal_microstep, stage=stage)
+    for bug in BUGS:
+        scenarios[f"microstep-noclip-{bug.__name__}"] = functools.partial(unequal_microstep, stage=2, breaks=bug)
+    if HAS_DEEPSPEED:
+        scenarios["deepspeed-noclip-stage2"] = functools.partial(unequal_real_deepspeed, stage=2)
     return run_scenarios(scenarios, world_size=2, timeout=300, env=ENV)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_without_clipping_unequal_and_short_micro_batches_equal_the_reference(runs, stage):
+    exact, one_over_a = unequal_reference(exact_weights), unequal_reference(one_over_a_weights)
+    for states in runs[f"microstep-noclip-stage{stage}"]:
+        assert all((ours - expected).abs().max() < TOL for ours, expected in zip(states, exact))
+    # the 1/A weighting agrees on the equal window, then misses by far more than the tolerance
+    assert (one_over_a[0] - exact[0]).abs().max() < TOL
+    assert all((wrong - expected).abs().max() > 1000 * TOL for wrong, expected in zip(one_over_a[1:], exact[1:]))
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda bug: bug.__name__)
+def test_without_clipping_a_weighting_bug_misses_the_reference(runs, bug):
+    exact = unequal_reference(exact_weights)
+    for states in runs[f"microstep-noclip-{bug.__name__}"]:
+        assert (states[-1] - exact[-1]).abs().max() > 1000 * TOL
+
+
+@needs_deepspeed
+def test_without_clipping_deepspeed_weights_by_one_over_a_where_the_facade_is_exact(runs):
+    """DeepSpeed's own semantics: equal micro-batches give the facade's model; unequal or short
+    ones are weighted 1/A by DeepSpeed (its result is the 1/A reference), exactly by the facade."""
+    one_over_a = unequal_reference(one_over_a_weights)
+    for ours, theirs in zip(runs["microstep-noclip-stage2"], runs["deepspeed-noclip-stage2"]):
+        assert (ours[0] - theirs[0]).abs().max() < TOL
+        assert all((state - wrong).abs().max() < TOL for state, wrong in zip(theirs, one_over_a))
+        assert (ours[-1] - theirs[-1]).abs().max() > 1000 * TOL
+
+
+def test_every_rank_loads_the_checkpoint_rank_0_finds_in_latest(runs):
+    first, second = runs["latest"]
+    assert first == second and first in ("first", "second"), (first, second)
 
 
 def reference(lrs, clip):
@@ -204,6 +347,69 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
     assert model_engine.load_checkpoint(str(tmp_path)) == (None, None)  # no latest file, as DeepSpeed
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    model_engine.destroy()
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"train_micro_batch_size_per_gpu": "auto"},
+     r"train_micro_batch_size_per_gpu: 'auto': give a number \('auto' in a DeepSpeed JSON written for the Hugging "
+     r"Face Trainer is a placeholder.*the DeepSpeed-style loop forms its own micro-batches"),
+    ({"train_micro_batch_size_per_gpu": "explore"}, r"'explore': give a number; the DeepSpeed-style loop"),
+    ({"micro_batch_tokens": 64}, r"micro_batch_tokens: the DeepSpeed-style loop forms its own micro-batches"),
+])
+def test_what_only_train_batch_can_do_is_refused_at_initialize(tmp_path, settings, problem):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **settings,
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    with pytest.raises(engine.ConfigError, match=problem) as refused:
+        compat_deepspeed.initialize(model=mlp(dtype=F32), config=str(path))
+    assert str(refused.value).startswith(f"{path}:")  # where the key was written
+
+
+def test_a_data_defined_plans_train_batch_size_is_the_last_windows():
+    config = {"gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    model_engine, *_ = compat_deepspeed.initialize(model=mlp(dtype=F32), config=config)
+    with pytest.raises(engine.EngineUsageError, match=r"train_batch_size\(\): the config gives only "
+                       r"gradient_accumulation_steps.*known once a window has closed"):
+        model_engine.train_batch_size()
+    x, y = regression_batches(1, 4, dtype=F32)[0]
+    for part in (slice(0, 1), slice(1, 4)):
+        model_engine.backward(F.mse_loss(model_engine(x[part]), y[part]))
+        model_engine.step()
+    assert model_engine.train_batch_size() == 4 and model_engine.train_micro_batch_size_per_gpu() is None
+    model_engine.destroy()
+
+
+class SharedShift(torch.nn.Module):
+    """A model given, beside the batch, a tensor the whole batch shares ([1, d], as position_ids
+    [1, T] often are): the inputs have no one batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x, shift):
+        return self.inner(x + shift)
+
+
+def test_inputs_without_one_batch_dimension_count_as_the_plans_micro_batches(caplog):
+    """With train_micro_batch_size_per_gpu set, such inputs weigh as the plan's sizes (a warning,
+    once) instead of failing at backward; equal to the float64 full-batch reference."""
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    model_engine, *_ = compat_deepspeed.initialize(model=SharedShift(), config=config)
+    batches = regression_batches(2, 4)
+    shift = torch.zeros(1, 8, dtype=torch.float64)
+    for x, y in batches:
+        for part in (slice(0, 2), slice(2, 4)):
+            model_engine.backward(F.mse_loss(model_engine(x[part], shift), y[part]))
+            model_engine.step()
+    expected = reference_train(mlp(), batches, lambda m, b: F.mse_loss(m(b[0]), b[1]), sgd).state_dict()
+    ours = model_engine.module_state_dict()
+    assert max((ours[f"inner.{k}"] - v).abs().max().item() for k, v in expected.items()) < 1e-12
+    warned = [r.getMessage() for r in caplog.records if "do not share a first (batch) dimension" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "args[0]: 2, args[1]: 1" in warned[0] and "micro-batch of 2 samples" in warned[0], warned
     model_engine.destroy()
 
 

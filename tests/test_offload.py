@@ -1,12 +1,17 @@
 """DeepSpeed's offload keys on the torch backend: FSDP2's CPU offload where it can carry out
 the request, a clear error naming ``backend: deepspeed`` where it cannot, never dropped.
 
-Two gloo ranks on CPU: the strategy holds FSDP2's ``CPUOffloadPolicy`` (not pinned without
-an accelerator), every tensor it holds for training is on the host, and the result equals
-the float64 full-batch reference. One process without a launcher offloads too (FSDP2 on a
-one-rank group instead of the unsharded single-process strategy)."""
+Two gloo ranks on CPU: every FSDP2 unit is sharded with ``CPUOffloadPolicy`` (not pinned
+without an accelerator), every tensor the strategy holds for training is on the host, and the
+result equals the float64 full-batch reference. One process without a launcher offloads too
+(FSDP2 on a one-rank group instead of the unsharded single-process strategy). On a CPU-only
+machine every tensor is on the host with or without offload, so where offload puts them is
+checked on a GPU only (skipped elsewhere): shards, gradients and optimizer state on the host,
+compute on the device, fp32 / bf16 / fp16 with clipping and both defer settings equal to the
+same run without offload, a checkpoint round trip."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -15,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 import engine
+from engine.adapters.torch_internals import fsdp_offload_policies
 from engine.cli import main
 from engine.config_checks import check_without_model
 from engine.config_offload import torch_offload
@@ -113,14 +119,18 @@ STEPS, GLOBAL = 3, 8
 
 def offloaded_run(rank, world_size, stage):
     eng = engine.initialize(mlp(), {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 2,
-                                    "zero_optimization": {"stage": stage, **BOTH}}, optimizer=sgd)
+                                    "zero_optimization": {"stage": stage, "shard_unit_size": 100, **BOTH}},
+                            optimizer=sgd)  # small units: the policy is checked on several
     for batch in regression_batches(STEPS, GLOBAL):
         eng.train_batch(rank_slice(batch, eng.plan), mse)
     policy = eng.strategy.offload_policy
+    units = [m for m in eng.module.modules() if isinstance(m, FSDPModule)]
     held = [t for t in eng.strategy.held_tensors() if t is not None]
     local = [getattr(t, "_local_tensor", t) for t in held]  # DTensor shards: their local storage
     optimizer_state = [v for s in eng.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     result = {"policy": (type(policy).__name__, getattr(policy, "pin_memory", None)),
+              "unit_policies": [(type(p).__name__, getattr(p, "pin_memory", None))
+                                for p in fsdp_offload_policies(units)],
               "devices": sorted({t.device.type for t in local}),
               "optimizer_state": (len(optimizer_state), sorted({t.device.type for t in optimizer_state})),
               "param_devices": sorted({p.to_local().device.type for p in eng.module.parameters()}),
@@ -140,6 +150,9 @@ def test_offloaded_training_holds_everything_on_the_host_and_equals_the_referenc
     expected = state(reference_train(mlp(), regression_batches(STEPS, GLOBAL), mse, sgd))
     for result in offloaded[f"stage{stage}"]:
         assert result["policy"] == (CPUOffloadPolicy.__name__, False)  # no accelerator: not pinned
+        # what FSDP2 acts on: every unit sharded with it (on a CPU machine the devices below hold either way)
+        assert len(result["unit_policies"]) > 1
+        assert set(result["unit_policies"]) == {(CPUOffloadPolicy.__name__, False)}
         assert result["devices"] == ["cpu"] and result["param_devices"] == ["cpu"]
         assert result["optimizer_state"][0] > 0 and result["optimizer_state"][1] == ["cpu"]
         assert max_param_diff(result["state"], expected) < TOL
@@ -167,3 +180,105 @@ def test_one_process_without_a_launcher_offloads_and_equals_the_reference():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-3:] == ["fsdp", "CPUOffloadPolicy", "True"], result.stdout
+
+
+# -- on a GPU: what offload moves, and that it trains as without --------------------------------
+CLIP = 0.5
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+
+
+def _gpu_config(precision: str, defer: bool, offload: bool) -> dict:
+    zero = {"stage": 3, "shard_unit_size": 100, "defer_reduction": defer, **(BOTH if offload else {})}
+    return {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
+            "zero_optimization": zero, **PRECISIONS[precision]}
+
+
+def _device_types(tensors) -> list[str]:
+    return sorted({getattr(t, "_local_tensor", t).device.type for t in tensors})
+
+
+def _train_windows(eng, batches, record=None) -> None:
+    """The manual loop; ``record`` gets the gradients' devices at each window's closing backward."""
+    micro = eng.plan.train_micro_batch_size_per_gpu
+    for x, y in batches:
+        for k in range(eng.plan.gradient_accumulation_steps):
+            part = slice(k * micro, (k + 1) * micro)
+            eng.backward(mse(eng, (x[part].to(eng.device), y[part].to(eng.device))))
+            if record is not None and eng.is_gradient_accumulation_boundary():
+                record.append(_device_types(p.grad for p in eng.module.parameters() if p.grad is not None))
+            eng.step()
+
+
+def offload_on_one_gpu(root: str) -> dict:
+    """Each precision and defer setting at ZeRO-3 with offload on this process's device (one
+    rank): where parameters, gradients and optimizer state live, the clipped norms, the model
+    against the same run without offload (and, in fp32, the float64 reference), and a checkpoint
+    round trip. Run in a process of its own (it makes a one-rank process group)."""
+    batches = [(x.float(), 4 * y.float()) for x, y in regression_batches(STEPS, GLOBAL)]
+    expected = state(reference_train(mlp(), [(x.double(), y.double()) for x, y in batches[:2]], mse, sgd, clip=CLIP))
+    out = {}
+    for precision in PRECISIONS:
+        for defer in (False, True):
+            plain = engine.initialize(mlp(dtype=torch.float32), _gpu_config(precision, defer, offload=False),
+                                      optimizer=sgd)
+            _train_windows(plain, batches[:2])
+            without = plain.full_state_dict()
+            plain.close()
+            eng = engine.initialize(mlp(dtype=torch.float32), _gpu_config(precision, defer, offload=True),
+                                    optimizer=sgd)
+            grads, norms = [], []
+            for batch in batches[:2]:
+                _train_windows(eng, [batch], grads)
+                norms.append(float(eng.last_window.step.grad_norm or 0))
+            trained = eng.full_state_dict()
+            path = os.path.join(root, f"{precision}-{defer}")
+            eng.save_checkpoint(path)
+            _train_windows(eng, batches[2:])
+            first = eng.full_state_dict()
+            eng.load_checkpoint(path)
+            after_load = _device_types(eng.module.parameters())
+            _train_windows(eng, batches[2:])
+            with torch.no_grad():
+                output = eng(batches[0][0][:2].to(eng.device))
+            out[f"{precision} defer={defer}"] = {
+                "compute": eng.device.type, "output": output.device.type,
+                "grads": grads, "params": _device_types(eng.module.parameters()), "params_after_load": after_load,
+                "optimizer_state": _device_types(v for s in eng.optimizer.state.values() for v in s.values()
+                                                 if torch.is_tensor(v) and v.dim() > 0),
+                "norms": norms, "skipped": eng.skipped_steps,
+                "vs_without_offload": max_param_diff(trained, without),
+                "vs_reference": max_param_diff(trained, expected),
+                "round_trip": max_param_diff(first, eng.full_state_dict())}
+            eng.close()
+    return out
+
+
+CUDA_RUN = """
+import json, sys
+from tests.test_offload import offload_on_one_gpu
+print("RESULT " + json.dumps(offload_on_one_gpu(sys.argv[1])))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device: on a CPU-only machine every tensor is on the host with or without "
+                           "offload, so where offload puts them cannot be told apart there")
+def test_offload_on_a_gpu_holds_shards_gradients_and_optimizer_state_on_the_host(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", CUDA_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(result.stdout.split("RESULT ", 1)[1])
+    for name, run in runs.items():
+        assert (run["compute"], run["output"]) == ("cuda", "cuda"), name  # computed on the GPU
+        assert run["params"] == run["params_after_load"] == ["cpu"], name  # shards on the host
+        assert run["grads"] == [["cpu"], ["cpu"]], name  # reduced into host shards at each boundary
+        assert run["optimizer_state"] == ["cpu"], name  # stepped on the host
+        assert all(norm > CLIP for norm in run["norms"]), name  # clipping engaged
+        assert run["vs_without_offload"] < 1e-6, name  # offload changes where, not what
+        assert run["round_trip"] == 0, name
+        assert run["skipped"] == 0, name  # (fp16 starts at loss scale 2**8: no window overflows)
+        if name.startswith("fp32"):
+            assert run["vs_reference"] < 1e-5, name

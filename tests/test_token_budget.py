@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.batch_plan import split_evenly
 from engine.token_budget import (MicroGroup, TokenBudgetError, TokenSplitter, budget_candidates, fewest_micro_steps,
-                                 fixed_size_groups, group_by_tokens, over_budget_message, sequence_layout,
-                                 smaller_budget, take_rows, token_cost)
+                                 group_by_tokens, over_budget_message, sequence_layout, smaller_budget, take_rows,
+                                 token_cost)
 
 Pair = namedtuple("Pair", "ids extra")
 
@@ -93,7 +94,7 @@ def test_cheapest_grouping_beats_filling_the_longest_row_first():
     groups = group_by_tokens([6, 10, 6, 6], budget=20)
     assert [(g.rows, g.length) for g in groups] == [((1,), 10), ((0, 2, 3), 6)]
     assert token_cost(groups) == token_cost([MicroGroup((1,), 10, 10), MicroGroup((0, 2, 3), 6, 18)])
-    assert token_cost(groups).padded_tokens == 28 and token_cost(groups).padding_fraction == 0
+    assert token_cost(groups).padded_tokens == 28 and padding_fraction(token_cost(groups)) == 0
 
 
 def test_extra_micro_steps_split_rows_evenly_before_any_zero_weight_step():
@@ -165,15 +166,35 @@ def test_grouping_errors_say_what_to_change(call, message):
         call()
 
 
+def fixed_size_groups(lengths, padded_length, micro_batch_size):
+    """The micro-batches a fixed micro size makes of the same rows, for comparison: consecutive,
+    near-equal and none above ``micro_batch_size`` (as the plan cuts them), each padded to the
+    batch's ``padded_length`` since nothing is trimmed."""
+    sizes = split_evenly(len(lengths), math.ceil(len(lengths) / micro_batch_size))
+    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [MicroGroup(tuple(range(a, b)), padded_length, sum(lengths[a:b])) for a, b in zip(edges, edges[1:])]
+
+
+def padding_fraction(cost):
+    return 1 - cost.real_tokens / cost.padded_tokens
+
+
+def largest_micro_batch(groups):
+    """Padded tokens of the biggest micro-batch: what memory holds."""
+    return max(g.padded_tokens for g in groups)
+
+
 def test_fixed_micro_size_pads_every_micro_batch_to_the_batch_length():
     lengths = [30, 2, 3, 4, 2, 1, 3, 5]  # one long row, the rest short: skewed
-    fixed = token_cost(fixed_size_groups(lengths, padded_length=30, micro_batch_size=3))
-    assert (fixed.micro_steps, fixed.padded_tokens, fixed.largest_micro_batch) == (3, 240, 90)
+    fixed_groups = fixed_size_groups(lengths, padded_length=30, micro_batch_size=3)
+    fixed = token_cost(fixed_groups)
+    assert (fixed.micro_steps, fixed.padded_tokens, largest_micro_batch(fixed_groups)) == (3, 240, 90)
     assert [g.rows for g in fixed_size_groups(lengths, 30, 3)] == [(0, 1, 2), (3, 4, 5), (6, 7)]
-    budget = token_cost(group_by_tokens(lengths, budget=90))
+    budget_groups = group_by_tokens(lengths, budget=90)
+    budget = token_cost(budget_groups)
     assert budget.real_tokens == fixed.real_tokens == 50
-    assert budget.padded_tokens < fixed.padded_tokens and budget.largest_micro_batch <= 90
-    assert fixed.padding_fraction == pytest.approx(1 - 50 / 240)
+    assert budget.padded_tokens < fixed.padded_tokens and largest_micro_batch(budget_groups) <= 90
+    assert padding_fraction(fixed) == pytest.approx(1 - 50 / 240)
 
 
 # -- layout: lengths and sequence tensors -------------------------------------------------------

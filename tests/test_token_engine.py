@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import time
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_train_batch_by_tokens_equals_the_full_batch(extra):
         layout_lengths = batch["attention_mask"].sum(1).tolist()
         groups = group_by_tokens(layout_lengths, 20, max_rows=extra.get("train_micro_batch_size_per_gpu"))
         cost = token_cost(groups)
-        assert eng.last_window.micro_steps == len(groups) == len(eng.token_groups)
+        assert eng.last_window.micro_steps == len(groups) == len(eng.window_split.groups)
         assert (eng.last_window.real_tokens, eng.last_window.padded_tokens) == (cost.real_tokens, cost.padded_tokens)
         assert cost.padded_tokens < batch["input_ids"].numel()  # trimmed: fewer positions than the padded batch
     assert max_param_diff(state(eng.module), state(expected)) < TOL
@@ -165,7 +166,7 @@ def test_a_row_over_the_budget_runs_alone_with_one_warning(caplog):
             eng.train_batch(batch)
     warnings = [r.getMessage() for r in caplog.records if "exceed micro_batch_tokens 12" in r.getMessage()]
     assert len(warnings) == 1 and "(14 tokens)" in warnings[0], warnings
-    assert any(g.over_budget for g in eng.token_groups)  # the second step has long rows too: no new warning
+    assert any(g.over_budget for g in eng.window_split.groups)  # the second step has long rows too: no new warning
 
 
 def test_monitor_records_micro_steps_and_padded_vs_real_tokens():
@@ -200,7 +201,7 @@ def test_auto_shrinks_the_budget_and_a_checkpoint_keeps_it(tmp_path):
     changes = eng.micro_batch_tuner.changes
     assert [(c["old"], c["new"]) for c in changes] == [(64, 21)], changes
     assert eng.plan.micro_batch_tokens == 21 and eng.plan.train_batch_size == 8
-    assert max(g.padded_tokens for g in eng.token_groups if len(g.rows) > 1) <= 18
+    assert max(g.padded_tokens for g in eng.window_split.groups if len(g.rows) > 1) <= 18
     assert max_param_diff(state(eng.module), state(expected)) < TOL
     eng.save_checkpoint(tmp_path / "ckpt")
     resumed = token_engine(copy.deepcopy(model), tokens=64, train_micro_batch_size_per_gpu="auto")
@@ -274,7 +275,7 @@ def llama_scenario(rank, world, stage):
         windows = []
         for batch in batches:
             eng.train_batch(rank_slice(batch, eng.plan), loss_fn)
-            windows.append((eng.last_window.micro_steps, sum(g.zero_weight for g in eng.token_groups)))
+            windows.append((eng.last_window.micro_steps, sum(g.zero_weight for g in eng.window_split.groups)))
         results[name] = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "windows": windows,
                          "records": eng.monitor.history}
         eng.close()
@@ -305,11 +306,29 @@ def left_padded_on_rank_1(rank, world):
     return outcome, eng.global_steps
 
 
+def lengths_fail_on_rank_1(rank, world):
+    """A lengths(batch) that raises (not a BatchError) on one rank: that rank raises its error, the
+    other learns at the agreement which rank failed, nobody waits out the agreement timeout."""
+    def lengths(batch):
+        if rank == 1:
+            raise ValueError("lengths() failed on rank 1")
+        return batch["attention_mask"].sum(1)
+
+    eng = token_engine(tiny_lm(), global_batch=4, lengths=lengths, distributed={"agreement_timeout_seconds": 20})
+    started = time.perf_counter()
+    try:
+        eng.train_batch(padded_batch([3, 2], width=4))
+    except (ValueError, engine.EngineUsageError) as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, time.perf_counter() - started
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     scenarios = {f"llama stage {stage}": functools.partial(llama_scenario, stage=stage) for stage in (0, 3)}
     scenarios |= {f"oom stage {stage}": functools.partial(oom_scenario, stage=stage) for stage in (0, 3)}
     scenarios["left padded on rank 1"] = left_padded_on_rank_1
+    scenarios["lengths fail on rank 1"] = lengths_fail_on_rank_1
     return run_scenarios(scenarios, world_size=2, timeout=240)
 
 
@@ -353,6 +372,15 @@ def test_a_batch_one_rank_cannot_split_stops_every_rank(two_ranks):
                      "every rank stops at the same micro-step")
     assert second.startswith("TokenBudgetError: batch['attention_mask']: row 0 is left-padded")
     assert steps0 == steps1 == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_lengths_function_failing_on_one_rank_stops_every_rank_at_once(two_ranks):
+    (first, waited0), (second, waited1) = two_ranks["lengths fail on rank 1"]
+    assert first.startswith("EngineUsageError: rank 1 could not split its batch by tokens")
+    assert second == "ValueError: lengths() failed on rank 1"
+    assert max(waited0, waited1) < 10  # not the agreement timeout (20 s)
 
 
 def deepspeed_scenario(rank, world, stage):

@@ -67,7 +67,15 @@ def _required():
         for name in ("_wait_for_post_backward", "_to_sharded"):
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
 
+
+# -- autograd ----------------------------------------------------------------------------------
+def autograd_sequence_nr(node) -> int:
+    """When autograd created ``node``: a per-thread counter that increases with every node,
+    so a node's inputs (its ``next_functions``) carry smaller numbers than the node itself
+    (``AccumulateGrad`` of a leaf: the largest integer)."""
+    return node._sequence_nr()
 
 
 # -- DDP -------------------------------------------------------------------------------------
@@ -78,15 +86,27 @@ def set_ddp_gradient_sync(ddp, enabled: bool) -> None:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------
-def fsdp_params(unit):
-    """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
+def _fsdp_param_groups(unit) -> list:
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch versions with one group per state
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
-    for group in groups:
+    return groups
+
+
+def fsdp_params(unit):
+    """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
+    for group in _fsdp_param_groups(unit):
         yield from group.fsdp_params
+
+
+def fsdp_offload_policies(units):
+    """The ``OffloadPolicy`` each unit's parameters were sharded with, one per parameter group
+    (what ``fully_shard(offload_policy=...)`` recorded; FSDP2 has no public getter)."""
+    for unit in units:
+        for group in _fsdp_param_groups(unit):
+            yield group.offload_policy
 
 
 def drop_unreduced_gradients(root, units) -> None:

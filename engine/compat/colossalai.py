@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import engine
+from engine.compat import refuse_engine_formed_micro_batches
 from engine.config import ALIASES, Config, load_config
 from engine.distributed import get_rank, get_world_size, init_distributed, read_launch_env
 from engine.errors import EngineUsageError
@@ -141,8 +142,9 @@ def initialize(model: torch.nn.Module, optimizer, criterion=None, train_dataload
     ``model.parameters()`` (or a callable given them, or None for the config's section)."""
     if ophooks:
         raise EngineUsageError("initialize(ophooks=...): Colossal-AI's operator hooks are not supported")
-    eng = engine.initialize(model, gpc.config.microstep, optimizer=optimizer)
-    eng.sizes_from_inputs = True  # each micro-batch weighted by its real size
+    refuse_engine_formed_micro_batches(gpc.config.microstep, "Colossal-AI-style")
+    # each micro-batch weighted by its real size
+    eng = engine.initialize(model, gpc.config.microstep, optimizer=optimizer, manual_sizes="inputs")
     accumulation = eng.plan.gradient_accumulation_steps
     if train_dataloader is not None:
         train_dataloader = WholeWindows(train_dataloader, accumulation)

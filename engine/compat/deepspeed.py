@@ -36,6 +36,8 @@ import torch
 
 import engine
 from engine.batch_plan import split_evenly
+from engine.collectives import from_rank0
+from engine.compat import refuse_engine_formed_micro_batches
 from engine.config import Config, load_config
 from engine.config_checks import check_without_model
 from engine.data import DistributedBatches
@@ -105,14 +107,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     problems = check_without_model(config)
     if problems:
         raise ConfigError(problems)
+    refuse_engine_formed_micro_batches(config, "DeepSpeed-style")
     params = list(model.parameters() if model_parameters is None else model_parameters)
     optimizer, config = _client_or_config_optimizer(optimizer, params, config)
     lr_scheduler, config = _client_or_config_scheduler(lr_scheduler, config)
-    eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    # Each micro-batch weighted by its real size; get_global_grad_norm() answers at every stage.
+    eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, manual_sizes="inputs",
+                            grad_norm_every_step=True)
     if default_clipping:
         log.info("gradient_clipping: %g (DeepSpeed's default; the config does not set it)", DEFAULT_GRADIENT_CLIPPING)
-    eng.sizes_from_inputs = True  # each micro-batch weighted by its real size
-    eng.compute_grad_norm = True  # get_global_grad_norm() answers at every stage
     loader = None
     if training_data is not None:
         loader = MicroBatchLoader(training_data, eng.plan, collate_fn=collate_fn,
@@ -258,10 +261,22 @@ class DeepSpeedEngine:
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
 
-    def train_batch_size(self) -> int | None:
-        return self.engine.plan.train_batch_size
+    def train_batch_size(self) -> int:
+        """The global batch. A config giving only ``gradient_accumulation_steps`` (which
+        DeepSpeed itself refuses) plans none: the data defines it, and this is the last
+        window's, every rank's samples summed; an error before the first window closed."""
+        plan, last = self.engine.plan, self.engine.last_window
+        if not plan.is_data_defined:
+            return plan.train_batch_size
+        if not last.samples:
+            raise EngineUsageError(
+                "train_batch_size(): the config gives only gradient_accumulation_steps, so the global batch is "
+                "whatever the data loader yields, known once a window has closed (then: the last window's samples "
+                "over every rank); set train_batch_size or train_micro_batch_size_per_gpu for a planned one")
+        return last.samples
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
+        """The planned micro-batch size (None when the config gives only the accumulation steps)."""
         return self.engine.plan.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
@@ -321,7 +336,7 @@ class DeepSpeedEngine:
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
-        """Restore ``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names). Returns
+        """Restore ``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names, as rank 0 reads it). Returns
         ``(path, client_state)``, or ``(None, None)`` when there is no ``latest``. Collective."""
         partial = {name: value for name, value, default in (
             ("load_module_strict", load_module_strict, True), ("load_optimizer_states", load_optimizer_states, True),
@@ -332,18 +347,25 @@ class DeepSpeedEngine:
                 f"load_checkpoint({', '.join(f'{k}={v!r}' for k, v in partial.items())}): Microstep restores the "
                 "whole training state of a checkpoint; to start from a model's weights only, load them into the model "
                 "before deepspeed.initialize")
-        if tag is None:
-            latest = os.path.join(load_dir, LATEST)
-            if not os.path.isfile(latest):
+        if tag is None:  # rank 0's reading, on every rank: another file system view would split the ranks
+            tag = from_rank0(_read_latest(load_dir) if self.engine.rank == 0 else None)
+            if tag is None:
                 log.warning("no %s file in %s: nothing loaded (pass tag= to load a given checkpoint)", LATEST, load_dir)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
         return path, self.engine.load_checkpoint(path)
 
     def destroy(self) -> None:
         self.engine.close()
+
+
+def _read_latest(load_dir: str) -> str | None:
+    """The tag ``load_dir/latest`` names, or None without that file."""
+    try:
+        with open(os.path.join(load_dir, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _write_latest(save_dir: str, tag: str) -> None:
