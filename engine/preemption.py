@@ -109,18 +109,18 @@ class _Handlers:
         self.slots: dict[signal.Signals, _Slot] = {}
 
     def add(self, sig: signal.Signals, listener: StopSignals) -> None:
-        slot = self.slots.get(sig)
-        if slot is None:
-            previous = signal.signal(sig, self._deliver)
-            if previous is None:  # set outside Python: the default is what can be put back
-                previous = signal.SIG_DFL
-            slot = self.slots[sig] = _Slot(previous)
-            if previous not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
-                log.warning("%s already had a handler (%r): while the engine is open it saves and stops at "
-                            "the next boundary instead; a second %s more than %g s after the first goes to "
-                            "that handler, which gets the signal back when the engine closes",
-                            sig.name, previous, sig.name, REPEAT_AFTER_SECONDS)
-        slot.listeners.append(listener)
+        if sig in self.slots:
+            self.slots[sig].listeners.append(listener)
+            return
+        slot = self.slots[sig] = _Slot(signal.SIG_DFL, [listener])  # before the handler: it may run at once
+        previous = signal.signal(sig, self._deliver)
+        if previous is not None:  # None: set outside Python; the default is what can be put back
+            slot.previous = previous
+        if slot.previous not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
+            log.warning("%s already had a handler (%r): while the engine is open it saves and stops at the next "
+                        "boundary instead; a second %s more than %g s after the first goes to that handler, "
+                        "which gets the signal back when the engine closes",
+                        sig.name, slot.previous, sig.name, REPEAT_AFTER_SECONDS)
 
     def remove(self, sig: signal.Signals, listener: StopSignals) -> None:
         slot = self.slots.get(sig)
@@ -139,7 +139,9 @@ class _Handlers:
     def _deliver(self, signum, frame) -> None:
         # Little here: the main thread may be anywhere (inside logging, a save, ...).
         sig = signal.Signals(signum)
-        slot = self.slots[sig]
+        slot = self.slots.get(sig)
+        if slot is None:  # given back already, while this delivery was pending
+            return
         now = time.monotonic()
         if slot.first is None:
             slot.first = now
@@ -149,8 +151,8 @@ class _Handlers:
             return
         if now - slot.first <= REPEAT_AFTER_SECONDS:
             return  # the same event, sent twice
-        os.write(2, f"[microstep] {sig.name} again, {now - slot.first:.0f} s after the first and no window "
-                    "boundary reached since: handing it to the handler it had before\n".encode())
+        os.write(2, f"[microstep] {sig.name} again, {now - slot.first:.0f} s after the first, which no window "
+                    "boundary has acted on: handing it to the handler it had before the engine\n".encode())
         previous = self._give_back(sig)
         if callable(previous):
             previous(signum, frame)
