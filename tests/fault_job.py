@@ -126,7 +126,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     if args.until_stopped:
         eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints", every_steps=None))
-        print(f"ready {os.getpid()}", flush=True)
+        sys.stdout.write(f"ready {os.getpid()}\n")  # one write: torchrun's `python -u` would split a print
+        sys.stdout.flush()
         train(eng, SlowLoss(), steps=10**9)
     eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints"))
     loss_fn = FaultyLoss()
