@@ -19,8 +19,11 @@
   at the next boundary (the one they agree on, see ``engine.preemption``) and raises
   ``Preempted``, which exits the process with ``stop_exit_code`` (75) unless caught.
 
-The engine calls ``on_batches`` / ``on_window_start`` / ``on_boundary``; it knows nothing else
-of this module.
+An explicit ``eng.load_checkpoint`` replaces the automatic resume: what of it was still to be
+applied (the data position, the random generators) is dropped.
+
+The engine calls ``on_batches`` / ``on_window_start`` / ``on_boundary`` / ``on_load``; it knows
+nothing else of this module.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 from engine.checkpoint import MANIFEST, verify_checkpoint
 from engine.collectives import from_rank0
 from engine.errors import CheckpointError
-from engine.preemption import Preempted, StopSignals
+from engine.preemption import Preempted, StopSignals, report_stop
 
 log = logging.getLogger("engine")
 
@@ -80,7 +83,7 @@ class AutoCheckpoint:
         self.data = None  # the DistributedBatches of eng.batches(), whose position is saved
         self.resumed_from: str | None = None
         self._position = None  # the resumed data position, until eng.batches() creates the data
-        self._rng = None  # the resumed checkpoint, until training starts and its RNG states are set
+        self._pending_restore = None  # the resumed checkpoint, until training starts and its RNG states are set
 
     # -- resuming -----------------------------------------------------------------------------
     def resume(self) -> None:
@@ -92,7 +95,7 @@ class AutoCheckpoint:
         if path is None:
             return
         position = _DataPosition() if decision["data_position"] else None
-        self._rng = self.checkpointer.restore(path, data=position)
+        self._pending_restore = self.checkpointer.restore(path, data=position)
         self._position = position.state if position is not None else None
         self.resumed_from = path
         if position is None and self.engine.rank == 0 and self.engine.global_steps:
@@ -144,9 +147,9 @@ class AutoCheckpoint:
         return sorted(found)
 
     def _start_training(self) -> None:
-        if self._rng is not None:
-            self._rng.restore_rng()
-            self._rng = None
+        if self._pending_restore is not None:
+            self._pending_restore.restore_rng()
+            self._pending_restore = None
 
     # -- the engine's hooks ---------------------------------------------------------------------
     def on_batches(self, data) -> None:
@@ -166,8 +169,18 @@ class AutoCheckpoint:
 
     def on_window_start(self) -> None:
         """A training window's first forward."""
-        if self._rng is not None:
+        if self._pending_restore is not None:
             self._start_training()
+
+    def on_load(self, path) -> None:
+        """``eng.load_checkpoint(path)`` restored the engine: what the automatic resume had not
+        applied yet (data position, random generators) must not override it later."""
+        if self._pending_restore is None and self._position is None:
+            return
+        self._pending_restore, self._position = None, None
+        if self.engine.rank == 0:
+            log.info("load_checkpoint(%s) replaces the automatic resume from %s: its data position and random "
+                     "generators are not applied", path, self.resumed_from)
 
     def on_boundary(self) -> None:
         """A window closed: save when due; stop when any rank received a stop signal."""
@@ -180,6 +193,7 @@ class AutoCheckpoint:
             return
         saved = saved or self.save()
         code = self.section.stop_exit_code
+        report_stop(self.engine.rank, code)
         if self.engine.rank == 0:
             log.warning("%s received: saved %s at global step %d; stopping with exit code %d (the same "
                         "command again resumes from it)", received.name, saved, self.engine.global_steps, code)

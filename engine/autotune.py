@@ -151,7 +151,7 @@ class TokenBudget:
 class MicroBatchTuner:
     """Owns the ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``)."""
 
-    clock = staticmethod(time.perf_counter)  # seconds, for explore's measurements (tests give their own)
+    clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
     def __init__(self, engine, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
         self.engine = engine

@@ -213,9 +213,14 @@ class CheckpointConfig(_DeepSpeedSection):
     @model_validator(mode="after")
     def _needs_dir(self):
         given = [key for key in ("every_steps", "keep_last") if getattr(self, key) is not None]
+        # Set to something else than the default (to_dict() writes the defaults out: it must load back).
+        given += [key for key in ("stop_signals", "stop_exit_code")
+                  if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].get_default(
+                      call_default_factory=True)]
         if given and self.dir is None:
-            raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} dir, the "
-                             "directory automatic checkpoints are written into")
+            names = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+            raise ValueError(f"{names} {'needs' if len(given) == 1 else 'need'} dir, the directory automatic "
+                             "checkpoints are written into (stop signals save there too)")
         return self
 
 

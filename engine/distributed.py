@@ -25,6 +25,7 @@ from typing import Mapping, MutableSequence
 import torch
 import torch.distributed as dist
 
+from engine.agent_store import fresh_namespace
 from engine.errors import DistributedEnvError
 
 LAUNCH_HINT = (
@@ -273,16 +274,13 @@ def _join_default_group(timeout_seconds: float, backend: str, group_for_one_proc
 
 
 def _store_of_this_attempt(env: LaunchEnv, timeout: datetime.timedelta):
-    """torchrun's agent hosts the store of every attempt of its workers (it shares its
-    rendezvous store: TORCHELASTIC_USE_AGENT_STORE=True), and that store keeps the keys of an
-    attempt that failed. After ``--max-restarts`` restarted the workers, the new ones would
-    read the dead ones' addresses there and wait on them (pytorch/pytorch#135712). Each attempt
-    gets keys of its own. None when there is nothing to fix (env:// as usual)."""
+    """Under torchrun, whose agent hosts one store for every start of its workers: a key space
+    that no earlier start used, agreed through the store itself (``engine.agent_store``). None
+    when there is nothing to fix (env:// as usual)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"microstep/attempt{attempt}", store)
+    return fresh_namespace(store, env.rank, env.world_size, timeout)
 
 
 def shutdown(barrier_timeout_seconds: float = 30) -> None:
@@ -368,7 +366,11 @@ def _ensure_control_group(timeout_seconds: float) -> None:
     if _control is not None and _control[0] is dist.group.WORLD and _control[2] == timeout_seconds:
         return
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    superseded = _control[1] if _control is not None and _control[0] is dist.group.WORLD else None
     _control = (dist.group.WORLD, group, timeout_seconds)
+    if superseded is not None:
+        # Every caller looks the group up again (control_group()), so nothing uses the old one.
+        dist.destroy_process_group(superseded)
 
 
 def agreement_timeout_seconds() -> float:

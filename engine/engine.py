@@ -22,7 +22,7 @@ an optional monitor (told about every closed window), an optional micro-batch tu
 installs ``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
 ``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.autosave``:
 told when ``batches()`` makes data, when a training window starts and when one closes, where it
-may save, or stop the run on a stop signal).
+may save, or stop the run on a stop signal, and when ``load_checkpoint`` replaces its resume).
 """
 
 from __future__ import annotations
@@ -416,8 +416,12 @@ class Engine:
         return self._checkpointer().save(path, data=data, client_state=client_state)
 
     def load_checkpoint(self, path, *, data=None) -> dict:
-        """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``."""
-        return self._checkpointer().load(path, data=data)
+        """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``.
+        It replaces an automatic resume (``checkpoint.resume``) not fully applied yet."""
+        client_state = self._checkpointer().load(path, data=data)
+        if self.autosave is not None:
+            self.autosave.on_load(path)
+        return client_state
 
     def _checkpointer(self):
         if self.checkpointer is None:

@@ -17,6 +17,11 @@ and ``accumulation_steps`` are null there, since each window forms its own micro
 Learning rate. The report carries the learning rate the window's update used (parameter
 group 0, read before the scheduler stepped).
 
+Resuming. A monitor attached to an engine resumed at step K (``load_checkpoint``, or
+``checkpoint.resume``) continues its JSON-lines and CSV files, first dropping their records of
+steps after K: the resumed run makes them again (a run killed at step M > K would otherwise list
+K+1..M twice).
+
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
 """
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import json
+import logging
 import math
 import os
 import sys
@@ -39,6 +46,8 @@ from engine.config import MonitorConfig
 from engine.distributed import get_rank
 
 __all__ = ["Monitor", "FIELDS"]
+
+log = logging.getLogger("engine")
 
 # Every train record has exactly these keys (None when not known), in this order (CSV).
 FIELDS = (
@@ -77,6 +86,7 @@ class Monitor:
         self._steps_seen = 0  # windows seen since attach (for the ETA)
         self._engine = None  # set by attach
         self._resumed = False
+        self._resumed_at = 0  # the step a resume started from: later records are made again
         self._files: dict[str, Any] = {}
         self._csv_writer = None
         self._tensorboard = None
@@ -93,12 +103,24 @@ class Monitor:
         self.rank = eng.rank
         self._engine = eng
         self._resumed = eng.global_steps > 0
+        if self._resumed:
+            self._rewind(eng.global_steps)
         if restart_clock:
             self._steps_seen = 0
             self._start = self._last_record = self._clock()
         if self.is_writer:
             self._tensorboard_writer()  # create the log dir now, or warn now that it can't be
         return self
+
+    def _rewind(self, step: int) -> None:
+        """The engine resumed at ``step``: records of later steps belong to the run being repeated."""
+        self._resumed_at = step
+        self.history = [record for record in self.history if record["step"] <= step]
+        self.eval_history = [record for record in self.eval_history if record["step"] <= step]
+        for handle in self._files.values():  # reopened, without those records, at the next write
+            handle.close()
+        self._files.clear()
+        self._csv_writer = None
 
     @property
     def is_writer(self) -> bool:
@@ -221,6 +243,8 @@ class Monitor:
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
             # A resumed run (attached after load_checkpoint) continues its files.
+            if self._resumed:
+                _drop_records_after(path, kind, self._resumed_at)
             handle = self._files[kind] = open(path, "a" if self._resumed else "w",
                                               newline="" if kind == "csv" else None, encoding="utf-8")
         return handle
@@ -343,6 +367,54 @@ def _step_time(seconds: float) -> str:
 
 def _duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def _drop_records_after(path: str, kind: str, step: int) -> None:
+    """Rewrite the metrics file ``path`` without its records of steps after ``step`` (and
+    without a line a killed process left unfinished)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, newline="" if kind == "csv" else None, encoding="utf-8") as f:
+        text = f.read()
+    if kind == "jsonl":
+        lines = text.splitlines(keepends=True)
+        kept = [line for line in lines if (number := _jsonl_step(line)) is not None and number <= step]
+        total, content = len(lines), "".join(kept)
+    else:
+        rows = list(csv.reader(io.StringIO(text)))
+        if not rows or "step" not in rows[0]:
+            return  # not a metrics file of ours: left as it is
+        column = rows[0].index("step")
+        kept = [row for row in rows[1:]
+                if len(row) == len(rows[0]) and (number := _int(row[column])) is not None and number <= step]
+        total, out = len(rows) - 1, io.StringIO()
+        csv.writer(out).writerows([rows[0], *kept])
+        content = out.getvalue()
+    if len(kept) == total:
+        return
+    partial = f"{path}.tmp-{os.getpid()}"
+    with open(partial, "w", newline="" if kind == "csv" else None, encoding="utf-8") as f:
+        f.write(content)
+    os.replace(partial, path)
+    log.info("monitor: removed %d record(s) after step %d from %s: the resumed run makes them again",
+             total - len(kept), step, path)
+
+
+def _jsonl_step(line: str) -> int | None:
+    if not line.endswith("\n"):
+        return None  # cut short
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _jsonable(value):

@@ -8,17 +8,32 @@ gets the same answer at the same boundary. That small CPU collective is the whol
 watching for signals (bench/checkpoint_cost.py measures it against a step); a single process
 needs none. A peer that never comes makes it raise ``PeerLostError`` after
 ``distributed.agreement_timeout_seconds``.
+
+The handlers are process-wide: every open engine that watches a signal hears it, and the
+handler the signal had before the first of them is put back when the last one closes. A
+boundary may never come (a rank hung in a collective, a long evaluation, the script past its
+loop), so the same signal delivered again more than ``REPEAT_AFTER_SECONDS`` after the first
+is given to that earlier handler (by default: the process ends); repeats closer together are
+one event sent twice (a launcher and the scheduler both forwarding it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
+from dataclasses import dataclass, field
 
 from engine.collectives import max_over_ranks, peer_lost_as_error
 
 log = logging.getLogger("engine")
+
+REPEAT_AFTER_SECONDS = 5.0
+# `python -m launch` names a directory here; each rank that stops for a signal writes its exit
+# code into it, so the launcher can report the workers' code (torchrun, signalled, exits 1).
+STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
 
 
 class Preempted(SystemExit):
@@ -33,13 +48,26 @@ class Preempted(SystemExit):
         self.checkpoint = checkpoint
 
 
+def report_stop(rank: int, code: int) -> None:
+    """Tell the launcher (when it asked, through ``STOP_REPORT_DIR``) that this rank stops with
+    ``code`` after a stop signal."""
+    directory = os.environ.get(STOP_REPORT_DIR)
+    if not directory:
+        return
+    try:
+        with open(os.path.join(directory, f"rank{rank}"), "w") as f:
+            f.write(str(code))
+    except OSError as error:
+        log.warning("could not report the stop to the launcher (%s): %s", directory, error)
+
+
 class StopSignals:
     """Remembers the first of ``names`` this process receives, once installed."""
 
     def __init__(self, names: list[str]):
         self.signals = [signal.Signals[name] for name in names]
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._installed = False
 
     def install(self) -> None:
         """Handle the signals from now on (they no longer end the process by themselves)."""
@@ -48,20 +76,15 @@ class StopSignals:
                         "only, and the engine was built on another", ", ".join(s.name for s in self.signals))
             return
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._remember)
+            _HANDLERS.add(sig, self)
+        self._installed = True
 
     def uninstall(self) -> None:
-        """Give the signals back to the handlers they had before :meth:`install`."""
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._remember:
-                signal.signal(sig, previous)
-        self._previous.clear()
-
-    def _remember(self, signum, _frame) -> None:
-        # Nothing else here: the main thread may be anywhere (inside logging, a save, ...).
-        # Repeats are ignored (a launcher and the scheduler often both forward the signal).
-        if self.received is None:
-            self.received = signal.Signals(signum)
+        """Stop listening; the last listener of a signal gives it back to its earlier handler."""
+        if self._installed:
+            for sig in self.signals:
+                _HANDLERS.remove(sig, self)
+            self._installed = False
 
     def agreed(self) -> signal.Signals | None:
         """At a boundary, on every rank: a signal some rank received (the same on every rank),
@@ -70,3 +93,71 @@ class StopSignals:
         with peer_lost_as_error("checking for stop signals at the window boundary"):
             everyone = max_over_ranks([mine])[0]
         return signal.Signals(everyone) if everyone else None
+
+
+@dataclass
+class _Slot:
+    previous: object  # the handler before the first listener: put back after the last
+    listeners: list[StopSignals] = field(default_factory=list)
+    first: float | None = None  # time.monotonic() of the first delivery
+
+
+class _Handlers:
+    """The process's handlers of stop signals: one per signal, shared by the open engines."""
+
+    def __init__(self):
+        self.slots: dict[signal.Signals, _Slot] = {}
+
+    def add(self, sig: signal.Signals, listener: StopSignals) -> None:
+        if sig in self.slots:
+            self.slots[sig].listeners.append(listener)
+            return
+        slot = self.slots[sig] = _Slot(signal.SIG_DFL, [listener])  # before the handler: it may run at once
+        previous = signal.signal(sig, self._deliver)
+        if previous is not None:  # None: set outside Python; the default is what can be put back
+            slot.previous = previous
+        if slot.previous not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
+            log.warning("%s already had a handler (%r): while the engine is open it saves and stops at the next "
+                        "boundary instead; a second %s more than %g s after the first goes to that handler, "
+                        "which gets the signal back when the engine closes",
+                        sig.name, slot.previous, sig.name, REPEAT_AFTER_SECONDS)
+
+    def remove(self, sig: signal.Signals, listener: StopSignals) -> None:
+        slot = self.slots.get(sig)
+        if slot is None or listener not in slot.listeners:
+            return
+        slot.listeners.remove(listener)
+        if not slot.listeners:
+            self._give_back(sig)
+
+    def _give_back(self, sig: signal.Signals) -> object:
+        slot = self.slots.pop(sig)
+        if signal.getsignal(sig) == self._deliver:  # unless the script has set one of its own since
+            signal.signal(sig, slot.previous)
+        return slot.previous
+
+    def _deliver(self, signum, frame) -> None:
+        # Little here: the main thread may be anywhere (inside logging, a save, ...).
+        sig = signal.Signals(signum)
+        slot = self.slots.get(sig)
+        if slot is None:  # given back already, while this delivery was pending
+            return
+        now = time.monotonic()
+        if slot.first is None:
+            slot.first = now
+            for listener in slot.listeners:
+                if listener.received is None:
+                    listener.received = sig
+            return
+        if now - slot.first <= REPEAT_AFTER_SECONDS:
+            return  # the same event, sent twice
+        os.write(2, f"[microstep] {sig.name} again, {now - slot.first:.0f} s after the first, which no window "
+                    "boundary has acted on: handing it to the handler it had before the engine\n".encode())
+        previous = self._give_back(sig)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(sig)
+
+
+_HANDLERS = _Handlers()

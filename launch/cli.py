@@ -3,7 +3,8 @@
 A thin front over torchrun (``python -m torch.distributed.run``, the default) and the
 deepspeed launcher (``python -m deepspeed.launcher.runner``). It validates the arguments,
 prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP / SIGUSR1 to
-it and exits with its exit code.
+it and exits with its exit code, or with the workers' own code when they all stopped for such
+a signal (torchrun, signalled, exits 1 whatever its workers did).
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import argparse
 import importlib.util
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 DEFAULT_MASTER_PORT = 29500
 DEEPSPEED_INSTALL_HINT = "pip install 'microstep[deepspeed]'"
@@ -23,8 +26,11 @@ DEEPSPEED_INSTALL_HINT = "pip install 'microstep[deepspeed]'"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # torchrun's agent handles these (it passes the one it gets to its workers and waits
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for them); its default list lacks SIGUSR1, which
-# would kill it and leave its workers without the agent that reports their exit.
+# would kill it and leave its workers without the agent that waits for them. Only its
+# --signals-to-handle sets the list (PET_SIGNALS_TO_HANDLE, its default, is honoured).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# Where the engine's ranks write their exit code when they stop for a signal (engine.preemption).
+STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
 
 
 class LaunchError(ValueError):
@@ -119,7 +125,8 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _torchrun_command(args: argparse.Namespace, python: str) -> list[str]:
     nproc = str(args.nproc_per_node or 1)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", nproc]
+    signals = os.environ.get("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--signals-to-handle", signals]
     if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
         # One node: torchrun picks a free port itself, so concurrent jobs cannot collide.
         return cmd + ["--standalone", args.script, *args.script_args]
@@ -159,13 +166,6 @@ def build_command(args: argparse.Namespace, python: str = sys.executable) -> lis
     return _deepspeed_command(args, python)
 
 
-def launcher_environment(args: argparse.Namespace, environ) -> dict[str, str]:
-    """Variables to add to the launcher's environment (none the user set is replaced)."""
-    if args.launcher == "torchrun" and "TORCHELASTIC_SIGNALS_TO_HANDLE" not in environ:
-        return {"TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS}
-    return {}
-
-
 def _signal_group(child: subprocess.Popen, signum: int) -> None:
     # The whole group, as a terminal would: the deepspeed runner dies on SIGTERM without
     # passing it on, which would leave its workers running.
@@ -175,29 +175,65 @@ def _signal_group(child: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def run(cmd: list[str]) -> int:
-    """Run cmd, forwarding termination signals to it; returns a shell-style exit code."""
+def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> int:
+    """Run cmd; returns a shell-style exit code.
+
+    ``forward``: pass termination signals on to cmd's process group, which runs in a session
+    of its own. Otherwise (under a Slurm job step, which signals every process of the step
+    itself) cmd stays in this process's group and each signal reaches it once: torchrun, given
+    the same signal again while it waits for its workers, stops waiting and leaves them.
+    ``workers``: the number of this node's workers; when this process was signalled and each
+    of them reported the same exit code for its stop (engine.preemption), that code is returned.
+    """
     child: subprocess.Popen | None = None
     pending: list[int] = []  # signals that arrived before the child existed
+    received: list[int] = []
+    reports = tempfile.mkdtemp(prefix="microstep-stop-") if workers else None
 
-    def forward(signum: int, _frame) -> None:
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signum)
+        if not forward:
+            return
         if child is None:
             pending.append(signum)
         else:
             _signal_group(child, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
     try:
-        # Own session: a Ctrl-C in the terminal reaches this process only, which passes it
-        # on once; otherwise the child would get it twice and interrupt its own clean-up.
-        child = subprocess.Popen(cmd, start_new_session=True)
+        # Forwarding, cmd gets a session of its own: a Ctrl-C in the terminal reaches this
+        # process only, which passes it on once, instead of reaching cmd twice.
+        env = None if reports is None else dict(os.environ, **{STOP_REPORT_DIR: reports})
+        child = subprocess.Popen(cmd, start_new_session=forward, env=env)
         for signum in pending:
             _signal_group(child, signum)
         code = child.wait()
+        code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as in a shell
+        stopped = _reported_stop(reports, workers) if received and code != 0 and reports else None
+        if stopped is not None:
+            print(f"[launch] {signal.Signals(received[0]).name}: the {workers} worker(s) saved and stopped with "
+                  f"exit code {stopped} ({cmd[2] if cmd[1:2] == ['-m'] else cmd[0]} exited {code}); exiting {stopped}",
+                  file=sys.stderr, flush=True)
+            code = stopped
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as in a shell
+        if reports is not None:
+            shutil.rmtree(reports, ignore_errors=True)
+    return code
+
+
+def _reported_stop(directory: str, workers: int) -> int | None:
+    """The exit code every one of ``workers`` reported for its stop, if they all did and agree."""
+    names = os.listdir(directory)
+    codes = set()
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as f:
+                codes.add(int(f.read()))
+        except (OSError, ValueError):
+            return None
+    return codes.pop() if len(names) == workers and len(codes) == 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,5 +246,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[launch] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
-    os.environ.update(launcher_environment(args, os.environ))
-    return run(cmd)
+    workers = (args.nproc_per_node or 1) if args.launcher == "torchrun" else None
+    return run(cmd, forward="SLURM_STEP_ID" not in os.environ, workers=workers)

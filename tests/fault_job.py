@@ -9,7 +9,9 @@ As a script, under torchrun (every rank writes ``OUT/rank<r>.pt``, a :func:`snap
 
 ``--kill-at N``: rank ``--kill-rank`` kills itself (SIGKILL) in its N-th micro-batch loss,
 on the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0). ``--term-at N``: every
-rank sends itself SIGTERM there instead.
+rank sends itself SIGTERM there instead. ``--until-stopped``: every rank prints ``ready <pid>``
+once its engine handles stop signals, then trains (slowly, without periodic saves) until one
+stops it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `tests` and `engine` importable
@@ -65,6 +68,14 @@ class FaultyLoss:
         return mse(model, batch)
 
 
+class SlowLoss(FaultyLoss):
+    """A training step that takes a while, so that a signal usually comes inside a window."""
+
+    def __call__(self, model, batch):
+        time.sleep(0.01)
+        return super().__call__(model, batch)
+
+
 def train(eng, loss_fn=None, steps: int = STEPS):
     """The documented loop; returns its DistributedBatches. eng.batches() called again with the
     same arguments returns the same object, which goes on with the next epoch."""
@@ -108,10 +119,16 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--term-at", type=int, default=None)
+    parser.add_argument("--until-stopped", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     out = Path(args.out)
+    if args.until_stopped:
+        eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints", every_steps=None))
+        sys.stdout.write(f"ready {os.getpid()}\n")  # one write: torchrun's `python -u` would split a print
+        sys.stdout.flush()
+        train(eng, SlowLoss(), steps=10**9)
     eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints"))
     loss_fn = FaultyLoss()
     if first_attempt and args.kill_at is not None and eng.rank == args.kill_rank:

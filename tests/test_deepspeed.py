@@ -13,7 +13,6 @@ set of ranks (DeepSpeed's start-up is paid once per stage).
 
 import copy
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -49,7 +48,9 @@ from tests.reference import (
     token_loss_sum,
     train_steps,
 )
-from tests.test_precision import assert_precision_results, precision_case, precision_scenarios
+from tests.scenarios import (
+    assert_precision_results, needs_deepspeed, precision_case, precision_scenarios, train_batch_failing_at,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -57,10 +58,8 @@ F32 = torch.float32
 TOL = 1e-6  # fp32 training against the float64 reference
 MISSED = 1e-4  # every broken variant misses the reference by more (measured: 2e-3 to 0.1)
 STAGES = [0, 1, 2, 3]
-HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 LINEAR = torch.nn.functional.linear  # ZeRO-3 replaces it process-wide unless told not to
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -162,16 +161,7 @@ def failed_batch(rank, world, stage, defer=False):
     expected = reference(model, [batches[0], batches[2]])
     eng = make_engine(copy.deepcopy(model), stage, 16, 2, defer=defer)
     eng.train_batch(rank_slice(batches[0], eng.plan), mse)
-    calls = [0]
-
-    def breaks_at_the_third(model, batch):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise ValueError("a bad micro-batch")
-        return mse(model, batch)
-
-    with pytest.raises(ValueError, match="a bad micro-batch"):
-        eng.train_batch(rank_slice(batches[1], eng.plan), breaks_at_the_third)
+    train_batch_failing_at(eng, rank_slice(batches[1], eng.plan))
     eng.train_batch(rank_slice(batches[2], eng.plan), mse)
     return finish(eng, expected)
 

@@ -23,7 +23,7 @@ from tests.reference import (
     TinyLM, max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state,
     token_batches, token_loss_mean, token_loss_sum,
 )
-from tests.test_engine import assert_misuse_errors, misuse_errors
+from tests.scenarios import assert_misuse_errors, misuse_errors, train_batch_failing_at
 
 TOL = 1e-10
 MISSED = 1e-4  # every broken variant below misses the reference by more (measured: 2e-3 to 0.3)
@@ -126,16 +126,7 @@ def failed_batch(rank, world, stage, defer=False, breaks=intact):
     expected = reference_train(model, [batches[0], batches[2]], mse, sgd)
     eng = breaks(make_engine(copy.deepcopy(model), stage, 16, 2, defer=defer))
     eng.train_batch(rank_slice(batches[0], eng.plan), mse)
-    calls = [0]
-
-    def breaks_at_the_third(model, batch):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise ValueError("a bad micro-batch")
-        return mse(model, batch)
-
-    with pytest.raises(ValueError, match="a bad micro-batch"):
-        eng.train_batch(rank_slice(batches[1], eng.plan), breaks_at_the_third)
+    train_batch_failing_at(eng, rank_slice(batches[1], eng.plan))
     counters = (eng.micro_steps, eng.global_steps, eng.global_samples)
     eng.train_batch(rank_slice(batches[2], eng.plan), mse)
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "counters_after_failure": counters}

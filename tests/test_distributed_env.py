@@ -1,4 +1,5 @@
 """engine.distributed: launch-environment parsing, helpers, and the run_distributed harness."""
+import datetime
 import functools
 import os
 import sys
@@ -232,6 +233,52 @@ def _abort_after_result(rank, world_size):
     return rank * 10
 
 
+
+def _restarts_on_one_agent_store(rank, world_size, port):
+    """The harness joined through the agent store (the first start). Then two restarts, as a
+    healthy node's agent makes them: rank 0's agent counts them, rank 1's does not; before
+    the second, a worker that died while joining (its ticket) and a leader that died before
+    its peers came (its generation) leave their keys behind."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=10))
+    sums = []
+    for restart, stale in ((1, None), (2, "dead workers")):
+        distributed.shutdown()
+        if stale is not None and rank == 1:
+            store.add("microstep/tickets", 1)
+            store.add("microstep/generations", 1)
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart if rank == 0 else 0)
+        distributed.init_distributed(timeout_seconds=10, backend="gloo")
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)
+        sums.append(total.item())
+    return sums
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_restarted_workers_on_torchruns_shared_store_find_each_other():
+    """torchrun's agent store keeps every start's keys; the restart counts of two agents need
+    not agree (pytorch/pytorch#135712): the workers of each start still form their group."""
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(agent.port),
+           "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert run_distributed(_restarts_on_one_agent_store, args=(agent.port,), env=env, timeout=90) == [[3, 3]] * 2
+    assert agent.add("microstep/generations", 0) == 4  # three starts and the dead leader
+
+
+def _a_new_agreement_timeout_replaces_the_control_group(rank, world_size):
+    first = distributed.control_group()
+    distributed.init_distributed(agreement_timeout_seconds=distributed.agreement_timeout_seconds() + 1)
+    second = distributed.control_group()
+    try:
+        dist.get_global_rank(first, 0)
+        old_group_registered = True
+    except ValueError:  # not registered: destroyed
+        old_group_registered = False
+    dist.all_reduce(torch.ones(1), group=second)
+    return second is not first, old_group_registered
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_run_distributed_returns_results_in_rank_order(monkeypatch):
@@ -250,9 +297,11 @@ def test_run_distributed_returns_results_in_rank_order(monkeypatch):
 def test_run_scenarios_and_idempotent_shutdown():
     results = run_scenarios({"describe": _describe_rank,
                              "abort_after": _abort_after_result,
+                             "new_control_group": _a_new_agreement_timeout_replaces_the_control_group,
                              "shutdown": _shutdown_twice}, timeout=90)
     assert [r["sum"] for r in results["describe"]] == [3, 3]
     assert results["abort_after"] == [0, 10]
+    assert results["new_control_group"] == [(True, False)] * 2  # the superseded group was destroyed
     assert results["shutdown"] == [False, False]
 
 

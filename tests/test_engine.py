@@ -2,7 +2,6 @@
 
 import copy
 import logging
-import re
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from tests.reference import (
     TinyLM, adamw, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state,
     token_batches, token_loss_mean, token_loss_sum,
 )
+from tests.scenarios import assert_misuse_errors, misuse_errors, train_batch_failing_at
 
 TOL = 1e-10
 
@@ -283,16 +283,7 @@ def family_failed_batch(breaks):
     model, (batch,) = mlp(), regression_batches(1, 8)
     expected = reference_train(model, [batch], mse)
     eng = breaks(make_engine(copy.deepcopy(model), 8, 2))
-    calls = {"n": 0}
-
-    def flaky(m, b):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise ValueError("bad sample")
-        return mse(m, b)
-
-    with pytest.raises(ValueError, match="bad sample"):
-        eng.train_batch(batch, flaky)
+    train_batch_failing_at(eng, batch)
     eng.train_batch(batch, mse)
     return max_param_diff(state(eng.module), state(expected))
 
@@ -331,89 +322,6 @@ def test_adamw_hides_what_sgd_shows():
 
 
 # -- misuse -------------------------------------------------------------------------------
-def _local(eng, extra=0):
-    """A per-device batch for this rank's plan (``extra`` samples more)."""
-    return regression_batches(1, eng.plan.per_device_batch_size + extra)[0]
-
-
-def _micro_step(eng):
-    x, y = _local(eng)
-    eng.backward(mse(eng, (x[:2], y[:2])))
-    eng.step()
-
-
-def _fill_window(eng):
-    x, y = _local(eng)
-    for micro_batch in split_batch((x, y), eng.plan.micro_batch_sizes):
-        eng.backward(mse(eng, micro_batch))
-
-
-def _pair_loss(eng):
-    x, y = _local(eng)
-    return ((eng(x[:2]) - y[:2]) ** 2).sum(), 6
-
-
-# name: (what runs first, the misuse, what the error says). Engines: global batch 8, micro 2.
-MISUSES = {
-    "step without backward": (None, lambda eng: eng.step(),
-                              r"step\(\) called without a backward\(\) since the last step\(\)"),
-    "backward after the window's last": (_fill_window, lambda eng: eng.backward(mse(eng, tuple(t[:2] for t in _local(eng)))),
-                                         r"backward\(\) called \d+ times in a window of \d+ micro-steps: call step\(\) after every"),
-    "non-scalar loss": (None, lambda eng: eng.backward((eng(_local(eng)[0][:2]) - _local(eng)[1][:2]) ** 2),
-                        r"scalar \(0-dim\) tensor.*got shape \(2, 3\).*\.mean\(\)"),
-    "loss without grad": (None, lambda eng: eng.backward(mse(eng, tuple(t[:2] for t in _local(eng))).detach()),
-                          r"the loss does not require grad: it was computed without the model's parameters, or under "
-                          r"torch.no_grad\(\)"),
-    "loss that is not a tensor": (None, lambda eng: eng.train_batch(_local(eng), lambda m, b: 1.0),
-                                  r"the loss must be a scalar tensor .* or a pair \(loss_sum, num_items\); got float"),
-    "mixed loss kinds": (_micro_step, lambda eng: eng.backward(_pair_loss(eng)),
-                         r"one window mixes mean losses and \(sum, count\) losses; use one kind per window"),
-    "train_batch mid-window": (_micro_step, lambda eng: eng.train_batch(_local(eng), mse),
-                               r"train_batch\(\) called in the middle of a manual-loop window \(1 micro-steps done\): "
-                               r"finish it with step\(\) first"),
-    "train_batch without a loss function": (None, lambda eng: eng.train_batch(_local(eng)),
-                                            r"no loss function: pass loss_fn\(model, micro_batch\) to "
-                                            r"train_batch\(\)/eval_batch\(\) or to engine.initialize"),
-    "eval_batch without a loss function": (None, lambda eng: eng.eval_batch(_local(eng)), r"no loss function"),
-    "batch larger than the plan's": (None, lambda eng: eng.train_batch(_local(eng, extra=1), mse),
-                                     r"got a batch of \d+ samples but the plan gives this rank .* pass exactly \d+ samples"),
-    "backward without a forward through the engine": (  # an error on several ranks only
-        None, lambda eng: eng.backward(mse(eng.module, tuple(t[:2] for t in _local(eng)))),
-        r"backward\(\) without a forward through the engine: call eng\(x\), not eng.module\(x\)"),
-}
-SEVERAL_RANKS_ONLY = {"backward without a forward through the engine"}
-
-
-def misuse_errors(engine_factory) -> dict[str, tuple[str, bool]]:
-    """Each misuse on a fresh engine: {name: (the error's message, whether it left the
-    counters and the window as they were)}; a misuse that raised nothing reports None."""
-    found = {}
-    for name, (prepare, misuse, _) in MISUSES.items():
-        eng = engine_factory()
-        if prepare is not None:
-            prepare(eng)
-        before = (eng.micro_steps, eng.global_steps, eng.global_samples, eng.window_micro_steps)
-        try:
-            misuse(eng)
-        except engine.EngineUsageError as error:
-            after = (eng.micro_steps, eng.global_steps, eng.global_samples, eng.window_micro_steps)
-            found[name] = (str(error), after == before)
-        else:
-            found[name] = None
-    return found
-
-
-def assert_misuse_errors(found: dict, world_size: int) -> None:
-    for name, (_, _, message) in MISUSES.items():
-        if world_size == 1 and name in SEVERAL_RANKS_ONLY:
-            assert found[name] is None, name  # one process: eng.module(x) is the model itself
-            continue
-        assert found[name] is not None, f"{name}: no error"
-        text, unchanged = found[name]
-        assert re.search(message, text), (name, text)
-        assert unchanged, name
-
-
 def test_misuse_errors_say_what_is_wrong_and_change_nothing():
     assert_misuse_errors(misuse_errors(lambda: make_engine(mlp(), 8, 2)), world_size=1)
 
@@ -494,16 +402,7 @@ def test_a_failing_loss_function_leaves_no_half_window():
     model, (batch,) = mlp(), regression_batches(1, 8)
     expected = reference_train(model, [batch], mse)
     eng = make_engine(copy.deepcopy(model), 8, 2)
-    calls = {"n": 0}
-
-    def flaky(m, b):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise ValueError("bad sample")
-        return mse(m, b)
-
-    with pytest.raises(ValueError, match="bad sample"):
-        eng.train_batch(batch, flaky)
+    train_batch_failing_at(eng, batch)
     assert eng.micro_steps == 0 and all(p.grad is None for p in eng.module.parameters())
     eng.train_batch(batch, mse)  # the same batch again: as if the failure never happened
     assert max_param_diff(state(eng.module), state(expected)) < TOL

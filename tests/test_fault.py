@@ -11,13 +11,18 @@ the parameters by ~1e-2.
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import functools
 import json
 import logging
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,14 +32,15 @@ import torch.distributed as dist
 
 import engine
 from engine.autosave import checkpoint_name
-from engine.checkpoint import MANIFEST
+from engine.checkpoint import MANIFEST, verify_checkpoint
+from engine.config_checks import check_without_model
 from engine.data import DistributedBatches
 from engine.optim import WarmupDecayLR
 from engine.strategies.deepspeed import deepspeed_config
-from launch.cli import build_parser, launcher_environment
 from tests import fault_job as job
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import mlp, mse, reference_train
+from tests.scenarios import needs_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = str(REPO / "tests" / "fault_job.py")
@@ -186,7 +192,7 @@ def test_rerun_after_a_stop_equals_the_uninterrupted_run(two_ranks, name):
 @pytest.mark.distributed
 def test_a_peer_that_never_joins_the_checkpoint_agreement_fails_in_bounded_time(two_ranks):
     seconds, message, cause = two_ranks["lonely"][0]
-    assert AGREEMENT_TIMEOUT <= seconds < AGREEMENT_TIMEOUT + 3
+    assert AGREEMENT_TIMEOUT <= seconds < 60  # bounded by the setting, not the 600 s default
     assert "nothing was published" in message
     assert f"agreement_timeout_seconds ({AGREEMENT_TIMEOUT:g} s)" in message
     assert cause == "PeerLostError"
@@ -236,28 +242,58 @@ def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes
     assert_same_run(got, expected, tol=1e-13)
 
 
-USR1_CHILD = """
-import signal, sys, time
-signal.signal(signal.SIGUSR1, lambda *_: sys.exit(9))
-print("ready", flush=True)
-time.sleep(60)
-"""
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun runs its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
 
 
-def test_launch_forwards_sigusr1_and_has_torchrun_handle_it():
-    """Slurm's warning before a time limit must reach the ranks, not end the launcher."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from launch.cli import run; "
-         f"sys.exit(run([sys.executable, '-c', {USR1_CHILD!r}]))"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
-    assert launcher.stdout.readline().strip() == "ready"
-    launcher.send_signal(signal.SIGUSR1)
-    assert launcher.wait(timeout=30) == 9
-    torchrun = build_parser().parse_args(["--nproc-per-node", "2", JOB])
-    added = launcher_environment(torchrun, {})["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")
-    assert {"SIGTERM", "SIGUSR1"} <= set(added)
-    assert launcher_environment(torchrun, {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}) == {}
-    assert launcher_environment(build_parser().parse_args(["--launcher", "deepspeed", JOB]), {}) == {}
+@pytest.mark.distributed
+def test_sigusr1_to_the_launcher_saves_on_every_worker_and_exits_with_their_code(tmp_path):
+    """Slurm's warning before a time limit, sent to `python -m launch`: torchrun passes it on
+    to its two workers instead of dying of it, they save at the next boundary and exit 75, and
+    the launcher exits 75 too (torchrun itself, signalled, exits 1)."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
+    env.update(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60")
+    launcher = subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", "2", JOB, str(out), "--until-stopped"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, err = queue.Queue(), []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True),
+               threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        ready, deadline = 0, time.monotonic() + 120
+        while ready < 2:  # each worker handles the stop signals once it says so
+            ready += len(re.findall(r"ready \d+", lines.get(timeout=max(deadline - time.monotonic(), 0.01))))
+        launcher.send_signal(signal.SIGUSR1)
+        launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:  # a failure: end it, its torchrun and workers
+            for pid in reversed(_process_tree(launcher.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    err = "".join(err)
+    assert launcher.returncode == 75, err[-4000:]
+    assert "SIGUSR1 received: saved" in err and "exit code 75" in err  # rank 0, after the agreed save
+    assert "SIGUSR1: the 2 worker(s) saved and stopped with exit code 75" in err
+    [saved] = listing(out / "checkpoints")
+    assert verify_checkpoint(out / "checkpoints" / saved)["world_size"] == 2
 
 
 # -- one process, in this one: damaged checkpoints, keep_last, resume rules ------------------------
@@ -344,6 +380,127 @@ def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
         eng.close()
 
 
+def test_an_explicit_load_after_the_automatic_resume_replaces_it(tmp_path, straight, caplog):
+    """The automatic resume (step 4) applies its data position and random generators only when
+    training starts; a load_checkpoint in between (step 2) must not be overridden by them."""
+    trained(tmp_path, steps_=4)  # saves step 2 and 4
+    eng = one_process(tmp_path)
+    try:
+        assert eng.global_steps == 4
+        data = DistributedBatches(job.dataset(), eng.plan, shuffle=True, seed=job.DATA_SEED)
+        with caplog.at_level(logging.INFO, logger="engine"):
+            eng.load_checkpoint(tmp_path / checkpoint_name(2), data=data)
+        assert eng.global_steps == 2
+        assert eng.batches(job.dataset(), seed=job.DATA_SEED).state_dict()["step"] == 0  # not step 4's position
+        loss_fn = job.FaultyLoss()
+        while eng.global_steps < job.STEPS:
+            for batch in data:
+                if eng.global_steps >= job.STEPS:
+                    break
+                eng.train_batch(batch, loss_fn)
+        got = job.snapshot(eng, data)
+    finally:
+        eng.close()
+    assert_same_run(got, straight)  # the random generators too: step 2's, not step 4's
+    assert "replaces the automatic resume" in caplog.text
+
+
+def test_metrics_files_list_each_step_once_after_a_resume(tmp_path):
+    """A run killed after step 5 (in the middle of writing a record; newest checkpoint: step 4)
+    and resumed: steps 5.. are made again and must not appear twice."""
+    jsonl, csv_path = tmp_path / "m.jsonl", tmp_path / "m.csv"
+
+    def config():
+        settings = job.config(0, tmp_path / "checkpoints", stop_signals=[])
+        settings["monitor"] = {"enabled": True, "progress": False, "jsonl": str(jsonl), "csv": str(csv_path)}
+        return settings
+
+    killed = engine.initialize(mlp(0), config())
+    job.train(killed, steps=5)
+    killed.close()
+    with jsonl.open("a") as f:
+        f.write('{"kind": "train", "step": 6, "lo')  # cut short by the kill
+    with csv_path.open("a") as f:
+        f.write("6,0.5")
+    resumed = engine.initialize(mlp(0), config())
+    try:
+        assert resumed.global_steps == 4
+        job.train(resumed)
+    finally:
+        resumed.close()
+    steps_ = list(range(1, job.STEPS + 1))
+    assert [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] == steps_
+    assert [int(row["step"]) for row in csv.DictReader(csv_path.open())] == steps_
+
+
+def test_stop_signal_handlers_are_given_back_when_the_last_engine_closes(tmp_path):
+    """Two engines watch SIGTERM; closed in the order they were built, the second still hears
+    it, and after both the handler from before is back (not the first engine's)."""
+    before = signal.getsignal(signal.SIGTERM)
+    first = engine.initialize(mlp(0), job.config(0, tmp_path / "a", stop_signals=["SIGTERM"]))
+    second = engine.initialize(mlp(0), job.config(0, tmp_path / "b", stop_signals=["SIGTERM"]))
+    try:
+        first.close()
+        handler = signal.getsignal(signal.SIGTERM)
+        assert handler != before
+        handler(signal.SIGTERM, None)  # what a delivery runs
+        assert second.autosave.stop.received == signal.SIGTERM
+    finally:
+        second.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+STOPPED_ELSEWHERE = """
+import signal, sys, time
+import engine.preemption as preemption
+preemption.REPEAT_AFTER_SECONDS = {repeat}
+if sys.argv[1] == "own handler":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+stop = preemption.StopSignals(["SIGTERM"])
+stop.install()
+print("ready", flush=True)
+while stop.received is None:
+    time.sleep(0.01)
+print("received", flush=True)
+while True:  # a rank that never reaches a boundary (hung in a collective, a long evaluation)
+    time.sleep(0.01)
+"""
+
+
+def test_a_second_stop_signal_long_after_the_first_goes_to_the_handler_from_before():
+    """A repeat within REPEAT_AFTER_SECONDS is the same event sent twice; a later one is given
+    to the earlier handler: the default ends the process, a script's own runs."""
+    repeat = 1.5
+    script = STOPPED_ELSEWHERE.format(repeat=repeat)
+    procs = {case: subprocess.Popen([sys.executable, "-c", script, case], cwd=REPO, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for case in ("default", "own handler")}
+    try:
+        for proc in procs.values():
+            assert proc.stdout.readline() == "ready\n"
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # a launcher forwarding it as well
+        for proc in procs.values():
+            assert proc.stdout.readline() == "received\n"
+        first = time.monotonic()
+        time.sleep(0.5)
+        assert all(proc.poll() is None for proc in procs.values()), "a repeat right after the first ended it"
+        time.sleep(max(0.0, first + repeat + 0.3 - time.monotonic()))
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = {case: proc.wait(timeout=30) for case, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    errors = {case: proc.stderr.read() for case, proc in procs.items()}
+    assert codes == {"default": -signal.SIGTERM, "own handler": 3}, errors
+    assert all("SIGTERM again" in text for text in errors.values()), errors
+    assert "SIGTERM already had a handler" in errors["own handler"]
+    assert "already had a handler" not in errors["default"]
+
+
 def _deepspeed_resume(rank, world, root):
     """Two runs on the DeepSpeed backend: the first saves step 2 and 4, the second resumes."""
     config = job.config(0, root, stop_signals=[], tag_validation="Fail")
@@ -364,6 +521,8 @@ def _deepspeed_resume(rank, world, root):
     return seen, eng.autosave.resumed_from
 
 
+@needs_deepspeed
+@pytest.mark.deepspeed
 @pytest.mark.distributed
 def test_deepspeed_backend_resumes_and_gets_its_checkpoint_keys(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
@@ -389,3 +548,17 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
         assert expected in text
     with pytest.raises(engine.ConfigError, match="every_steps needs dir"):
         engine.load_config({"checkpoint": {"every_steps": 5}})
+    # without dir nothing saves, so a stop signal would stop nothing: said, not ignored
+    for key, value in (("stop_signals", ["SIGUSR1"]), ("stop_exit_code", 3)):
+        with pytest.raises(engine.ConfigError, match=f"checkpoint: {key} needs dir"):
+            engine.load_config({"checkpoint": {key: value, "resume": "elsewhere"}})
+
+
+def test_deepspeeds_checkpoint_writer_is_refused():
+    """Its writers publish files later (decoupled), on some ranks only (FAST) or never (MOCK):
+    a manifest of sizes and an atomic rename cannot describe that."""
+    config = engine.load_config({"backend": "deepspeed", "checkpoint": {"dir": "ckpt", "writer": {"decoupled": True}}})
+    [problem] = check_without_model(config)
+    assert "checkpoint.writer: " in problem and "decoupled" in problem and "remove the key" in problem
+    with pytest.raises(engine.ConfigError, match="checkpoint.writer"):
+        engine.initialize(mlp(0), config)

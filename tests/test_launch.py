@@ -1,6 +1,8 @@
 """python -m launch: command construction, signals and exit codes, and real 2-process runs."""
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import LaunchError, build_command, build_parser, main, run
+from launch.cli import TORCHRUN_SIGNALS, LaunchError, build_command, build_parser, main, run
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = "examples/param_unchanged.py"  # any script: the command tests only build commands
@@ -23,6 +25,7 @@ def command(*argv, python="PY"):
 @pytest.fixture(autouse=True)
 def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
+    monkeypatch.delenv("PET_SIGNALS_TO_HANDLE", raising=False)
 
 
 # --------------------------------------------------------------------------- commands
@@ -30,9 +33,17 @@ def in_repo(monkeypatch):
 
 def test_torchrun_single_node_is_standalone():
     assert command("--nproc-per-node", "2", PROBE, "--lr", "0.1", "--nnodes", "9") == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-        PROBE, "--lr", "0.1", "--nnodes", "9",  # after the script: the script's arguments
+        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--signals-to-handle", TORCHRUN_SIGNALS,
+        "--standalone", PROBE, "--lr", "0.1", "--nnodes", "9",  # after the script: the script's arguments
     ]
+
+
+def test_torchrun_passes_sigusr1_to_its_workers(monkeypatch):
+    """Slurm's warning before a time limit; torchrun's own list lacks it (it would die of it)."""
+    handled = command(PROBE)[command(PROBE).index("--signals-to-handle") + 1].split(",")
+    assert {"SIGTERM", "SIGINT", "SIGUSR1"} <= set(handled)
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")  # the user's choice stays
+    assert command(PROBE)[5:7] == ["--signals-to-handle", "SIGTERM,SIGUSR2"]
 
 
 def test_one_process_by_default():
@@ -43,8 +54,8 @@ def test_one_process_by_default():
 def test_torchrun_multi_node():
     assert command("--nproc_per_node", "4", "--nnodes", "2", "--node-rank", "1",
                    "--master-addr", "node0", "--master-port", "29600", PROBE) == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--nnodes", "2",
-        "--node-rank", "1", "--master-addr", "node0", "--master-port", "29600", PROBE,
+        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--signals-to-handle", TORCHRUN_SIGNALS,
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "--master-port", "29600", PROBE,
     ]
 
 
@@ -141,6 +152,32 @@ def test_run_forwards_signals_and_the_exit_code(sig, code):
     assert launcher.stdout.readline().strip() == "ready"
     launcher.send_signal(getattr(__import__("signal"), sig))
     assert launcher.wait(timeout=30) == code
+
+
+COUNTING_CHILD = """
+import os, signal, sys, time
+received = []
+signal.signal(signal.SIGTERM, lambda *_: received.append(1))
+print(os.getpid(), flush=True)
+while not received:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second delivery would arrive meanwhile
+sys.exit(10 + len(received))
+"""
+
+
+def test_under_a_slurm_step_signals_are_not_forwarded_again():
+    """Slurm signals every process of a step; the launcher must not add a second delivery
+    (torchrun, signalled again while it waits for its workers, abandons them)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from launch.cli import run; "
+         f"sys.exit(run([sys.executable, '-c', {COUNTING_CHILD!r}], forward=False))"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    child = int(launcher.stdout.readline())
+    for pid in (launcher.pid, child):  # as Slurm's scancel --signal does
+        os.kill(pid, signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 11  # the child got SIGTERM once, the launcher lived on
 
 
 RUNNER_WITH_WORKER = """
@@ -255,3 +292,45 @@ def test_demo_in_one_process(capsys):
     assert demo([]) == [3, 7]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration")]
     assert len(lines) == 8 and lines[0].startswith("iteration 0, first 10 elements of param: tensor([")
+
+
+# --------------------------------------------------------------------------- the Slurm recipe
+
+SLURM_STUBS = {  # just enough Slurm for launch/slurm.sbatch: its commands, and a job step
+    "scontrol": 'if [ "$1" = show ]; then echo node0; else echo "scontrol $*" >> "$STUB_LOG"; fi\n',
+    "scancel": 'echo "scancel $*" >> "$STUB_LOG"; kill -USR1 "$(cat "$STEP_PID")"\n',
+    # the step: its ranks save and stop with STEP_CODE on the signal scancel passes on
+    "srun": 'echo $$ > "$STEP_PID.tmp"; mv "$STEP_PID.tmp" "$STEP_PID"\n'
+            'trap \'exit "$STEP_CODE"\' USR1\nwhile :; do sleep 0.05; done\n',
+}
+
+
+@pytest.mark.parametrize("step_code, requeued", [(75, True), (1, False)])
+def test_slurm_recipe_requeues_only_a_saved_stop(tmp_path, step_code, requeued):
+    """Near the time limit the recipe passes SIGUSR1 on to the job's processes and requeues the
+    job only when they exit 75 (saved and stopped); a failure is not run again."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in SLURM_STUBS.items():
+        (stubs / name).write_text("#!/bin/bash\n" + body)
+        (stubs / name).chmod(0o755)
+    log, step_pid = tmp_path / "slurm.log", tmp_path / "step.pid"
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STEP_PID=str(step_pid),
+               STEP_CODE=str(step_code), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node0", SLURM_CPUS_PER_TASK="1")
+    script = subprocess.Popen(["bash", str(REPO / "launch" / "slurm.sbatch"), "train.py"], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not step_pid.exists():
+            assert time.monotonic() < deadline and script.poll() is None, "the step never started"
+            time.sleep(0.02)
+        script.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@120
+        _, err = script.communicate(timeout=30)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(step_pid.read_text()), signal.SIGKILL)
+    assert script.returncode == step_code, err
+    calls = log.read_text().splitlines()
+    assert calls == ["scancel --signal=USR1 4242"] + (["scontrol requeue 4242"] if requeued else []), err

@@ -13,8 +13,8 @@ PACKAGE = REPO / "engine"
 
 # Lower layers never import higher ones. A new module must be placed here.
 LAYERS = {
-    0: ["engine.errors", "engine.rng", "engine.distributed", "engine.config_colossal", "engine.config_offload",
-        "engine.config_loaders",
+    0: ["engine.errors", "engine.rng", "engine.agent_store", "engine.distributed", "engine.config_colossal",
+        "engine.config_offload", "engine.config_loaders",
         "engine.config",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.collectives", "engine.memory"],

@@ -99,6 +99,13 @@ def unsupported(config) -> list[str]:
         problems.append(
             f"gradient_allreduce_op: {op!r}: Microstep weights every micro-batch loss by its share of the "
             "global batch and relies on DeepSpeed averaging gradients over ranks; remove the key")
+    if "writer" in (config.checkpoint.model_extra or {}):
+        problems.append(
+            "checkpoint.writer: DeepSpeed's checkpoint writers change when and by whom the files are written "
+            "(decoupled: by a background process after the save returned; FAST: by some data-parallel ranks "
+            "only; MOCK: not at all), while a Microstep checkpoint lists every file with its size and is "
+            "published (renamed into place, older ones removed by keep_last) only once they are all written; "
+            "remove the key")
     micro = config.train_micro_batch_size_per_gpu
     if micro in ("auto", "explore") and zero.stage == 3:
         problems.append(
