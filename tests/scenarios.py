@@ -24,6 +24,38 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed is not installed")
 
 
+# -- clipping with a learning-rate schedule -----------------------------------------------------
+def halving_schedule(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def clipped_reference(ref, batches, clip: float) -> list[float]:
+    """Trains ``ref`` in place, one SGD step per global batch with clipping at ``clip`` and the
+    halving schedule; returns the gradient norm before each clip."""
+    optimizer = sgd(ref.parameters())
+    scheduler = halving_schedule(optimizer)
+    norms = []
+    for batch in batches:
+        optimizer.zero_grad()
+        mse(ref, batch).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        optimizer.step()
+        scheduler.step()
+    return norms
+
+
+def train_recording(eng, rank_batches) -> dict:
+    """``eng.train_batch`` over this rank's batches; the learning rate before each window, the
+    reported gradient norms and the scheduler's position after."""
+    lrs, norms = [], []
+    for batch in rank_batches:
+        lrs.append(eng.optimizer.param_groups[0]["lr"])
+        eng.train_batch(batch, mse)
+        norms.append(float(eng.last_window.step.grad_norm))
+    return {"lrs": lrs, "norms": norms, "lr_after": eng.optimizer.param_groups[0]["lr"],
+            "scheduler_steps": eng.lr_scheduler.last_epoch}
+
+
 # -- a loss function that raises mid-window ------------------------------------------------------
 def train_batch_failing_at(eng, batch, call: int = 3) -> None:
     """``eng.train_batch(batch)`` with ``mse`` raising in its ``call``-th micro-batch; checks that

@@ -49,7 +49,8 @@ from tests.reference import (
     train_steps,
 )
 from tests.scenarios import (
-    assert_precision_results, needs_deepspeed, precision_case, precision_scenarios, train_batch_failing_at,
+    assert_precision_results, clipped_reference, halving_schedule, needs_deepspeed, precision_case, precision_scenarios,
+    train_batch_failing_at, train_recording,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,28 +171,12 @@ def clipped_with_scheduler(rank, world, stage, defer=False):
     """Clipping sees the whole window's gradient; the scheduler steps once per applied step;
     the reported gradient norm is the full-batch one."""
     model, batches = mlp(dtype=F32), regression_batches(3, 8, dtype=F32)
-
-    def schedule(optimizer):
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-
     ref = copy.deepcopy(model).double()
-    optimizer = sgd(ref.parameters())
-    scheduler = schedule(optimizer)
-    norms = []
-    for batch in doubled(batches):
-        optimizer.zero_grad()
-        mse(ref, batch).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        optimizer.step()
-        scheduler.step()
-    eng = make_engine(copy.deepcopy(model), stage, 8, 2, defer=defer, gradient_clipping=0.05, lr_scheduler=schedule)
-    lrs, got_norms = [], []
-    for batch in batches:
-        lrs.append(eng.optimizer.param_groups[0]["lr"])
-        eng.train_batch(rank_slice(batch, eng.plan), mse)
-        got_norms.append(float(eng.last_window.step.grad_norm))
-    return finish(eng, state(ref), lrs=lrs, lr_after=eng.optimizer.param_groups[0]["lr"],
-                  scheduler_steps=eng.lr_scheduler.last_epoch, norms=got_norms, expected_norms=norms)
+    expected_norms = clipped_reference(ref, doubled(batches), 0.05)
+    eng = make_engine(copy.deepcopy(model), stage, 8, 2, defer=defer, gradient_clipping=0.05,
+                      lr_scheduler=halving_schedule)
+    recorded = train_recording(eng, [rank_slice(batch, eng.plan) for batch in batches])
+    return finish(eng, state(ref), expected_norms=expected_norms, **recorded)
 
 
 def collectives(rank, world, stage, defer=False):

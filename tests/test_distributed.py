@@ -23,7 +23,9 @@ from tests.reference import (
     TinyLM, max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state,
     token_batches, token_loss_mean, token_loss_sum,
 )
-from tests.scenarios import assert_misuse_errors, misuse_errors, train_batch_failing_at
+from tests.scenarios import (
+    assert_misuse_errors, clipped_reference, halving_schedule, misuse_errors, train_batch_failing_at, train_recording,
+)
 
 TOL = 1e-10
 MISSED = 1e-4  # every broken variant below misses the reference by more (measured: 2e-3 to 0.3)
@@ -136,28 +138,12 @@ def clipped_with_scheduler(rank, world, stage, defer=False):
     """Clipping sees the whole window's gradient; the scheduler steps once per applied step;
     the reported gradient norm is the full-batch one."""
     model, batches = mlp(), regression_batches(3, 8)
-
-    def schedule(optimizer):
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-
     ref = copy.deepcopy(model)
-    optimizer = sgd(ref.parameters())
-    scheduler = schedule(optimizer)
-    norms = []
-    for batch in batches:
-        optimizer.zero_grad()
-        mse(ref, batch).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item())
-        optimizer.step()
-        scheduler.step()
-    eng = make_engine(copy.deepcopy(model), stage, 8, 2, defer=defer, gradient_clipping=0.05, lr_scheduler=schedule)
-    lrs, got_norms = [], []
-    for batch in batches:
-        lrs.append(eng.optimizer.param_groups[0]["lr"])
-        eng.train_batch(rank_slice(batch, eng.plan), mse)
-        got_norms.append(float(eng.last_window.step.grad_norm))
-    return {"diff": max_param_diff(eng.full_state_dict(), state(ref)), "lrs": lrs,
-            "scheduler_steps": eng.lr_scheduler.last_epoch, "norms": got_norms, "expected_norms": norms}
+    expected_norms = clipped_reference(ref, batches, 0.05)
+    eng = make_engine(copy.deepcopy(model), stage, 8, 2, defer=defer, gradient_clipping=0.05,
+                      lr_scheduler=halving_schedule)
+    recorded = train_recording(eng, [rank_slice(batch, eng.plan) for batch in batches])
+    return {"diff": max_param_diff(eng.full_state_dict(), state(ref)), "expected_norms": expected_norms, **recorded}
 
 
 def each_rank_builds_its_own_model(rank, world, stage, defer=False):

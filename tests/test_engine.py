@@ -231,14 +231,17 @@ def test_eval_batch_is_the_mean_over_the_batch_and_changes_nothing():
 
 
 # -- the same families, broken: each misses the tolerance the engine meets -----------------
+def family_workload(loss, global_batch):
+    """Model, three global batches, the engine's loss and the reference's loss for ``loss``."""
+    if loss == "mse":
+        return mlp(), regression_batches(3, global_batch), mse, mse
+    return TinyLM(), token_batches(3, global_batch), token_loss_sum, token_loss_mean
+
+
 def family_manual(global_batch, micro, split, loss="mse"):
     """Three windows of the manual loop (mean losses, or (sum, count) token losses)."""
     def run(breaks):
-        if loss == "mse":
-            model, batches, loss_fn, reference_loss = mlp(), regression_batches(3, global_batch), mse, mse
-        else:
-            model, batches = TinyLM(), token_batches(3, global_batch)
-            loss_fn, reference_loss = token_loss_sum, token_loss_mean
+        model, batches, loss_fn, reference_loss = family_workload(loss, global_batch)
         expected = reference_train(model, batches, reference_loss, sgd)
         eng = breaks(make_engine(copy.deepcopy(model), global_batch, micro, split))
         manual_loop(eng, batches, loss_fn)
@@ -249,11 +252,7 @@ def family_manual(global_batch, micro, split, loss="mse"):
 def family_train_batch(global_batch, micro, split, short=None, clip=0.0, loss="mse"):
     """Three windows of train_batch; ``short``: the last batch holds that many samples."""
     def run(breaks):
-        if loss == "mse":
-            model, batches, loss_fn, reference_loss = mlp(), regression_batches(3, global_batch), mse, mse
-        else:
-            model, batches = TinyLM(), token_batches(3, global_batch)
-            loss_fn, reference_loss = token_loss_sum, token_loss_mean
+        model, batches, loss_fn, reference_loss = family_workload(loss, global_batch)
         if short:
             batches[-1] = tuple(t[:short] for t in batches[-1])
         expected = reference_train(model, batches, reference_loss, sgd, clip=clip)
