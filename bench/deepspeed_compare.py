@@ -16,6 +16,10 @@ Variants:
   eng.step()`` per micro-batch (DeepSpeed's GAS: stages 2/3 reduce every micro-batch).
   ``memory_efficient_linear: false`` at stage 3, so that ZeRO-3 does not patch
   ``torch.nn.functional.linear`` for every other variant in the process;
+* at stage 0 two more rows place the engine between the two hand loops: ``torch, manual
+  loop`` (the engine without ``train_batch``'s window agreement, one small all-reduce) and
+  ``hand DDP`` (bench/distributed.py's DDP + ``no_sync`` loop; its bytes are not counted:
+  the same DDP all-reduce as the torch row);
 * ``defer`` rows (memory traded for traffic, not at equal memory): ``defer_reduction: true``
   on either backend.
 
@@ -45,6 +49,7 @@ import torch.distributed as dist
 import engine
 from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
 from bench.comm_count import CommCounter
+from bench.distributed import engine_config, engine_manual_loop, hand_ddp
 from engine.adapters.deepspeed_internals import import_deepspeed
 
 ACCUMULATION = 4
@@ -88,14 +93,20 @@ def variants(model, data):
         add(f"stage {stage} torch", microstep, "torch")
         add(f"stage {stage} deepspeed", microstep, "deepspeed")
         add(f"stage {stage} DeepSpeed by hand", by_hand)
+        if stage == 0:
+            add("stage 0 torch, manual loop", lambda m, d, s: (engine_manual_loop(m, d, engine_config(s)), None))
+            add("stage 0 hand DDP", lambda m, d, s: (hand_ddp(m, d), None))
         if stage >= 2:
             add(f"stage {stage} torch, defer", microstep, "torch", True)
             add(f"stage {stage} deepspeed, defer", microstep, "deepspeed", True)
     return rows
 
 
-def bytes_per_step(run, handle) -> tuple[float, dict]:
-    """(MB one rank sends in one optimizer step, calls by kind), on a variant used for nothing else."""
+def bytes_per_step(run, handle) -> tuple[float | None, dict]:
+    """(MB one rank sends in one optimizer step, calls by kind), on a variant used for nothing
+    else; (None, {}) for a hand loop whose DDP reducer the counter cannot reach."""
+    if handle is None:
+        return None, {}
     with CommCounter() as comm:
         unwatch = comm.watch_deepspeed()  # harmless for torch variants: DeepSpeed is idle
         ddp = getattr(getattr(handle, "strategy", None), "forward_module", None)
@@ -112,7 +123,8 @@ def bytes_per_step(run, handle) -> tuple[float, dict]:
 
 def close(rows) -> None:
     for _, _, handle in rows.values():
-        (handle.close if hasattr(handle, "close") else handle.destroy)()
+        if handle is not None:
+            (handle.close if hasattr(handle, "close") else handle.destroy)()
 
 
 def main(argv=None):
@@ -139,7 +151,8 @@ def main(argv=None):
                         "ratio_vs_deepspeed_by_hand": times[name] / base,
                         "memory": "deferred (more)" if name.endswith("defer") else "ZeRO",
                         "sent_MB_per_step": mb, "calls_per_step": calls}
-        print(f"{name:38s} {times[name] * 1e3:8.1f} {times[name] / base:10.3f} {mb:8.1f}  {calls}")
+        sent = "-" if mb is None else f"{mb:.1f}"
+        print(f"{name:38s} {times[name] * 1e3:8.1f} {times[name] / base:10.3f} {sent:>8s}  {calls}")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f} "
           f"(timing took {time.perf_counter() - began:.0f} s)")
     save(f"deepspeed_compare_w{info.world_size}", {
