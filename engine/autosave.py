@@ -29,6 +29,7 @@ nothing else of this module.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -88,7 +89,7 @@ class AutoCheckpoint:
     # -- resuming -----------------------------------------------------------------------------
     def resume(self) -> None:
         """Load what ``resume`` chooses (every rank loads rank 0's choice). Collective."""
-        decision = from_rank0(self._choose() if self.engine.rank == 0 else None)
+        decision = from_rank0((self._unwritable_dir() or self._choose()) if self.engine.rank == 0 else None)
         if "error" in decision:
             raise CheckpointError(decision["error"])
         path = decision["path"]
@@ -102,6 +103,21 @@ class AutoCheckpoint:
             log.warning("%s holds no data position (it was saved before eng.batches() made the data): "
                         "data of your own starts where you put it, not at global step %d",
                         path, self.engine.global_steps)
+
+    def _unwritable_dir(self) -> dict | None:
+        """Rank 0: create ``dir`` and write into it now, so that a bad ``dir`` fails here rather
+        than at the first save, which may be the one a stop signal asked for. {"error": ...} or None."""
+        if self.dir is None:
+            return None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".write_test_{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as error:
+            return {"error": f"checkpoint.dir {self.dir} cannot be written: {error}; "
+                             "set checkpoint.dir to a directory this job can create and write"}
+        return None
 
     def _choose(self) -> dict:
         """Rank 0: which checkpoint to load ({"path": ..., "data_position": ...}), or {"error": ...}."""

@@ -289,12 +289,13 @@ class Config(BaseModel):
         return self.model_dump()
 
 
-def load_config(source, overrides=None) -> Config:
+def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     """Load and validate a config.
 
     `source`: a path (.yaml/.yml/.json/.py), a dict, or a ``Config`` (returned as-is
     without overrides). `overrides`: ``["zero_optimization.stage=2", ...]`` (values read
-    as YAML scalars) or ``{"zero_optimization.stage": 2}``. Raises ``ConfigError``.
+    as YAML scalars) or ``{"zero_optimization.stage": 2}``. `caller_reads`: DeepSpeed keys
+    the caller honours itself, left out of the "not used" warning. Raises ``ConfigError``.
     """
     if isinstance(source, Config):
         if not overrides:
@@ -323,7 +324,8 @@ def load_config(source, overrides=None) -> Config:
     config._source, config._locations = raw.source, raw.locations
     unused = _deepspeed_only_settings(config)
     if config.backend == "torch":
-        unused = [name for name in unused if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS]
+        unused = [name for name in unused
+                  if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS and name not in caller_reads]
         notes += [f"{config.source}: {note}" for note in torch_offload(config.zero_optimization).notes]
     if config.backend == "torch" and unused:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "

@@ -167,10 +167,11 @@ def _read_python(text: str, source: str) -> RawConfig:
         line = f":{frames[-1].lineno}" if frames else ""
         raise ConfigError(f"{source}{line}: {type(error).__name__}: {error}") from None
 
+    imported = _imported_names(text)
     data: dict[str, Any] = {}
     constants: dict[str, Any] = {}
     for name, value in namespace.items():
-        if name.startswith("_") or inspect.ismodule(value) or inspect.isclass(value) \
+        if name.startswith("_") or name in imported or inspect.ismodule(value) or inspect.isclass(value) \
                 or inspect.isroutine(value) or isinstance(value, StandIn):
             continue
         if name.isupper():
@@ -182,6 +183,16 @@ def _read_python(text: str, source: str) -> RawConfig:
             constants = {**data["constants"], **constants}
         data["constants"] = constants
     return RawConfig.with_lines(data, source, _python_key_lines(text))
+
+
+def _imported_names(text: str) -> set[str]:
+    """Names a module-level ``import`` or ``from ... import`` binds (``from math import pi``
+    gives a value, not a config key)."""
+    names = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name != "*")
+    return names
 
 
 def _python_key_lines(text: str) -> dict[KeyPath, int]:

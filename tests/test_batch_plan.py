@@ -81,7 +81,8 @@ INVALID_PLANS = [
     (dict(world_size=4, train_batch_size=3, batch_split="balanced"), ["smaller than world size"]),
     (dict(world_size=4, train_batch_size=3, batch_split="balanced", micro_batch_tokens=64),
      ["train_batch_size 3 is smaller than world size 4", ">= 4"]),  # a token plan too: no rank left empty
-    (dict(world_size=2, gradient_accumulation_steps=4), ["set train_batch_size or"]),
+    (dict(world_size=2, gradient_accumulation_steps=4),
+     ["set train_batch_size or", "gradient_accumulation_steps alone does not fix the batch"]),
     (dict(world_size=2), ["set train_batch_size or"]),
     (dict(world_size=2, train_batch_size=0), ["train_batch_size must be a positive integer, got 0"]),
     (dict(world_size=2, train_batch_size=True), ["got True (bool)"]),

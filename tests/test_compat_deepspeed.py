@@ -348,6 +348,8 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
     model_engine.destroy()
+    with pytest.raises(engine.ConfigError, match="no optimizer given.*pass optimizer= to deepspeed.initialize"):
+        compat_deepspeed.initialize(model=mlp(dtype=F32), config={"train_batch_size": 4})
 
 
 @pytest.mark.parametrize("settings, problem", [
@@ -410,6 +412,17 @@ def test_inputs_without_one_batch_dimension_count_as_the_plans_micro_batches(cap
     warned = [r.getMessage() for r in caplog.records if "do not share a first (batch) dimension" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "args[0]: 2, args[1]: 1" in warned[0] and "micro-batch of 2 samples" in warned[0], warned
+    model_engine.destroy()
+
+
+@pytest.mark.parametrize("drop_last, batches_", [(True, 4), (False, 5)])
+def test_dataloader_drop_last_is_honoured_without_a_not_used_warning(recwarn, drop_last, batches_):
+    config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "dataloader_drop_last": drop_last}
+    model_engine, _, loader, _ = compat_deepspeed.initialize(model=mlp(dtype=F32), config=config,
+                                                             training_data=TensorDataset(torch.randn(18, 8)))
+    assert len(loader) == batches_  # 18 samples in micro-batches of 4
+    assert not [w for w in recwarn if "dataloader_drop_last" in str(w.message)]
     model_engine.destroy()
 
 

@@ -80,10 +80,11 @@ def test_balanced_yaml_with_cerebras_names():
     assert plan.notes
 
 
-def test_python_config_skips_modules_functions_classes_and_private_names(tmp_path):
+def test_python_config_skips_modules_functions_classes_imported_and_private_names(tmp_path):
     path = write(tmp_path, "cfg.py", """
         import math
         from os import path as _path
+        from math import e, tau as TWO_PI
 
         def helper():
             return 3
@@ -94,7 +95,7 @@ def test_python_config_skips_modules_functions_classes_and_private_names(tmp_pat
         _scratch = 5
         HIDDEN_SIZE = 64
         train_batch_size = helper() * 4
-        optimizer = {"type": "SGD", "params": {"lr": math.pi / 100}}
+        optimizer = {"type": "SGD", "params": {"lr": math.pi / 100 + e - e}}
     """)
     config = load_config(path)
     assert config.train_batch_size == 12

@@ -369,6 +369,16 @@ def test_resume_never_and_resume_from_a_path(tmp_path, straight):
         one_process(tmp_path / "third", resume=str(tmp_path / "nowhere"))
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_fails_at_initialize(tmp_path):
+    """Not at the first save, which may be the one a stop signal asked for."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(engine.CheckpointError, match="checkpoint.dir .*a_file/checkpoints cannot be written"):
+        one_process(tmp_path / "a_file" / "checkpoints")
+    eng = one_process(tmp_path / "new" / "checkpoints")  # a dir that does not exist yet is created
+    eng.close()
+    assert (tmp_path / "new" / "checkpoints").is_dir()
+
+
 def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
     eng = one_process(tmp_path)
     try:

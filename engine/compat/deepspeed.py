@@ -100,7 +100,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None or mesh_param is not None:
         raise EngineUsageError("initialize(mpu=/mesh_param=): Microstep trains with data parallelism and ZeRO "
                                "only; it has no model or sequence parallelism")
-    config = load_config(_config_source(args, config, config_params))
+    config = load_config(_config_source(args, config, config_params), caller_reads={"dataloader_drop_last"})
     default_clipping = "gradient_clipping" not in config.model_fields_set
     if default_clipping:
         config = config.model_copy(update={"gradient_clipping": DEFAULT_GRADIENT_CLIPPING})
@@ -145,7 +145,8 @@ def _client_or_config_optimizer(optimizer, params: list, config: Config):
             return (lambda _: optimizer(params)), config
         return optimizer, config
     if config.optimizer is None:
-        return None, config  # engine.initialize says what is missing
+        raise ConfigError(["optimizer: no optimizer given: add an `optimizer: {type: AdamW, params: {lr: ...}}` "
+                           "section to the config, or pass optimizer= to deepspeed.initialize"])
     return build_optimizer(config.optimizer, params), config.model_copy(update={"optimizer": None})
 
 
