@@ -388,8 +388,8 @@ def resolve_batch_plan(world_size, train_batch_size=None, train_micro_batch_size
     if micro_batch_tokens is not None:
         return _token_plan(world_size, g, m, a, batch_split, rank, mode, auto_max, micro_batch_tokens)
     if g is None and m is None:
-        raise BatchConfigError("set train_batch_size or train_micro_batch_size_per_gpu"
-                               + (" (gradient_accumulation_steps alone does not fix the batch)" if a is not None else ""))
+        hint = " (gradient_accumulation_steps alone does not fix the batch)" if a is not None else ""
+        raise BatchConfigError(f"set train_batch_size or train_micro_batch_size_per_gpu{hint}")
     if mode != "fixed":
         m = _starting_micro_size(mode, world_size, g, a, batch_split, auto_max)
 

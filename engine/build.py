@@ -114,7 +114,7 @@ def _materialise_optimizer(optimizer: OptimizerArg, model: torch.nn.Module, conf
         if config.optimizer is None:
             raise ConfigError([
                 "optimizer: no optimizer given: add an `optimizer: {type: AdamW, params: {lr: ...}}` "
-                "section to the config, or pass optimizer= to engine.initialize"
+                "section to the config, or pass optimizer= to initialize"
             ])
         return build_optimizer(config.optimizer, model.parameters())
     if config.optimizer is not None:

@@ -158,16 +158,18 @@ def _read_python(text: str, source: str) -> RawConfig:
     skipped."""
     namespace: dict[str, Any] = {"__file__": source, "__name__": "__microstep_config__"}
     try:
-        with colossalai_imports():
-            exec(compile(text, source, "exec"), namespace)
+        tree = ast.parse(text, source)
     except SyntaxError as error:
         raise ConfigError(f"{source}:{error.lineno}: SyntaxError: {error.msg}") from None
+    try:
+        with colossalai_imports():
+            exec(compile(tree, source, "exec"), namespace)
     except (Exception, SystemExit) as error:
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
         line = f":{frames[-1].lineno}" if frames else ""
         raise ConfigError(f"{source}{line}: {type(error).__name__}: {error}") from None
 
-    imported = _imported_names(text)
+    imported = _imported_names(tree)
     data: dict[str, Any] = {}
     constants: dict[str, Any] = {}
     for name, value in namespace.items():
@@ -182,20 +184,20 @@ def _read_python(text: str, source: str) -> RawConfig:
         if isinstance(data.get("constants"), dict):
             constants = {**data["constants"], **constants}
         data["constants"] = constants
-    return RawConfig.with_lines(data, source, _python_key_lines(text))
+    return RawConfig.with_lines(data, source, _python_key_lines(tree))
 
 
-def _imported_names(text: str) -> set[str]:
+def _imported_names(tree: ast.Module) -> set[str]:
     """Names a module-level ``import`` or ``from ... import`` binds (``from math import pi``
     gives a value, not a config key)."""
     names = set()
-    for node in ast.parse(text).body:
+    for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update(alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name != "*")
     return names
 
 
-def _python_key_lines(text: str) -> dict[KeyPath, int]:
+def _python_key_lines(tree: ast.Module) -> dict[KeyPath, int]:
     """Key path → line for module-level assignments and the dict literals they hold."""
     lines: dict[KeyPath, int] = {}
 
@@ -211,7 +213,7 @@ def _python_key_lines(text: str) -> dict[KeyPath, int]:
             lines[path + (str(key),)] = item.lineno
             visit(item, path + (str(key),))
 
-    for statement in ast.parse(text).body:
+    for statement in tree.body:
         targets = (statement.targets if isinstance(statement, ast.Assign)
                    else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
         for target in targets:

@@ -348,7 +348,7 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
     model_engine.destroy()
-    with pytest.raises(engine.ConfigError, match="no optimizer given.*pass optimizer= to deepspeed.initialize"):
+    with pytest.raises(engine.ConfigError, match="no optimizer given.*or pass optimizer= to initialize"):
         compat_deepspeed.initialize(model=mlp(dtype=F32), config={"train_batch_size": 4})
 
 

@@ -145,8 +145,7 @@ def _client_or_config_optimizer(optimizer, params: list, config: Config):
             return (lambda _: optimizer(params)), config
         return optimizer, config
     if config.optimizer is None:
-        raise ConfigError(["optimizer: no optimizer given: add an `optimizer: {type: AdamW, params: {lr: ...}}` "
-                           "section to the config, or pass optimizer= to deepspeed.initialize"])
+        return None, config  # engine.initialize says what is missing
     return build_optimizer(config.optimizer, params), config.model_copy(update={"optimizer": None})
 
 
