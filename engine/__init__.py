@@ -1,16 +1,16 @@
 """Microstep: a config-first PyTorch training engine with exact gradient accumulation."""
 
-from engine.batch_plan import BatchPlan, plan_from_config, resolve_batch_plan
+from engine.batching.plan import BatchPlan, plan_from_config, resolve_batch_plan
 from engine.build import initialize
-from engine.config import Config, load_config
-from engine.data import DistributedBatches
-from engine.distributed import init_distributed, strip_local_rank_arg
+from engine.config.schema import Config, load_config
+from engine.batching.data import DistributedBatches
+from engine.dist.process_group import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
     OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError,
 )
-from engine.preemption import Preempted
+from engine.state.preemption import Preempted
 
 __all__ = [
     "initialize",

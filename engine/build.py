@@ -7,22 +7,22 @@ from typing import Any
 
 import torch
 
-from engine.autosave import attach as attach_autosave
-from engine.autotune import MicroBatchTuner
-from engine.batch_plan import plan_from_config
-from engine.checkpoint import Checkpointer
-from engine.config import ConfigError, load_config
-from engine.config_checks import check_without_model
-from engine.config_offload import torch_offload
-from engine.distributed import init_distributed
+from engine.state.autosave import attach as attach_autosave
+from engine.autotune.tuner import MicroBatchTuner
+from engine.batching.plan import plan_from_config
+from engine.state.checkpoint import Checkpointer
+from engine.config.schema import ConfigError, load_config
+from engine.config.checks import check_without_model
+from engine.config.offload import torch_offload
+from engine.dist.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
-from engine.rank_consistency import check_same_settings
-from engine.rng import seed_everything
+from engine.dist.rank_consistency import check_same_settings
+from engine.state.rng import seed_everything
 from engine.strategies import make_strategy
-from engine.token_budget import LengthsFn
-from engine.window_split import MANUAL_SIZES, window_split_for
+from engine.batching.token_budget import LengthsFn
+from engine.batching.window_split import MANUAL_SIZES, window_split_for
 
 log = logging.getLogger("engine")
 
@@ -43,10 +43,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     ``callable(optimizer) -> scheduler``, or None for the config's ``scheduler`` section.
     ``overrides``: dotted ``key=value`` strings applied on top of ``config``.
     ``lengths``: with ``micro_batch_tokens``, ``lengths(batch) -> 1-D int tensor`` of each
-    row's real tokens, for batches without an ``attention_mask`` (see engine.token_budget).
+    row's real tokens, for batches without an ``attention_mask`` (see engine.batching.token_budget).
     ``manual_sizes``: what a manual loop's micro-batch counts for when the plan has sizes:
     ``"plan"`` (its planned size) or ``"inputs"`` (the batch size of what ``eng(...)`` was
-    given; see engine.window_split). A config giving only the accumulation steps always reads
+    given; see engine.batching.window_split). A config giving only the accumulation steps always reads
     the inputs.
     ``grad_norm_every_step``: compute the gradient norm at every boundary
     (``eng.last_window.step.grad_norm``), even without clipping or a monitor that asks for it.

@@ -9,9 +9,9 @@ import argparse
 import sys
 import warnings
 
-from engine.batch_plan import plan_from_config
-from engine.config import Config, load_config
-from engine.config_checks import check_without_model
+from engine.batching.plan import plan_from_config
+from engine.config.schema import Config, load_config
+from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
 
 USAGE_ERROR = 2
@@ -96,7 +96,7 @@ def run_explore(args: argparse.Namespace) -> int:
     import torch
 
     import engine
-    from engine.explore_report import format_table, save_json, save_plot
+    from engine.autotune.report import format_table, save_json, save_plot
 
     overrides = args.overrides + ["train_micro_batch_size_per_gpu=explore", "gradient_accumulation_steps=null"]
     config = load_config(args.config, overrides)

@@ -11,16 +11,16 @@ one in-place multiply of the gradient, once per optimizer step.
 Micro-batches and what they count for. How ``train_batch`` / ``eval_batch`` cut a batch and
 what a manual-loop micro-batch counts for depend on the kind of plan — planned sizes, sizes
 read from the inputs, a data-defined plan, a token budget — and are decided by the window
-split ``engine.initialize`` chose (``engine.window_split``); the engine itself does not ask
+split ``engine.initialize`` chose (``engine.batching.window_split``); the engine itself does not ask
 which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss counts for
 nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
 Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
 an optional monitor (told about every closed window), an optional micro-batch tuner
-(``engine.autotune``: it drives ``run_window`` / ``discard_window`` / ``replan`` / ``evaluate`` and
-installs ``micro_step_guard``), the checkpointer (``engine.checkpoint``: it saves and restores
-``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.autosave``:
+(``engine.autotune.tuner``: it drives ``run_window`` / ``discard_window`` / ``replan`` / ``evaluate`` and
+installs ``micro_step_guard``), the checkpointer (``engine.state.checkpoint``: it saves and restores
+``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.state.autosave``:
 told when ``batches()`` makes data, when a training window starts and when one closes, where it
 may save, or stop the run on a stop signal, and when ``load_checkpoint`` replaces its resume).
 """
@@ -34,14 +34,14 @@ from typing import Any, Callable
 
 import torch
 
-from engine.batch_plan import BatchPlan
-from engine.collectives import agreed_max
-from engine.data import DistributedBatches
+from engine.batching.plan import BatchPlan
+from engine.dist.collectives import agreed_max
+from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError
 from engine.memory import PeakMeter
 from engine.strategies.base import StepResult, Strategy
-from engine.token_budget import TokenCost
-from engine.window_split import PlannedSplit
+from engine.batching.token_budget import TokenCost
+from engine.batching.window_split import PlannedSplit
 
 log = logging.getLogger("engine")
 
@@ -99,22 +99,22 @@ def _run(work: Callable[[], None]) -> None:
 
 
 class Engine:
-    """Returned by :func:`engine.initialize`; see DESIGN.md for the contract."""
+    """Returned by :func:`engine.initialize`; the public contract is in README.md and docs/."""
 
     def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, window_split: PlannedSplit,
                  lr_scheduler=None, loss_fn: LossFn | None = None, monitor=None, grad_norm_every_step: bool = False):
         self.config = config
         self.plan = plan
         self.strategy = strategy
-        # How windows are cut and what a micro-batch counts for (engine.window_split).
+        # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.monitor = monitor
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
-        self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune)
-        self.checkpointer = None  # saves and restores this engine (engine.checkpoint)
-        self.autosave = None  # automatic checkpoints and stop signals (engine.autosave)
+        self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune.tuner)
+        self.checkpointer = None  # saves and restores this engine (engine.state.checkpoint)
+        self.autosave = None  # automatic checkpoints and stop signals (engine.state.autosave)
         self._batches = None  # (dataset, options, DistributedBatches) of batches()
         # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
         # size replaces it with one that makes every rank agree on a failure before going on.
@@ -236,7 +236,7 @@ class Engine:
             "flush(): not every rank reached flush() within distributed.agreement_timeout_seconds ({timeout} s), "
             f"or a rank stopped, while this rank held {window.micro_steps} micro-steps: every rank must run the "
             "same number of micro-steps (give each rank the same number of batches, e.g. "
-            "engine.data.DistributedBatches)")
+            "engine.batching.data.DistributedBatches)")
         fewest = -negative_fewest
         if most == 0:
             return False
@@ -244,7 +244,7 @@ class Engine:
             raise EngineUsageError(
                 f"flush(): the ranks hold between {fewest} and {most} micro-steps in this window; "
                 "every rank must run the same number of micro-steps (give each rank the same number of "
-                "batches, e.g. engine.data.DistributedBatches)")
+                "batches, e.g. engine.batching.data.DistributedBatches)")
         window.backward_since_step = False
         window.exact_counts = True  # weighted by what every rank really ran
         self._close_window()
@@ -292,7 +292,7 @@ class Engine:
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:
         """This rank's per-device batches of a map-style ``dataset`` for ``eng.plan``, one per
-        optimizer step (``engine.data.DistributedBatches``). Automatic checkpoints save its
+        optimizer step (``engine.batching.data.DistributedBatches``). Automatic checkpoints save its
         position, and after a resume it starts where the saved run was. Called again with the
         same arguments it returns the same object, which goes on with the next epoch."""
         options = (shuffle, seed, drop_last, collate_fn)
@@ -411,7 +411,7 @@ class Engine:
             self.replan(plan)
 
     def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
-        """Save everything needed to resume at this boundary (see engine.checkpoint). ``data``:
+        """Save everything needed to resume at this boundary (see engine.state.checkpoint). ``data``:
         an object with ``state_dict()`` (e.g. DistributedBatches) whose position is saved."""
         return self._checkpointer().save(path, data=data, client_state=client_state)
 

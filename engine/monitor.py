@@ -42,8 +42,8 @@ from typing import Any, TextIO
 
 import torch
 
-from engine.config import MonitorConfig
-from engine.distributed import get_rank
+from engine.config.schema import MonitorConfig
+from engine.dist.process_group import get_rank
 
 __all__ = ["Monitor", "FIELDS"]
 

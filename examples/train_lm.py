@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 import engine
 from engine.cli import add_override_argument
-from engine.data import DistributedBatches
-from engine.distributed import strip_local_rank_arg
+from engine.batching.data import DistributedBatches
+from engine.dist.process_group import strip_local_rank_arg
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -29,7 +29,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR
 # would kill it and leave its workers without the agent that waits for them. Only its
 # --signals-to-handle sets the list (PET_SIGNALS_TO_HANDLE, its default, is honoured).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-# Where the engine's ranks write their exit code when they stop for a signal (engine.preemption).
+# Where the engine's ranks write their exit code when they stop for a signal (engine.state.preemption).
 STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
 
 
@@ -183,7 +183,7 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
     itself) cmd stays in this process's group and each signal reaches it once: torchrun, given
     the same signal again while it waits for its workers, stops waiting and leaves them.
     ``workers``: the number of this node's workers; when this process was signalled and each
-    of them reported the same exit code for its stop (engine.preemption), that code is returned.
+    of them reported the same exit code for its stop (engine.state.preemption), that code is returned.
     """
     child: subprocess.Popen | None = None
     pending: list[int] = []  # signals that arrived before the child existed

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import engine
-from engine.microbatch import split_batch
+from engine.batching.microbatch import split_batch
 from tests.broken import ignores_window_total, intact
 from tests.reference import (
     TinyLM, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state, token_batches, token_loss_mean,

@@ -57,7 +57,7 @@ def test_tensor_helpers():
 
 
 def test_autograd_sequence_numbers_fall_along_the_graph():
-    """What engine.forward_sizes relies on: a node's inputs were numbered before it."""
+    """What engine.batching.forward_sizes relies on: a node's inputs were numbered before it."""
     x = torch.ones(2, requires_grad=True)
     first = x * 2
     second = (x + 1).sum()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import engine
-from engine.autotune import OutOfMemoryAtMicroBatchOne
-from engine.autotune import MicroBatchTuner
+from engine.autotune.tuner import OutOfMemoryAtMicroBatchOne
+from engine.autotune.tuner import MicroBatchTuner
 from tests import oom_models
 from tests.broken import keeps_failed_windows
 from tests.dist_utils import run_scenarios

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch_plan import BatchConfigError, BatchPlan, resolve_batch_plan
+from engine.batching.plan import BatchConfigError, BatchPlan, resolve_batch_plan
 
 # (resolve kwargs, expected G, M, A, per-device sizes, micro-batch sizes per distinct rank kind)
 VALID_PLANS = [

@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import engine
-from engine.checkpoint import MANIFEST, CheckpointError
-from engine.data import DistributedBatches
+from engine.state.checkpoint import MANIFEST, CheckpointError
+from engine.batching.data import DistributedBatches
 from tests.dist_utils import run_distributed
 from tests.reference import mlp, mse, train_steps
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import add_override_argument, main
-from engine.config import load_config
+from engine.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -216,7 +216,7 @@ def test_validate_refuses_bf16_on_a_gpu_without_it(tmp_path, capsys, monkeypatch
 def test_validate_deepspeed_backend_without_the_package(tmp_path, capsys, monkeypatch):
     from engine.strategies.deepspeed import INSTALL_HINT
 
-    monkeypatch.setattr("engine.config_checks.find_spec",
+    monkeypatch.setattr("engine.config.checks.find_spec",
                         lambda name: None if name == "deepspeed" else importlib.util.find_spec(name))
     status, captured, path = validate(tmp_path, capsys, "train_batch_size: 8\nbackend: deepspeed\n")
     assert status == 2
@@ -253,7 +253,7 @@ num_epochs = 2
 @pytest.mark.parametrize("name", ["mlp.yaml", "deepspeed_zero2.json", "param_unchanged.py", "lm_tiny.yaml",
                                   "colossalai_legacy.py"])
 def test_shipped_configs_pass_the_model_free_checks(name):
-    from engine.config_checks import check_without_model
+    from engine.config.checks import check_without_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import engine
 import engine.compat.deepspeed as compat_deepspeed
-from engine.batch_plan import plan_from_config
+from engine.batching.plan import plan_from_config
 from tests import broken
 from tests.dist_utils import run_scenarios
 from tests.reference import mlp, reference_train, regression_batches, sgd
@@ -454,7 +454,7 @@ def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
 ])
 def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
     from engine.adapters.deepspeed_internals import import_deepspeed
-    from engine.config import SchedulerConfig
+    from engine.config.schema import SchedulerConfig
     from engine.optim import build_deepspeed_scheduler, build_scheduler
 
     schedules = import_deepspeed().runtime.lr_schedules

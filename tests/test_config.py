@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch_plan import plan_from_config
-from engine.config import ALIASES, DEEPSPEED_TOP_LEVEL_KEYS, Config, ConfigError, load_config
-from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS
+from engine.batching.plan import plan_from_config
+from engine.config.deepspeed import DEEPSPEED_TOP_LEVEL_KEYS
+from engine.config.schema import ALIASES, Config, ConfigError, load_config
+from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -1,4 +1,4 @@
-"""engine.data.DistributedBatches: which samples each rank gets, per step and epoch."""
+"""engine.batching.data.DistributedBatches: which samples each rank gets, per step and epoch."""
 from itertools import islice
 from types import SimpleNamespace
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.data import DistributedBatches
+from engine.batching.data import DistributedBatches
 
 
 def plan(sizes, rank=0, accumulation_steps=1):

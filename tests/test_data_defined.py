@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine
-from engine.batch_plan import plan_from_config
+from engine.batching.plan import plan_from_config
 from engine.errors import CheckpointError
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mlp, mse, reference_train, sgd, state

@@ -24,12 +24,13 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint import CheckpointError
+from engine.state.checkpoint import CheckpointError
 from bench.comm_count import CommCounter
-from engine.config import load_config
-from engine.data import DistributedBatches
-from engine.microbatch import split_batch
-from engine.strategies.deepspeed import deepspeed_config, unsupported
+from engine.config.schema import load_config
+from engine.batching.data import DistributedBatches
+from engine.batching.microbatch import split_batch
+from engine.config.deepspeed import deepspeed_backend_problems
+from engine.strategies.deepspeed import deepspeed_config
 from tests.broken import gradient_doubled, ignores_window_total, intact, weighted_one_over_a
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.oom_models import tripwire_mlp
@@ -466,19 +467,19 @@ def test_stage_equals_reference(stage):
 def fp16_case(rank, world, **kwargs):
     """precision_case in fp16 with the CPU-only refusal lifted in this process: the stage-0
     loss scale, the ZeRO optimizers' scaled step and the window weighting GPUs run."""
-    import engine.config_checks
+    import engine.config.checks
     import engine.strategies.deepspeed as deepspeed_strategy
 
-    refusals = deepspeed_strategy.unsupported
+    refusals = deepspeed_strategy.deepspeed_backend_problems
 
     def refusals_but_fp16(config):
         return [problem for problem in refusals(config) if not problem.startswith("fp16.enabled")]
 
-    engine.config_checks.unsupported = deepspeed_strategy.unsupported = refusals_but_fp16
+    engine.config.checks.deepspeed_backend_problems = deepspeed_strategy.deepspeed_backend_problems = refusals_but_fp16
     try:
         return precision_case(rank, world, backend="deepspeed", precision="fp16", **kwargs)
     finally:
-        engine.config_checks.unsupported = deepspeed_strategy.unsupported = refusals
+        engine.config.checks.deepspeed_backend_problems = deepspeed_strategy.deepspeed_backend_problems = refusals
 
 
 @needs_deepspeed
@@ -726,7 +727,7 @@ def test_the_zero3_yaml_config_translates():
 
 def test_what_deepspeed_cannot_do_is_refused_before_it_starts():
     def problems(**config):
-        return " ".join(unsupported(load_config({"backend": "deepspeed", "train_batch_size": 8, **config})))
+        return " ".join(deepspeed_backend_problems(load_config({"backend": "deepspeed", "train_batch_size": 8, **config})))
 
     assert "gradient_allreduce_op: 'sum'" in problems(gradient_allreduce_op="sum")
     assert "auto with backend deepspeed needs ZeRO stage 0, 1 or 2" in problems(

@@ -1,4 +1,4 @@
-"""engine.distributed: launch-environment parsing, helpers, and the run_distributed harness."""
+"""engine.dist.process_group: launch-environment parsing, helpers, and the run_distributed harness."""
 import datetime
 import functools
 import os
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dist_utils import DistributedRunError, run_distributed, run_scenarios
 from engine import distributed
-from engine.distributed import (
+from engine.dist.process_group import (
     DistributedEnvError,
     DistInfo,
     LaunchEnv,

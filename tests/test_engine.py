@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine
-from engine.microbatch import split_batch
+from engine.batching.microbatch import split_batch
 from tests.broken import clipped_each_micro_step, gradient_doubled, intact, keeps_failed_windows, weighted_one_over_a
 from tests.reference import (
     TinyLM, adamw, max_param_diff, mlp, mse, reference_train, regression_batches, sgd, state,

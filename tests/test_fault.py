@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 import engine
-from engine.autosave import checkpoint_name
-from engine.checkpoint import MANIFEST, verify_checkpoint
-from engine.config_checks import check_without_model
-from engine.data import DistributedBatches
+from engine.state.autosave import checkpoint_name
+from engine.state.checkpoint import MANIFEST, verify_checkpoint
+from engine.config.checks import check_without_model
+from engine.batching.data import DistributedBatches
 from engine.optim import WarmupDecayLR
 from engine.strategies.deepspeed import deepspeed_config
 from tests import fault_job as job
@@ -462,7 +462,7 @@ def test_stop_signal_handlers_are_given_back_when_the_last_engine_closes(tmp_pat
 
 STOPPED_ELSEWHERE = """
 import signal, sys, time
-import engine.preemption as preemption
+import engine.state.preemption as preemption
 preemption.REPEAT_AFTER_SECONDS = {repeat}
 if sys.argv[1] == "own handler":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))

@@ -3,7 +3,7 @@ from collections import OrderedDict, UserDict, namedtuple
 import pytest
 import torch
 
-from engine.microbatch import BatchError, batch_size, split_batch
+from engine.batching.microbatch import BatchError, batch_size, split_batch
 
 Pair = namedtuple("Pair", "x y")
 

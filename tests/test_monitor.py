@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import engine
-from engine.config import MonitorConfig
+from engine.config.schema import MonitorConfig
 from engine.monitor import FIELDS, Monitor
 from engine.optim import WarmupLR
 from tests.dist_utils import run_distributed, run_scenarios

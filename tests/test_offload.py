@@ -25,9 +25,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 import engine
 from engine.adapters.torch_internals import fsdp_offload_policies
 from engine.cli import main
-from engine.config_checks import check_without_model
-from engine.config_offload import torch_offload
-from engine.distributed import DistInfo
+from engine.config.checks import check_without_model
+from engine.config.offload import torch_offload
+from engine.dist.process_group import DistInfo
 from engine.strategies import make_strategy
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import engine
-from engine.microbatch import split_batch
+from engine.batching.microbatch import split_batch
 from engine.precision import LossScaler
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mse, reference_train, regression_batches, sgd, state

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch_plan import split_evenly
-from engine.token_budget import (MicroGroup, TokenBudgetError, TokenSplitter, budget_candidates, fewest_micro_steps,
+from engine.batching.plan import split_evenly
+from engine.batching.token_budget import (MicroGroup, TokenBudgetError, TokenSplitter, budget_candidates, fewest_micro_steps,
                                  group_by_tokens, over_budget_message, sequence_layout, smaller_budget, take_rows,
                                  token_cost)
 

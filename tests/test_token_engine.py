@@ -14,7 +14,7 @@ import torch
 
 import engine
 from engine.cli import main as cli_main
-from engine.token_budget import TokenBudgetError, group_by_tokens, token_cost
+from engine.batching.token_budget import TokenBudgetError, group_by_tokens, token_cost
 from tests.dist_utils import run_scenarios
 from tests.oom_models import TokenTripwire
 from tests.reference import max_param_diff, rank_slice, reference_train, sgd, state

@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from engine.batch_plan import SEARCH_MODES
-from engine.config import Config, locate
+from engine.batching.plan import SEARCH_MODES
+from engine.config.schema import Config, locate
 from engine.errors import ConfigError
 
 

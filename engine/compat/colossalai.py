@@ -33,10 +33,10 @@ import torch
 
 import engine
 from engine.compat import refuse_engine_formed_micro_batches
-from engine.config import ALIASES, Config, load_config
-from engine.distributed import get_rank, get_world_size, init_distributed, read_launch_env
+from engine.config.schema import ALIASES, Config, load_config
+from engine.dist.process_group import get_rank, get_world_size, init_distributed, read_launch_env
 from engine.errors import EngineUsageError
-from engine.rng import seed_everything
+from engine.state.rng import seed_everything
 
 __all__ = ["launch_from_torch", "gpc", "initialize", "ColossalEngine", "ConfigView", "GlobalContext"]
 

@@ -35,15 +35,15 @@ from typing import Any
 import torch
 
 import engine
-from engine.batch_plan import split_evenly
-from engine.collectives import from_rank0
+from engine.batching.plan import split_evenly
+from engine.dist.collectives import from_rank0
 from engine.compat import refuse_engine_formed_micro_batches
-from engine.config import Config, load_config
-from engine.config_checks import check_without_model
-from engine.data import DistributedBatches
-from engine.distributed import barrier, init_distributed as _join_group, read_launch_env
+from engine.config.schema import Config, load_config
+from engine.config.checks import check_without_model
+from engine.batching.data import DistributedBatches
+from engine.dist.process_group import barrier, init_distributed as _join_group, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
-from engine.microbatch import batch_size, split_batch
+from engine.batching.microbatch import batch_size, split_batch
 from engine.optim import build_deepspeed_scheduler, build_optimizer
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize", "DeepSpeedEngine", "MicroBatchLoader"]
@@ -378,7 +378,7 @@ def _write_latest(save_dir: str, tag: str) -> None:
 # -- data ---------------------------------------------------------------------------------------
 class MicroBatchLoader:
     """DeepSpeed's ``training_dataloader``: this rank's micro-batches of a map-style dataset,
-    window after window. Each global batch is ``engine.data.DistributedBatches``' (seeded
+    window after window. Each global batch is ``engine.batching.data.DistributedBatches``' (seeded
     epochs, a new order every epoch; in the first epoch the same samples per optimizer step
     as DeepSpeed's sampler), cut into the plan's A micro-batches."""
 

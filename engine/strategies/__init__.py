@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.config_offload import torch_offload
-from engine.distributed import DistInfo
+from engine.config.offload import torch_offload
+from engine.dist.process_group import DistInfo
 
 log = logging.getLogger("engine")
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from engine.adapters import torch_internals
-from engine.collectives import failure_vote, sum_of_squares
-from engine.distributed import DistInfo
+from engine.dist.collectives import failure_vote, sum_of_squares
+from engine.dist.process_group import DistInfo
 from engine.precision import Precision, scale_
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
 
@@ -110,11 +110,11 @@ class Strategy(ABC):
     def close(self) -> None:
         """Release backend resources (called when the engine is closed)."""
 
-    # -- checkpoints (engine.checkpoint) ---------------------------------------------------
+    # -- checkpoints (engine.state.checkpoint) ---------------------------------------------------
     def save_training_state(self, directory: str) -> None:
         """Write the model and optimizer state into ``directory`` (which may not exist yet).
         Collective: every rank calls it with the same path on a filesystem all ranks share.
-        Loss scaler, scheduler, counters and RNG are saved by engine.checkpoint."""
+        Loss scaler, scheduler, counters and RNG are saved by engine.state.checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot save checkpoints")
 
     def load_training_state(self, directory: str) -> None:

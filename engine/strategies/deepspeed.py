@@ -19,7 +19,7 @@ through the ZeRO optimizer's loss scale at stages 1–3 and straight into ``.gra
 stage 0 (``engine.adapters.deepspeed_internals``).
 
 What DeepSpeed cannot do under this contract is refused when the engine is built, never
-mid-training: see ``unsupported`` and docs/deepspeed.md.
+mid-training: see ``engine.config.deepspeed.deepspeed_backend_problems`` and docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from engine.adapters import deepspeed_internals as internals
 from engine.adapters.torch_internals import foreach_mul_
-from engine.collectives import sum_of_squares
+from engine.dist.collectives import sum_of_squares
+from engine.config.deepspeed import deepspeed_backend_problems
 from engine.errors import CheckpointError, ConfigError
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
@@ -84,44 +85,6 @@ def deepspeed_config(config, world_size: int) -> dict:
     return ds
 
 
-def unsupported(config) -> list[str]:
-    """What this backend refuses, as config problems (checked before DeepSpeed starts)."""
-    problems = []
-    zero = config.zero_optimization
-    if config.fp16.enabled and not torch.cuda.is_available():
-        problems.append(
-            "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only, and this machine has none (DeepSpeed's "
-            "CPU accelerator supports fp16 only on some CPUs, so the same config would start on one machine and "
-            "fail on another); use bf16: {enabled: true}, or backend: torch (its fp16 autocast and loss scaler "
-            "run on CPU)")
-    op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
-    if op != "mean":
-        problems.append(
-            f"gradient_allreduce_op: {op!r}: Microstep weights every micro-batch loss by its share of the "
-            "global batch and relies on DeepSpeed averaging gradients over ranks; remove the key")
-    if "writer" in (config.checkpoint.model_extra or {}):
-        problems.append(
-            "checkpoint.writer: DeepSpeed's checkpoint writers change when and by whom the files are written "
-            "(decoupled: by a background process after the save returned; FAST: by some data-parallel ranks "
-            "only; MOCK: not at all), while a Microstep checkpoint lists every file with its size and is "
-            "published (renamed into place, older ones removed by keep_last) only once they are all written; "
-            "remove the key")
-    micro = config.train_micro_batch_size_per_gpu
-    if micro in ("auto", "explore") and zero.stage == 3:
-        problems.append(
-            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed needs ZeRO stage 0, 1 or 2: "
-            "DeepSpeed's ZeRO-3 communicates inside every forward, where one rank's out-of-memory cannot be "
-            "agreed on without a hang. Give a number, or use backend: torch (its ZeRO-3 supports auto and "
-            "keeps ZeRO-3 memory)")
-    elif micro in ("auto", "explore") and zero.stage == 2 and zero.defer_reduction is not True:
-        problems.append(
-            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed at ZeRO stage 2 needs "
-            "zero_optimization.defer_reduction: true: DeepSpeed's ZeRO-2 reduces inside every backward, where "
-            "one rank's out-of-memory cannot be agreed on without a hang; deferring holds full-size gradients "
-            "until the window's end instead. Or use backend: torch, whose ZeRO-2 keeps its memory under auto")
-    return problems
-
-
 @contextlib.contextmanager
 def _quiet_stdout():
     """DeepSpeed prints (not logs) a line each time it loads its compiled comm op."""
@@ -148,7 +111,7 @@ class DeepSpeedStrategy(Strategy):
     checkpoint_format = "deepspeed"
 
     def __init__(self, config, dist_info):
-        problems = unsupported(config)
+        problems = deepspeed_backend_problems(config)
         if problems:
             raise ConfigError(problems)
         super().__init__(config, dist_info)
@@ -269,7 +232,7 @@ class DeepSpeedStrategy(Strategy):
 
     # -- surviving a failed micro-step ------------------------------------------------------------
     def enable_failure_guard(self):
-        # ``unsupported`` leaves only windows that issue no collective once the reduction waits
+        # ``deepspeed_backend_problems`` leaves only windows that issue no collective once the reduction waits
         # for the boundary: stage 0 (no boundary backward), stage 1 and deferred stage 2 (coalesced).
         self._guarded = True
 

@@ -20,7 +20,7 @@ parameters stay gathered for the whole window, which then costs one all-gather a
 reduce-scatter per unit whatever its number of micro-steps. ``"auto"`` chooses per window
 (``engine.strategies.deferral``).
 
-Offload (``offload_param`` / ``offload_optimizer``, read by ``engine.config_offload``):
+Offload (``offload_param`` / ``offload_optimizer``, read by ``engine.config.offload``):
 FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and the optimizer state on
 the host; the gathered parameters live on the device while a unit computes.
 """
@@ -38,8 +38,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
-from engine.collectives import broadcast_, check_peers
-from engine.config_offload import torch_offload
+from engine.dist.collectives import broadcast_, check_peers
+from engine.config.offload import torch_offload
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 

@@ -1,6 +1,6 @@
 """Model and optimizer state of the torch strategies, as a torch.distributed.checkpoint
 (DCP) directory keyed by parameter names: loadable by every torch strategy on any world size
-(single process, DDP, ZeRO-1, FSDP2). engine.checkpoint saves everything else."""
+(single process, DDP, ZeRO-1, FSDP2). engine.state.checkpoint saves everything else."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from engine.collectives import agree, describe
-from engine.distributed import control_group
+from engine.dist.collectives import agree, describe
+from engine.dist.process_group import control_group
 from engine.errors import CheckpointError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.collectives import broadcast_
+from engine.dist.collectives import broadcast_
 from engine.strategies.ddp import DataParallel
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine.adapters.torch_internals import autograd_sequence_nr
-from engine.microbatch import tensor_leaves
+from engine.batching.microbatch import tensor_leaves
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ The kinds:
   the plan does (a shorter last batch into A near-equal micro-batches: a short window); the
   manual loop's k-th micro-batch counts as ``plan.micro_batch_sizes[k]``.
 * :class:`InputSizedSplit` — the same plan, but the manual loop counts each micro-batch as
-  what ``eng(...)`` was given (``engine.forward_sizes``); inputs without one batch dimension
+  what ``eng(...)`` was given (``engine.batching.forward_sizes``); inputs without one batch dimension
   count as the plan's size, with a warning. The DeepSpeed / Colossal-AI facades choose it
   (``initialize(manual_sizes="inputs")``).
 * :class:`DataDefinedSplit` — only A is known (a config giving only the accumulation steps):
@@ -28,7 +28,7 @@ The kinds:
   the inputs, and the weights use a nominal G: the previous window's real total (A·W before
   the first), so the boundary's G / U is 1 whenever windows repeat their size.
 * :class:`TokenSplit` — ``micro_batch_tokens``: micro-batches by padded tokens
-  (``engine.token_budget``), every rank running as many as the rank that needs the most (one
+  (``engine.batching.token_budget``), every rank running as many as the rank that needs the most (one
   small agreement); the latest split's groups are kept for reports and for the micro-batch
   tuner. There is no manual loop: the script hands over whole per-device batches.
 """
@@ -42,12 +42,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.batch_plan import BatchPlan, split_evenly
-from engine.collectives import agreed_max
+from engine.batching.plan import BatchPlan, split_evenly
+from engine.dist.collectives import agreed_max
 from engine.errors import BatchConfigError, EngineUsageError
-from engine.forward_sizes import Forward, forward_of_loss, record_forward
-from engine.microbatch import batch_size, split_batch
-from engine.token_budget import LengthsFn, MicroGroup, TokenCost, TokenSplitter, smaller_budget, take_rows, token_cost
+from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
+from engine.batching.microbatch import batch_size, split_batch
+from engine.batching.token_budget import LengthsFn, MicroGroup, TokenCost, TokenSplitter, smaller_budget, take_rows, token_cost
 
 log = logging.getLogger("engine")
 
@@ -162,7 +162,7 @@ def _refuse_provisional(plan: BatchPlan) -> None:
 
 class InputSizedSplit(PlannedSplit):
     """A plan with sizes, whose manual loop counts each micro-batch as what ``eng(...)`` was
-    given — in the forward its loss came from (``engine.forward_sizes``)."""
+    given — in the forward its loss came from (``engine.batching.forward_sizes``)."""
 
     counts_exactly = True
 
@@ -286,7 +286,7 @@ class TokenSplit(PlannedSplit):
                      tokens, plan.micro_batch_tokens)
         return plan
 
-    # -- for the micro-batch tuner (engine.autotune) ------------------------------------------------
+    # -- for the micro-batch tuner (engine.autotune.tuner) ------------------------------------------------
     @property
     def micro_steps(self) -> int:
         """Micro-steps of the latest split."""

@@ -8,7 +8,7 @@ M = micro-batch cap per device, A = accumulation steps, P = per-device batch.
   runs the same A micro-steps and splits its P into A near-equal micro-batches, none
   larger than M and none empty.
 * ``micro_batch_tokens`` (a token budget): P is split per window by padded tokens
-  (``engine.token_budget``), so the micro-steps follow from the row lengths; G is
+  (``engine.batching.token_budget``), so the micro-steps follow from the row lengths; G is
   required, A is not given (the plan holds A = 1), and M only caps the rows of a
   micro-batch (default: P).
 * data-defined (a config giving only A, Colossal-AI's usual): G, M and P are whatever the

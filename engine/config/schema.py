@@ -3,11 +3,11 @@
 A config comes from YAML, DeepSpeed-style JSON, a Colossal-AI style Python file, a dict or
 an existing ``Config``, optionally with ``--set key.path=value`` overrides. Loading goes:
 read → aliases to canonical names → Colossal-AI sections translated
-(``engine.config_colossal``) → other engines' unused keys into ``deepspeed_extras`` /
+(``engine.config.colossalai``) → other engines' unused keys into ``deepspeed_extras`` /
 ``colossalai_extras`` → overrides → unknown keys → pydantic types. Every problem found on
 the way is collected and raised together as one ``ConfigError``. Batch numbers are checked
-later, against a world size, by ``engine.batch_plan``; what needs no model but more than
-the schema, by ``engine.config_checks``.
+later, against a world size, by ``engine.batching.plan``; what needs no model but more than
+the schema, by ``engine.config.checks``.
 
 New sections (checkpointing, monitoring, ...) are added as a ``Section`` subclass and a
 field on ``Config``; unknown-key checks and error locations follow automatically.
@@ -24,9 +24,12 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
-from engine.config_colossal import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config_loaders import ConfigError, KeyPath, RawConfig, parse_scalar, read_file
-from engine.config_offload import KEYS as OFFLOAD_KEYS, torch_offload
+from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS,
+                                     deepspeed_only_settings)
+from engine.config.loaders import ConfigError, parse_scalar, read_file
+from engine.config.raw import KeyPath, RawConfig
+from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
@@ -38,49 +41,6 @@ ALIASES = {
     "per_device_train_batch_size": "train_micro_batch_size_per_gpu",  # Hugging Face
     "bfloat16": "bf16",  # DeepSpeed's other spelling
 }
-
-# Top-level DeepSpeed keys Microstep itself does not use: kept for the DeepSpeed backend.
-DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
-    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "seq_parallel_communication_data_type",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
-    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-    "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
-    "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
-    "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
-    "sparse_attention", "pipeline", "tensor_parallel", "hybrid_engine", "eigenvalue",
-    "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
-    "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
-    "disable_python_gc", "expert_parallel",
-})
-
-# Keys DeepSpeed accepts under zero_optimization besides the ones modelled below.
-DEEPSPEED_ZERO_KEYS = frozenset({
-    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
-    "allgather_bucket_size", "overlap_comm", "use_multi_rank_bucket_allreduce",
-    "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
-    "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload", "cpu_offload_param",
-    "cpu_offload_use_pin_memory", "round_robin_gradients", "ignore_unused_parameters",
-    "legacy_stage1", "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
-    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
-    "leaf_module", "mics_shard_size", "mics_hierarchical_params_gather",
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_model_persistence_threshold", "stage3_max_live_parameters",
-    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
-    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
-    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
-})
-
-# DeepSpeed's own keys of the checkpoint section, handed to the DeepSpeed backend.
-DEEPSPEED_CHECKPOINT_KEYS = frozenset({
-    "tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
-    "checkpoint_serialization", "writer",
-})
 
 # Other engines' top-level keys Microstep keeps, unused, in a pass-through section.
 PASS_THROUGH = {"deepspeed_extras": DEEPSPEED_TOP_LEVEL_KEYS,
@@ -196,7 +156,7 @@ def _resume(value):
 
 
 class CheckpointConfig(_DeepSpeedSection):
-    """Automatic checkpoints (``engine.autosave``); DeepSpeed's own checkpoint keys are kept
+    """Automatic checkpoints (``engine.state.autosave``); DeepSpeed's own checkpoint keys are kept
     for the DeepSpeed backend."""
 
     dir: Optional[Annotated[str, PlainValidator(_path)]] = None  # for step_<N>; None: nothing automatic
@@ -322,7 +282,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     if problems:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source, config._locations = raw.source, raw.locations
-    unused = _deepspeed_only_settings(config)
+    unused = deepspeed_only_settings(config)
     if config.backend == "torch":
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS and name not in caller_reads]
@@ -343,14 +303,6 @@ def locate(config: Config, problems: list[str]) -> list[str]:
     located = [f"{raw.where(_canonical_path(tuple(problem.split(':', 1)[0].split('.'))))}: {problem}"
                for problem in problems]
     return sorted(located, key=lambda problem: _line_of(problem, raw.source))
-
-
-def _deepspeed_only_settings(config: Config) -> list[str]:
-    """DeepSpeed keys the config holds (top level and inside sections), sorted."""
-    names = list(config.deepspeed_extras)
-    for section in ("zero_optimization", "fp16", "bf16", "checkpoint"):
-        names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
-    return sorted(names)
 
 
 # -- normalising ------------------------------------------------------------------------

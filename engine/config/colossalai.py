@@ -8,7 +8,7 @@
   valid.
 * ``COLOSSALAI_TOP_LEVEL_KEYS``: legacy keys kept unused in ``colossalai_extras``, each with
   what to do instead. ``clip_grad_norm`` and ``gradient_accumulation`` are aliases
-  (``engine.config.ALIASES``).
+  (``engine.config.schema.ALIASES``).
 """
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ import importlib.machinery
 import importlib.util
 import math
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
-if TYPE_CHECKING:
-    from engine.config_loaders import RawConfig
+from engine.config.raw import RawConfig
 
 
 # -- imports while a config runs ----------------------------------------------------------

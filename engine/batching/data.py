@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import default_collate
 
-from engine.batch_plan import split_evenly
+from engine.batching.plan import split_evenly
 
 
 class DistributedBatches:

@@ -30,7 +30,7 @@ Sequence-shaped tensors, trimmed along dim 1 (no other dim is ever trimmed):
   tensor is not a sequence, or when the batch has no attention mask (they then give T).
 
 Every other tensor with a batch dimension is only row-selected; 0-dim tensors and other
-leaves are passed through unchanged, as ``engine.microbatch`` does.
+leaves are passed through unchanged, as ``engine.batching.microbatch`` does.
 
 Grouping. Rows are sorted by length, longest first (stable). The fewest micro-steps is
 found greedily: each micro-batch takes rows while rows × its first (longest) row fits N
@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from engine.microbatch import BatchError, batch_size, map_tensors, tensor_leaves
+from engine.batching.microbatch import BatchError, batch_size, map_tensors, tensor_leaves
 
 log = logging.getLogger("engine")
 

@@ -10,19 +10,16 @@ import inspect
 import json
 import re
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from engine.config_colossal import StandIn, colossalai_imports
+from engine.config.colossalai import StandIn, colossalai_imports
+from engine.config.raw import KeyPath, RawConfig
 from engine.errors import ConfigError
 
-__all__ = ["ConfigError", "KeyPath", "RawConfig", "parse_scalar", "read_file"]
-
-KeyPath = tuple  # of str: ("zero_optimization", "stage")
-
+__all__ = ["ConfigError", "parse_scalar", "read_file"]
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 insists on ``1.0e-3``)."""
@@ -32,36 +29,6 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
-
-
-@dataclass
-class RawConfig:
-    """Keys as written in a source, plus where each key path was written."""
-
-    data: Any
-    source: str
-    locations: dict[KeyPath, str] = field(default_factory=dict)  # path -> "file:line"
-
-    @classmethod
-    def with_lines(cls, data, source: str, lines: dict[KeyPath, int]) -> RawConfig:
-        return cls(data, source, {path: f"{source}:{line}" for path, line in lines.items()})
-
-    def where(self, path: KeyPath) -> str:
-        """Location of the longest written prefix of `path` (the source name if unknown)."""
-        for end in range(len(path), 0, -1):
-            if tuple(path[:end]) in self.locations:
-                return self.locations[tuple(path[:end])]
-        return self.source
-
-    def forget(self, prefix: KeyPath) -> None:
-        """Drop the locations under `prefix` (its value was replaced)."""
-        for path in [p for p in self.locations if p[:len(prefix)] == prefix]:
-            del self.locations[path]
-
-    def move(self, old: KeyPath, new: KeyPath) -> None:
-        """Re-file the locations under `old` to `new` after a key was renamed or moved."""
-        for path in [p for p in self.locations if p[:len(old)] == old]:
-            self.locations[new + path[len(old):]] = self.locations.pop(path)
 
 
 def parse_scalar(text: str) -> Any:

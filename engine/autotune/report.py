@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from engine.autotune import Candidate
+from engine.autotune.tuner import Candidate
 from engine.memory import format_bytes
 
 log = logging.getLogger("engine")

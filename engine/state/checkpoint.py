@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.collectives import agree, describe, peer_lost_as_error
-from engine.distributed import control_group
+from engine.dist.collectives import agree, describe, peer_lost_as_error
+from engine.dist.process_group import control_group
 from engine.errors import CheckpointError, EngineUsageError
-from engine.rng import restore_rng_state, rng_state, seed_everything
+from engine.state.rng import restore_rng_state, rng_state, seed_everything
 
 __all__ = ["Checkpointer", "CheckpointError", "MANIFEST", "Restored", "verify_checkpoint"]
 
@@ -134,7 +134,7 @@ def _write_local_files(engine, tmp: Path, data, client_state) -> None:
 
 def _engine_state(engine, data_state, client_state) -> dict:
     """engine_state.pt: the engine's own state, plus what the run was and what the caller added."""
-    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.to_dict(),
+    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.schema.to_dict(),
             "data": data_state, "client_state": client_state}
 
 
@@ -365,7 +365,7 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
 # =========================================================================== RNG
 def _restore_rng(engine, states: dict | None, saved_world_size: int) -> None:
     if states is None:
-        seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
+        seed = random.Random(f"{engine.config.schema.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
         log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
                  "re-seeded with %d", engine.rank, saved_world_size, seed)
         seed_everything(seed)

@@ -16,7 +16,7 @@
 * At every boundary: every ``every_steps`` optimizer steps, ``dir/step_<N>`` is saved with the
   data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted.
 * A stop signal (``stop_signals``, default SIGTERM and SIGUSR1) on any rank: every rank saves
-  at the next boundary (the one they agree on, see ``engine.preemption``) and raises
+  at the next boundary (the one they agree on, see ``engine.state.preemption``) and raises
   ``Preempted``, which exits the process with ``stop_exit_code`` (75) unless caught.
 
 An explicit ``eng.load_checkpoint`` replaces the automatic resume: what of it was still to be
@@ -34,10 +34,10 @@ import re
 import shutil
 from pathlib import Path
 
-from engine.checkpoint import MANIFEST, verify_checkpoint
-from engine.collectives import from_rank0
+from engine.state.checkpoint import MANIFEST, verify_checkpoint
+from engine.dist.collectives import from_rank0
 from engine.errors import CheckpointError
-from engine.preemption import Preempted, StopSignals, report_stop
+from engine.state.preemption import Preempted, StopSignals, report_stop
 
 log = logging.getLogger("engine")
 

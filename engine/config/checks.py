@@ -10,9 +10,9 @@ both report the same problems, all at once:
   enabled dtype, bf16 on CUDA only where the GPU supports it;
 * backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
   imported) and a config the DeepSpeed backend accepts; ``backend: torch`` an offload
-  request FSDP2 can carry out (``engine.config_offload``);
+  request FSDP2 can carry out (``engine.config.offload``);
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
-  (``engine.batch_plan.token_budget_conflicts``), ``sequence_keys`` without it.
+  (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from importlib.util import find_spec
 import torch
 
 from engine.adapters.deepspeed_internals import INSTALL_HINT
-from engine.batch_plan import token_budget_conflicts
-from engine.config import Config, locate
-from engine.config_offload import torch_offload
+from engine.batching.plan import token_budget_conflicts
+from engine.config.deepspeed import deepspeed_backend_problems
+from engine.config.schema import Config, locate
+from engine.config.offload import torch_offload
 from engine.optim import check_sections
-from engine.strategies.deepspeed import unsupported
 
 
 def check_without_model(config: Config) -> list[str]:
@@ -37,7 +37,7 @@ def check_without_model(config: Config) -> list[str]:
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
-        problems += unsupported(config)
+        problems += deepspeed_backend_problems(config)
     else:
         problems += torch_offload(config.zero_optimization).problems
     return locate(config, problems)

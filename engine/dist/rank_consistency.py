@@ -14,8 +14,8 @@ import json
 
 import torch.distributed as dist
 
-from engine.config import ConfigError
-from engine.distributed import control_group
+from engine.config.schema import ConfigError
+from engine.dist.process_group import control_group
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, object]:

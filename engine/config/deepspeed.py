@@ -1,0 +1,96 @@
+"""DeepSpeed's config keys as Microstep reads them: the keys it keeps for the DeepSpeed backend
+(top level, ``zero_optimization``, ``checkpoint``), which of them a config holds, and what the
+DeepSpeed backend refuses. What the torch backend makes of DeepSpeed's offload keys is
+``engine.config.offload``."""
+from __future__ import annotations
+
+import torch
+
+# Top-level DeepSpeed keys Microstep itself does not use: kept for the DeepSpeed backend.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
+    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "seq_parallel_communication_data_type",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+    "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
+    "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
+    "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
+    "sparse_attention", "pipeline", "tensor_parallel", "hybrid_engine", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
+    "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
+    "disable_python_gc", "expert_parallel",
+})
+
+# Keys DeepSpeed accepts under zero_optimization besides the ones modelled below.
+DEEPSPEED_ZERO_KEYS = frozenset({
+    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "overlap_comm", "use_multi_rank_bucket_allreduce",
+    "compute_grad_norm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
+    "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "round_robin_gradients", "ignore_unused_parameters",
+    "legacy_stage1", "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory",
+    "leaf_module", "mics_shard_size", "mics_hierarchical_params_gather",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential",
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+})
+
+# DeepSpeed's own keys of the checkpoint section, handed to the DeepSpeed backend.
+DEEPSPEED_CHECKPOINT_KEYS = frozenset({
+    "tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+    "checkpoint_serialization", "writer",
+})
+
+
+def deepspeed_only_settings(config) -> list[str]:
+    """DeepSpeed keys the config holds (top level and inside sections), sorted."""
+    names = list(config.deepspeed_extras)
+    for section in ("zero_optimization", "fp16", "bf16", "checkpoint"):
+        names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
+    return sorted(names)
+
+
+def deepspeed_backend_problems(config) -> list[str]:
+    """What the DeepSpeed backend refuses, as config problems (checked before DeepSpeed starts)."""
+    problems = []
+    zero = config.zero_optimization
+    if config.fp16.enabled and not torch.cuda.is_available():
+        problems.append(
+            "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only, and this machine has none (DeepSpeed's "
+            "CPU accelerator supports fp16 only on some CPUs, so the same config would start on one machine and "
+            "fail on another); use bf16: {enabled: true}, or backend: torch (its fp16 autocast and loss scaler "
+            "run on CPU)")
+    op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
+    if op != "mean":
+        problems.append(
+            f"gradient_allreduce_op: {op!r}: Microstep weights every micro-batch loss by its share of the "
+            "global batch and relies on DeepSpeed averaging gradients over ranks; remove the key")
+    if "writer" in (config.checkpoint.model_extra or {}):
+        problems.append(
+            "checkpoint.writer: DeepSpeed's checkpoint writers change when and by whom the files are written "
+            "(decoupled: by a background process after the save returned; FAST: by some data-parallel ranks "
+            "only; MOCK: not at all), while a Microstep checkpoint lists every file with its size and is "
+            "published (renamed into place, older ones removed by keep_last) only once they are all written; "
+            "remove the key")
+    micro = config.train_micro_batch_size_per_gpu
+    if micro in ("auto", "explore") and zero.stage == 3:
+        problems.append(
+            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed needs ZeRO stage 0, 1 or 2: "
+            "DeepSpeed's ZeRO-3 communicates inside every forward, where one rank's out-of-memory cannot be "
+            "agreed on without a hang. Give a number, or use backend: torch (its ZeRO-3 supports auto and "
+            "keeps ZeRO-3 memory)")
+    elif micro in ("auto", "explore") and zero.stage == 2 and zero.defer_reduction is not True:
+        problems.append(
+            f"train_micro_batch_size_per_gpu: {micro} with backend deepspeed at ZeRO stage 2 needs "
+            "zero_optimization.defer_reduction: true: DeepSpeed's ZeRO-2 reduces inside every backward, where "
+            "one rank's out-of-memory cannot be agreed on without a hang; deferring holds full-size gradients "
+            "until the window's end instead. Or use backend: torch, whose ZeRO-2 keeps its memory under auto")
+    return problems
