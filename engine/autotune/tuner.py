@@ -131,18 +131,18 @@ class TokenBudget:
 
     def smaller(self, engine) -> int | None:
         """Half the largest micro-batch of two or more rows that any rank just ran."""
-        return max_over_ranks([engine.batching.window_split.smaller_budget()])[0] or None
+        return max_over_ranks([engine.window_split.smaller_budget()])[0] or None
 
     def smaller_for_eval(self, engine, value: int) -> int | None:
         """As in training: from the micro-batches the failed evaluation ran (within ``value``)."""
         return self.smaller(engine)
 
     def candidates(self, engine, batch) -> list[int]:
-        longest = engine.batching.window_split.longest_row(batch, engine.plan)  # 0 when unreadable: the split says why
+        longest = engine.window_split.longest_row(batch, engine.plan)  # 0 when unreadable: the split says why
         return budget_candidates(engine.plan.micro_batch_tokens, max_over_ranks([longest])[0])[-MAX_CANDIDATES:]
 
     def planned_micro_steps(self, engine) -> int:
-        return engine.batching.window_split.micro_steps
+        return engine.window_split.micro_steps
 
     def consequence(self, old, new) -> str:
         return "micro-steps follow from the lengths, "

@@ -134,7 +134,7 @@ def _write_local_files(engine, tmp: Path, data, client_state) -> None:
 
 def _engine_state(engine, data_state, client_state) -> dict:
     """engine_state.pt: the engine's own state, plus what the run was and what the caller added."""
-    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.schema.to_dict(),
+    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.to_dict(),
             "data": data_state, "client_state": client_state}
 
 
@@ -365,7 +365,7 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
 # =========================================================================== RNG
 def _restore_rng(engine, states: dict | None, saved_world_size: int) -> None:
     if states is None:
-        seed = random.Random(f"{engine.config.schema.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
+        seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
         log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
                  "re-seeded with %d", engine.rank, saved_world_size, seed)
         seed_everything(seed)
