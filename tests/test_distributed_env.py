@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import DistributedRunError, run_distributed, run_scenarios
-from engine import distributed
+from engine.dist import process_group as distributed
 from engine.dist.process_group import (
     DistributedEnvError,
     DistInfo,
