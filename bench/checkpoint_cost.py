@@ -108,7 +108,7 @@ def main(argv=None):
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        path = watched.autosave.save()
+        path = watched.autosave.save(watched)
         saves.append(slowest(time.perf_counter() - start))
     save_s = statistics.median(saves)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -1,4 +1,5 @@
-"""``engine.initialize``: config → process group → plan → strategy → Engine."""
+"""``engine.initialize``: config → resolved setup → process group → strategy → plan → Engine,
+every collaborator built here and handed to the Engine's constructor."""
 
 from __future__ import annotations
 
@@ -7,19 +8,18 @@ from typing import Any
 
 import torch
 
-from engine.state.autosave import attach as attach_autosave
+from engine.state.autosave import automatic_checkpoints
 from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.plan import plan_from_config
-from engine.state.checkpoint import Checkpointer
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
-from engine.config.offload import torch_offload
 from engine.dist.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.dist.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
+from engine.setup import process_group_request, resolve_setup
 from engine.strategies import make_strategy
 from engine.batching.token_budget import LengthsFn
 from engine.batching.window_split import MANUAL_SIZES, window_split_for
@@ -66,13 +66,13 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                         "micro-batches are formed by tokens; set micro_batch_tokens, or drop lengths=")
     if problems:
         raise ConfigError(problems)
-    offloads = config.backend == "torch" and torch_offload(config.zero_optimization).to_host  # FSDP2, even alone
-    dist_info = init_distributed(config.distributed.timeout_seconds, config.distributed.backend,
-                                 group_for_one_process=config.backend == "deepspeed" or offloads,
-                                 agreement_timeout_seconds=config.distributed.agreement_timeout_seconds)
+    group = process_group_request(config)
+    dist_info = init_distributed(group.timeout_seconds, group.backend, group_for_one_process=group.group_for_one_process,
+                                 agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
-    strategy = make_strategy(config, dist_info)
-    plan = plan_from_config(config, dist_info.world_size, dist_info.rank)
+    setup = resolve_setup(config, dist_info)
+    strategy = make_strategy(setup, dist_info)
+    plan = plan_from_config(config, setup.mesh.data, setup.mesh.data_rank(dist_info.rank))
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later, token budgets choose it per window:
     # check as if it were > 1
@@ -80,17 +80,18 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
+    autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
+    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit) if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys)
-    eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split, loss_fn=loss_fn,
-                 monitor=monitor, lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 grad_norm_every_step=grad_norm_every_step)
-    eng.checkpointer = Checkpointer(eng)
-    if plan.is_provisional:
-        eng.micro_batch_tuner = MicroBatchTuner(eng, memory_limit=config.auto_memory_limit)
+    eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split, window_runner=tuner,
+                 monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
+                 lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
-    eng.autosave = attach_autosave(eng, eng.checkpointer, config.checkpoint)  # may resume: last
+    if autosave is not None:
+        autosave.start(eng)  # may resume: last
     return eng
 
 

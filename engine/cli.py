@@ -107,7 +107,7 @@ def run_explore(args: argparse.Namespace) -> int:
     eng = engine.initialize(model, config, optimizer=optimizer)
     eng.micro_batch_tuner.warmup, eng.micro_batch_tuner.repeats = args.warmup, args.repeats
     batch = make_batch(eng.plan.per_device_batch_size)
-    rows = eng.micro_batch_tuner.explore(batch, loss_fn)
+    rows = eng.micro_batch_tuner.explore(eng, batch, loss_fn)
     if eng.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

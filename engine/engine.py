@@ -16,13 +16,14 @@ which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss c
 nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
-Collaborators are handed in by ``engine.initialize``: the strategy (how the model is held),
-an optional monitor (told about every closed window), an optional micro-batch tuner
-(``engine.autotune.tuner``: it drives ``run_window`` / ``discard_window`` / ``replan`` / ``evaluate`` and
-installs ``micro_step_guard``), the checkpointer (``engine.state.checkpoint``: it saves and restores
-``state_dict()`` and the strategy's state) and the automatic checkpoints (``engine.state.autosave``:
-told when ``batches()`` makes data, when a training window starts and when one closes, where it
-may save, or stop the run on a stop signal, and when ``load_checkpoint`` replaces its resume).
+Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
+(how the model is held), the window runner (:class:`WindowRunner`: the plain one, or the
+automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
+``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step), the hooks
+(``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
+training window starts or closes, state is loaded and the engine closes) and the stateful parts
+a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
+engine hands with itself and its strategy to one ``engine.state.checkpoint.CheckpointManager``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from engine.batching.plan import BatchPlan
 from engine.dist.collectives import agreed_max
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError
+from engine.hooks import EngineHook
 from engine.memory import PeakMeter
+from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
 from engine.batching.token_budget import TokenCost
 from engine.batching.window_split import PlannedSplit
@@ -94,31 +97,56 @@ class WindowReport:
     padded_tokens: int | None = None
 
 
-def _run(work: Callable[[], None]) -> None:
-    work()
+class WindowRunner:
+    """Runs a training or evaluation window on an engine: this plain one runs it once; the
+    automatic micro-batch size (``engine.autotune.tuner``) re-runs it smaller after an
+    out-of-memory that every rank agreed on."""
+
+    chooses_micro_size = False  # True for the automatic micro-batch size
+
+    def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
+        engine.run_window(batch, loss_fn)
+
+    def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
+        return engine.evaluate(batch, loss_fn)
+
+    def guard(self, work: Callable[[], None]) -> None:
+        """Run the micro-steps ``work`` of one window (training or evaluation)."""
+        work()
 
 
 class Engine:
     """Returned by :func:`engine.initialize`; the public contract is in README.md and docs/."""
 
     def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, window_split: PlannedSplit,
-                 lr_scheduler=None, loss_fn: LossFn | None = None, monitor=None, grad_norm_every_step: bool = False):
+                 window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
+                 autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
+                 checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
+                 grad_norm_every_step: bool = False):
         self.config = config
         self.plan = plan
         self.strategy = strategy
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
+        self.window_runner = window_runner or WindowRunner()
+        # Hooks, called in this order at every point. The monitor (engine.monitor) and the automatic
+        # checkpoints (engine.state.autosave) are kept by name too: scripts read eng.monitor
+        # (history, log_eval) and eng.autosave (resumed_from); the checkpoints go last, since a
+        # stop signal ends the run there.
+        self._monitor, self.autosave = monitor, autosave
+        self.hooks = tuple(hook for hook in (monitor, *hooks, autosave) if hook is not None)
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
-        self.monitor = monitor
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
-        self.micro_batch_tuner = None  # "auto" / "explore" micro sizes (engine.autotune.tuner)
-        self.checkpointer = None  # saves and restores this engine (engine.state.checkpoint)
-        self.autosave = None  # automatic checkpoints and stop signals (engine.state.autosave)
+        # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
+        # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
+        # last so that its hooks see the whole restored state.
+        self.checkpoints = CheckpointManager(
+            {"lr_scheduler": lr_scheduler, "loss_scaler": strategy.loss_scaler, **(checkpoint_states or {}),
+             "engine": self},
+            training_state=strategy, position=self._checkpoint_position, rank=strategy.rank,
+            world_size=strategy.world_size, seed=config.seed, config_record=config.to_dict())
         self._batches = None  # (dataset, options, DistributedBatches) of batches()
-        # Runs the micro-steps of a window (training or evaluation). The automatic micro-batch
-        # size replaces it with one that makes every rank agree on a failure before going on.
-        self.micro_step_guard: Callable[[Callable[[], None]], None] = _run
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -152,6 +180,23 @@ class Engine:
         return self.strategy.device
 
     @property
+    def micro_batch_tuner(self):
+        """The automatic micro-batch size (``engine.autotune.tuner``) when the plan has one, else None."""
+        return self.window_runner if self.window_runner.chooses_micro_size else None
+
+    @property
+    def monitor(self):
+        """The ``engine.monitor.Monitor`` among the hooks (None without one). A script may set
+        another: ``eng.monitor = Monitor(...).attach(eng)`` replaces it among the hooks."""
+        return self._monitor
+
+    @monitor.setter
+    def monitor(self, monitor) -> None:
+        others = tuple(hook for hook in self.hooks if hook is not self._monitor)
+        self.hooks = ((monitor,) if monitor is not None else ()) + others
+        self._monitor = monitor
+
+    @property
     def window_micro_steps(self) -> int:
         """Micro-steps done in the window in progress (0 at a boundary)."""
         return self._window.micro_steps
@@ -164,9 +209,9 @@ class Engine:
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
-            if self.autosave is not None:
-                self.autosave.on_window_start()
-            self._recording = self.monitor is not None and self.monitor.records(self.global_steps + 1)
+            for hook in self.hooks:
+                hook.on_window_start(self)
+            self._recording = self._records(self.global_steps + 1)
             if self._recording:
                 self._peak.start()
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
@@ -271,10 +316,7 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         try:
-            if self.micro_batch_tuner is not None:
-                self.micro_batch_tuner.run_window(batch, loss_fn)
-            else:
-                self.run_window(batch, loss_fn)
+            self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
             self.discard_window()  # a failed batch leaves no half window behind
             raise
@@ -284,10 +326,7 @@ class Engine:
     def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
         """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
         over every rank's batch, per sample or per item like ``train_batch``."""
-        loss_fn = self._loss_fn(loss_fn)
-        if self.micro_batch_tuner is not None:
-            return self.micro_batch_tuner.run_eval(batch, loss_fn)
-        return self.evaluate(batch, loss_fn)
+        return self.window_runner.run_eval(self, batch, self._loss_fn(loss_fn))
 
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:
@@ -301,17 +340,17 @@ class Engine:
         data = DistributedBatches(dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                   collate_fn=collate_fn)
         self._batches = (dataset, options, data)
-        if self.autosave is not None:
-            self.autosave.on_batches(data)
+        for hook in self.hooks:
+            hook.on_batches(self, data)
         return data
 
     # -- windows, for the micro-batch tuner ---------------------------------------------
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Forward and backward of every micro-batch of one window as the plan splits
-        ``batch`` (no optimizer step), inside ``micro_step_guard``."""
+        ``batch`` (no optimizer step), guarded by the window runner."""
         self._splitting = True
         try:
-            self.micro_step_guard(lambda: self._micro_steps(batch, loss_fn))
+            self.window_runner.guard(lambda: self._micro_steps(batch, loss_fn))
         finally:
             self._splitting = False
 
@@ -336,7 +375,7 @@ class Engine:
     def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """Evaluate ``batch`` in the window split's micro-batches — of at most ``size`` samples,
         or padded tokens when split by tokens (default: the plan's) — the same number on every
-        rank, forwards inside ``micro_step_guard``; the mean loss over every rank, per sample or
+        rank, forwards guarded by the window runner; the mean loss over every rank, per sample or
         per item."""
         return self._evaluate(self.window_split.eval_pieces(batch, self.plan, size), loss_fn)
 
@@ -356,7 +395,7 @@ class Engine:
         was_training = self.module.training
         self.module.eval()
         try:
-            self.micro_step_guard(forwards)
+            self.window_runner.guard(forwards)
         finally:
             self.module.train(was_training)
             self.strategy.release_gathered_parameters()
@@ -369,30 +408,25 @@ class Engine:
         return self.strategy.full_state_dict()
 
     def state_dict(self) -> dict:
-        """The engine's own state at a boundary: counters, plan, micro-batch size and its
-        tuner, scheduler and loss scaler (the model and optimizer are the strategy's)."""
+        """The engine's own state at a boundary: counters, plan and micro-batch size (the model
+        and optimizer are the strategy's; scheduler, loss scaler and tuner are parts of their own
+        in ``self.checkpoints``)."""
         plan = self.plan
         return {
             "counters": {name: int(getattr(self, name)) for name in COUNTERS},
             "plan": dataclasses.asdict(plan.for_rank(0)),
             "micro_batch": {"size": plan.train_micro_batch_size_per_gpu, "mode": plan.micro_batch_mode,
                             "tokens": plan.micro_batch_tokens},
-            "micro_batch_tuner": _state_of(self.micro_batch_tuner),
-            "lr_scheduler": _state_of(self.lr_scheduler),
-            "loss_scaler": _state_of(self.strategy.loss_scaler),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``, possibly saved on another world size (same global batch)."""
+        """Restore ``state_dict()``, possibly saved on another world size (same global batch);
+        then tell the hooks."""
         if self._window.micro_steps:
             raise EngineUsageError("load_state_dict() called in the middle of a window: call it between windows")
         for name in COUNTERS:
             setattr(self, name, state["counters"][name])
-        _restore_optional(self.lr_scheduler, state["lr_scheduler"], "lr scheduler")
-        _restore_optional(self.strategy.loss_scaler, state["loss_scaler"], "fp16 loss scaler")
         self._restore_micro_batch(state["micro_batch"])
-        if state.get("micro_batch_tuner") is not None and self.micro_batch_tuner is not None:
-            self.micro_batch_tuner.load_state_dict(state["micro_batch_tuner"])
         saved, plan = state["plan"], self.plan
         if saved["world_size"] != plan.world_size:
             log.info("resuming a checkpoint of %d rank(s) on %d: global batch %s unchanged, gradient "
@@ -400,8 +434,8 @@ class Engine:
                      plan.train_batch_size, saved["gradient_accumulation_steps"],
                      plan.gradient_accumulation_steps, saved["train_micro_batch_size_per_gpu"],
                      plan.train_micro_batch_size_per_gpu)
-        if self.monitor is not None:  # count steps (and time) from the resumed position
-            self.monitor.attach(self)
+        for hook in self.hooks:
+            hook.on_state_loaded(self)
 
     def _restore_micro_batch(self, saved: dict) -> None:
         """A micro size (or token budget) found by auto / explore is kept when it suits the
@@ -413,26 +447,20 @@ class Engine:
     def save_checkpoint(self, path, *, data=None, client_state: dict | None = None):
         """Save everything needed to resume at this boundary (see engine.state.checkpoint). ``data``:
         an object with ``state_dict()`` (e.g. DistributedBatches) whose position is saved."""
-        return self._checkpointer().save(path, data=data, client_state=client_state)
+        return self.checkpoints.save(path, data=data, client_state=client_state)
 
     def load_checkpoint(self, path, *, data=None) -> dict:
         """Restore a checkpoint written by ``save_checkpoint``; returns its ``client_state``.
         It replaces an automatic resume (``checkpoint.resume``) not fully applied yet."""
-        client_state = self._checkpointer().load(path, data=data)
-        if self.autosave is not None:
-            self.autosave.on_load(path)
-        return client_state
+        return self.checkpoints.load(path, data=data)
 
-    def _checkpointer(self):
-        if self.checkpointer is None:
-            raise EngineUsageError("this Engine has no checkpointer: build engines with engine.initialize")
-        return self.checkpointer
+    def _checkpoint_position(self) -> CheckpointPosition:
+        return CheckpointPosition(self.global_steps, self.global_samples, self.plan.train_batch_size,
+                                  self._window.micro_steps, self.plan.gradient_accumulation_steps)
 
     def close(self) -> None:
-        if self.autosave is not None:
-            self.autosave.close()
-        if self.monitor is not None:
-            self.monitor.close()
+        for hook in self.hooks:
+            hook.on_close(self)
         self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
@@ -502,11 +530,12 @@ class Engine:
         """Reduce, weigh and apply the window's gradient, then count and report it."""
         window = self._window
         self.strategy.reduce_gradients()
-        recorded = self.monitor is not None and self.monitor.records(self.global_steps + 1)
+        step = self.global_steps + 1
+        recorded = self._records(step)
         loss, units, samples, tokens = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples,
-                                    want_norm=self.grad_norm_every_step or (recorded and self.monitor.config.grad_norm))
+                                    want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))
         self.window_split.window_closed(samples)
         if result.applied:
             if self.lr_scheduler is not None:
@@ -520,10 +549,14 @@ class Engine:
                                         peak_memory_bytes=self._peak.peak if self._recording else None,
                                         micro_steps=window.micro_steps, real_tokens=tokens[0], padded_tokens=tokens[1])
         self._window, self._recording = _Window(), False
-        if self.monitor is not None:
-            self.monitor.on_window(self, self.last_window)
-        if self.autosave is not None:
-            self.autosave.on_boundary()
+        for hook in self.hooks:
+            hook.on_window_closed(self, self.last_window)
+
+    def _records(self, step: int) -> bool:
+        return any(hook.records(step) for hook in self.hooks)
+
+    def _needs_grad_norm(self, step: int) -> bool:
+        return any(hook.needs_grad_norm(step) for hook in self.hooks)
 
     def _weighting_batch(self) -> int:
         """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""
@@ -567,20 +600,6 @@ class Engine:
             log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
                         self.global_steps + 1)
         return result
-
-
-def _state_of(obj):
-    """``obj.state_dict()``, or None for an absent part (no scheduler, no loss scaler, ...)."""
-    return obj.state_dict() if obj is not None else None
-
-
-def _restore_optional(obj, state, what: str) -> None:
-    if obj is not None and state is not None:
-        obj.load_state_dict(state)
-    elif obj is not None:
-        log.warning("the checkpoint holds no %s state; this engine's %s starts fresh", what, what)
-    elif state is not None:
-        log.warning("the checkpoint holds %s state but this engine has none; it is ignored", what)
 
 
 def _check_loss(loss) -> None:

@@ -1,6 +1,6 @@
 """Training metrics and progress, one record per optimizer step.
 
-The engine calls :meth:`Monitor.on_window` on every rank after each closed window. Rank 0
+The engine calls :meth:`Monitor.on_window_closed` (an ``engine.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
 turns it into a record (loss, learning rate, gradient norm, throughput, memory, ...), keeps
 it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard. Other ranks
 only keep time: they read no tensor, so they pay no host sync.
@@ -44,6 +44,7 @@ import torch
 
 from engine.config.schema import MonitorConfig
 from engine.dist.process_group import get_rank
+from engine.hooks import EngineHook
 
 __all__ = ["Monitor", "FIELDS"]
 
@@ -59,7 +60,7 @@ FIELDS = (
 TENSORBOARD_HINT = "pip install tensorboard"
 
 
-class Monitor:
+class Monitor(EngineHook):
     """Per-step metrics and progress; see the module docstring.
 
     ``stream``: where progress goes (default: ``sys.stderr``, looked up at each write).
@@ -96,8 +97,8 @@ class Monitor:
 
     # -- wiring ----------------------------------------------------------------------------
     def attach(self, eng, *, restart_clock: bool = True) -> "Monitor":
-        """Start the clock and learn the rank. ``engine.initialize`` calls this; ``on_window``
-        does it on first use otherwise (then the first step is timed from the monitor's
+        """Start the clock and learn the rank. ``engine.initialize`` calls this, and a loaded
+        checkpoint (``on_state_loaded``); ``on_window_closed`` does it on first use otherwise (then the first step is timed from the monitor's
         creation). Attach on every rank: the engine's window statistics become a collective
         when a monitor is set."""
         self.rank = eng.rank
@@ -133,15 +134,25 @@ class Monitor:
         config and the step count, so it is the same on every rank (the norm may be a
         collective)."""
         done = self._engine.global_steps if self._engine is not None else 0
-        return self.config.grad_norm and self.records(done + 1)
+        return self.needs_grad_norm(done + 1)
 
     def records(self, step: int) -> bool:
         """Whether optimizer step ``step`` gets a record (the same answer on every rank, so
         the engine gathers the window's statistics over all ranks only for those)."""
         return step % self.config.log_every == 0 or step == self.total_steps
 
-    # -- the engine's hook -----------------------------------------------------------------
-    def on_window(self, eng, report) -> None:
+    # -- the engine's hooks ----------------------------------------------------------------
+    def needs_grad_norm(self, step: int) -> bool:
+        return self.config.grad_norm and self.records(step)
+
+    def on_state_loaded(self, engine) -> None:
+        """Count steps (and time) from the resumed position."""
+        self.attach(engine)
+
+    def on_close(self, engine) -> None:
+        self.close()
+
+    def on_window_closed(self, eng, report) -> None:
         """Called by the engine after every closed window, on every rank."""
         if self._engine is None:
             self.attach(eng, restart_clock=False)

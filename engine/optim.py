@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from engine.config.schema import ConfigError
+from engine.errors import ConfigError
 
 
 def _public_classes(module, base) -> dict[str, type]:

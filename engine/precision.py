@@ -88,14 +88,15 @@ def scale_(grads: list[torch.Tensor], multiplier: float | torch.Tensor) -> None:
 
 
 class Precision:
-    """What the config's ``fp16`` / ``bf16`` sections ask of the forward and the backward."""
+    """What the config's ``fp16`` / ``bf16`` sections ask of the forward and the backward
+    (``half``: an ``engine.setup.HalfPrecision``)."""
 
-    def __init__(self, config, device_type: str):
-        self.dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+    def __init__(self, half, device_type: str):
+        self.dtype = half.dtype
         self.device_type = device_type
         self.scaler = None
-        if config.fp16.enabled:
-            fp16 = config.fp16
+        if half.loss_scaling is not None:
+            fp16 = half.loss_scaling
             self.scaler = LossScaler(fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
                                      fp16.min_loss_scale, fp16.loss_scale)
 

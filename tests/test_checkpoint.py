@@ -300,9 +300,35 @@ def test_manifest_and_layout(tmp_path):
     train_steps(eng, data, 1)
     eng.save_checkpoint(tmp_path / "c")
     manifest = json.loads((tmp_path / "c" / MANIFEST).read_text())
-    assert manifest["version"] == 1 and manifest["global_steps"] == 1 and manifest["world_size"] == 1
+    assert manifest["version"] == 2 and manifest["global_steps"] == 1 and manifest["world_size"] == 1
     assert {"engine_state.pt", "rank00000.pt", "model_optimizer/.metadata"} <= set(manifest["files"])
     assert sorted(os.listdir(tmp_path)) == ["c"]  # no temporary directory left behind
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    """Version 1 kept the engine's state, scheduler, loss scaler and tuner flat in engine_state.pt;
+    version 2 keeps each stateful part under its name."""
+    eng, data = new_engine(stage=0)
+    train_steps(eng, data, 2)
+    eng.save_checkpoint(tmp_path / "c", data=data)
+    expected = snapshot(eng, data)
+    state_file, manifest_file = tmp_path / "c" / "engine_state.pt", tmp_path / "c" / MANIFEST
+    saved = torch.load(state_file, weights_only=True)
+    flat = {**saved.pop("parts").pop("engine"), **saved}
+    flat.update({name: state for name, state in torch.load(state_file, weights_only=True)["parts"].items()
+                 if name != "engine"})
+    torch.save(flat, state_file)
+    manifest = json.loads(manifest_file.read_text())
+    manifest["version"] = 1
+    manifest["files"]["engine_state.pt"] = state_file.stat().st_size
+    manifest.pop("checksums", None)  # version 1 had none
+    manifest_file.write_text(json.dumps(manifest))
+
+    resumed, resumed_data = new_engine(stage=0, seed=5)
+    resumed.load_checkpoint(tmp_path / "c", data=resumed_data)
+    restored = snapshot(resumed, resumed_data)
+    assert torch.equal(restored["params"], expected["params"])
+    assert restored["counters"] == expected["counters"] and restored["data"] == expected["data"]
 
 
 def test_save_and_load_only_at_a_boundary(tmp_path):

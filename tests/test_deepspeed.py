@@ -29,8 +29,7 @@ from bench.comm_count import CommCounter
 from engine.config.schema import load_config
 from engine.batching.data import DistributedBatches
 from engine.batching.microbatch import split_batch
-from engine.config.deepspeed import deepspeed_backend_problems
-from engine.strategies.deepspeed import deepspeed_config
+from engine.config.deepspeed import deepspeed_backend_problems, deepspeed_config
 from tests.broken import gradient_doubled, ignores_window_total, intact, weighted_one_over_a
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.oom_models import tripwire_mlp

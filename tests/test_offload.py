@@ -28,6 +28,7 @@ from engine.cli import main
 from engine.config.checks import check_without_model
 from engine.config.offload import torch_offload
 from engine.dist.process_group import DistInfo
+from engine.setup import resolve_setup
 from engine.strategies import make_strategy
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state
@@ -99,9 +100,9 @@ def test_no_offload_device_is_no_offload():
 def test_one_process_offloads_with_fsdp2():
     config, _ = load({"stage": 3, **BOTH})
     one = DistInfo(0, 0, 1, 1, torch.device("cpu"), None)
-    assert make_strategy(config, one).name == "fsdp"
+    assert make_strategy(resolve_setup(config, one), one).name == "fsdp"
     plain, _ = load({"stage": 3})
-    assert make_strategy(plain, one).name != "fsdp"
+    assert make_strategy(resolve_setup(plain, one), one).name != "fsdp"
 
 
 def test_validate_names_the_problem(tmp_path, capsys):

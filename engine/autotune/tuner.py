@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.dist.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
+from engine.engine import WindowRunner
 from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
 from engine.batching.token_budget import budget_candidates
@@ -148,24 +149,25 @@ class TokenBudget:
         return "micro-steps follow from the lengths, "
 
 
-class MicroBatchTuner:
-    """Owns the ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``)."""
+class MicroBatchTuner(WindowRunner):
+    """The ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``): the window
+    runner ``engine.initialize`` builds the engine with when the plan's micro size is automatic."""
 
+    chooses_micro_size = True
     clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
-    def __init__(self, engine, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
-        self.engine = engine
-        self.meter = PeakMeter(engine.strategy)
+    def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
+        self.strategy = strategy
+        self.meter = PeakMeter(strategy)
         self.limit = memory_limit_bytes(memory_limit, self.meter.device)
         self.warmup, self.repeats = warmup, repeats
-        self.pending_explore = engine.plan.micro_batch_mode == "explore"
-        self.knob = TokenBudget() if engine.plan.micro_batch_tokens is not None else MicroSize()
+        self.pending_explore = plan.micro_batch_mode == "explore"
+        self.knob = TokenBudget() if plan.micro_batch_tokens is not None else MicroSize()
         self.eval_micro_batch_size: int | None = None
         self.eval_micro_batch_tokens: int | None = None
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
-        engine.strategy.enable_failure_guard()
-        engine.micro_step_guard = self._guarded
+        strategy.enable_failure_guard()
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the current size itself lives in the plan)."""
@@ -180,11 +182,10 @@ class MicroBatchTuner:
         self.eval_micro_batch_tokens = state.get("eval_micro_batch_tokens")
 
     # -- training -----------------------------------------------------------------------
-    def run_window(self, batch, loss_fn) -> None:
+    def run_window(self, eng, batch, loss_fn) -> None:
         """Forward and backward of a whole window, shrinking the micro size until it fits."""
-        eng = self.engine
         if self.pending_explore:
-            self.explore(batch, loss_fn)
+            self.explore(eng, batch, loss_fn)
         metered = self._metered(loss_fn)
         while True:
             try:
@@ -192,10 +193,10 @@ class MicroBatchTuner:
                 return
             except WindowFailed as failure:
                 eng.discard_window()
-                self._shrink(failure)
+                self._shrink(eng, failure)
 
-    def run_eval(self, batch, loss_fn) -> float:
-        eng, knob = self.engine, self.knob
+    def run_eval(self, eng, batch, loss_fn) -> float:
+        knob = self.knob
         value = getattr(self, knob.eval_attribute) or knob.value(eng.plan)
         while True:
             try:
@@ -204,7 +205,7 @@ class MicroBatchTuner:
                 eng.discard_window()
                 smaller = knob.smaller_for_eval(eng, value)
                 if smaller is None:
-                    raise self._too_large(failure) from None
+                    raise self._too_large(eng, failure) from None
                 log.warning("eval %s %d -> %d after %s", knob.name, value, smaller, failure)
                 value = smaller
                 continue
@@ -212,8 +213,8 @@ class MicroBatchTuner:
             return loss
 
     # -- the agreement --------------------------------------------------------------------
-    def _guarded(self, work) -> None:
-        """The engine's ``micro_step_guard``: run ``work`` (no collectives of its own besides
+    def guard(self, work) -> None:
+        """Run ``work`` (no collectives of its own besides
         guarded ones) and vote: raises WindowFailed on every rank when any rank ran out of
         memory. Any other error is voted too, so the peers stop with PeerError instead of
         waiting, and is re-raised here."""
@@ -224,12 +225,12 @@ class MicroBatchTuner:
             self._raise_for(peer.failures, "out of memory")
         except BaseException as error:
             if not isinstance(error, Exception) or not is_out_of_memory(error):
-                self.engine.strategy.agree_on_failures(OTHER_ERROR)
+                self.strategy.agree_on_failures(OTHER_ERROR)
                 raise
             reason = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
         if reason:  # outside the except block: the traceback's activations are freed
             _release_memory()
-        failures = self.engine.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
+        failures = self.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
         if failures:
             self._raise_for(failures, reason or "out of memory")
 
@@ -262,42 +263,42 @@ class MicroBatchTuner:
 
         return metered
 
-    def _shrink(self, failure: WindowFailed) -> None:
-        eng, knob = self.engine, self.knob
+    def _shrink(self, eng, failure: WindowFailed) -> None:
+        knob = self.knob
         old = eng.plan
         smaller = knob.smaller(eng)
         if smaller is None:
-            raise self._too_large(failure) from None
+            raise self._too_large(eng, failure) from None
         eng.replan(knob.with_value(old, smaller))
-        self._record(old, eng.plan, failure.reason, failure.ranks)
+        self._record(eng, old, eng.plan, failure.reason, failure.ranks)
 
-    def _record(self, old, new, reason: str, ranks=()) -> None:
-        step, knob = self.engine.global_steps + 1, self.knob
+    def _record(self, eng, old, new, reason: str, ranks=()) -> None:
+        step, knob = eng.global_steps + 1, self.knob
         self.changes.append({"global_step": step, "old": knob.value(old), "new": knob.value(new),
                              "ranks": list(ranks), "reason": reason})
         where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
         log.warning("%s %d -> %d (%s%s, global step %d); %sglobal batch %d unchanged", knob.name, knob.value(old),
                     knob.value(new), reason, where, step, knob.consequence(old, new), new.train_batch_size)
 
-    def _too_large(self, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
+    def _too_large(self, eng, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
         return OutOfMemoryAtMicroBatchOne(
             f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest} "
-            f"(global step {self.engine.global_steps + 1}): one sample does not fit. Use a higher "
+            f"(global step {eng.global_steps + 1}): one sample does not fit. Use a higher "
             "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
         )
 
     # -- explore --------------------------------------------------------------------------
-    def explore(self, batch, loss_fn) -> list[Candidate]:
-        """Measure the candidate micro sizes on ``batch`` and switch to the fastest that fits.
-        Parameters, buffers, optimizer state and RNG are left as they were."""
-        eng, knob = self.engine, self.knob
+    def explore(self, eng, batch, loss_fn) -> list[Candidate]:
+        """Measure the candidate micro sizes of engine ``eng`` on ``batch`` and switch to the
+        fastest that fits. Parameters, buffers, optimizer state and RNG are left as they were."""
+        knob = self.knob
         start = eng.plan
         snapshot = _Snapshot(eng.module)
         rows = []
         try:
             for value in knob.candidates(eng, batch):
                 eng.replan(knob.with_value(start, value))
-                rows.append(self._measure(batch, loss_fn))
+                rows.append(self._measure(eng, batch, loss_fn))
                 if not rows[-1].fits:
                     break  # larger sizes need more memory still
         finally:
@@ -306,7 +307,7 @@ class MicroBatchTuner:
         self.pending_explore = False
         fitting = [row for row in rows if row.fits]
         if not fitting:
-            raise self._too_large(WindowFailed((eng.rank,), "out of memory")) from None
+            raise self._too_large(eng, WindowFailed((eng.rank,), "out of memory")) from None
         baseline = fitting[0].samples_per_second
         for row in fitting:
             row.relative_speed = row.samples_per_second / baseline
@@ -316,11 +317,10 @@ class MicroBatchTuner:
         chosen = knob.with_value(start, best.micro_batch_tokens or best.micro_batch_size)
         if chosen != start:
             eng.replan(chosen)
-            self._record(start, chosen, "explore: fastest that fits")
+            self._record(eng, start, chosen, "explore: fastest that fits")
         return rows
 
-    def _measure(self, batch, loss_fn) -> Candidate:
-        eng = self.engine
+    def _measure(self, eng, batch, loss_fn) -> Candidate:
         plan = eng.plan
         metered = self._metered(loss_fn, track_peak=True)
         seconds = []

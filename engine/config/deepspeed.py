@@ -4,6 +4,8 @@ DeepSpeed backend refuses. What the torch backend makes of DeepSpeed's offload k
 ``engine.config.offload``."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 # Top-level DeepSpeed keys Microstep itself does not use: kept for the DeepSpeed backend.
@@ -94,3 +96,40 @@ def deepspeed_backend_problems(config) -> list[str]:
             "one rank's out-of-memory cannot be agreed on without a hang; deferring holds full-size gradients "
             "until the window's end instead. Or use backend: torch, whose ZeRO-2 keeps its memory under auto")
     return problems
+
+
+# Microstep keys that do not exist in DeepSpeed's zero_optimization section.
+_OUR_ZERO_KEYS = {"defer_reduction", "shard_unit_size"}
+
+
+def deepspeed_config(config, world_size: int) -> dict:
+    """The DeepSpeed config for a Microstep config: batch keys that leave accumulation to
+    Microstep, clipping stated explicitly (DeepSpeed's default is 1.0), DeepSpeed-only keys
+    passed through. Optimizer and scheduler are not translated: Microstep builds torch ones
+    and hands the instances over, so both backends train identically."""
+    zero = config.zero_optimization.model_dump()
+    for key in _OUR_ZERO_KEYS:
+        zero.pop(key, None)
+    if zero["stage"] == 3:
+        # Otherwise ZeRO-3 patches torch.nn.functional.linear for the whole process.
+        zero.setdefault("memory_efficient_linear", False)
+    ds = json.loads(json.dumps(config.deepspeed_extras))  # a deep copy: DeepSpeed may edit it
+    ds.update({
+        "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": config.gradient_clipping,
+        "zero_optimization": zero,
+    })
+    if config.checkpoint.model_extra:  # DeepSpeed's own checkpoint keys (the rest is Microstep's)
+        ds["checkpoint"] = json.loads(json.dumps(config.checkpoint.model_extra))
+    if config.fp16.enabled:
+        ds["fp16"] = config.fp16.model_dump()
+    if config.bf16.enabled:
+        ds["bf16"] = config.bf16.model_dump()
+    # Microstep always hands DeepSpeed a torch optimizer instance: any type is fine with us
+    # (DeepSpeed refuses untested ones at ZeRO-1..3), and with offload_optimizer it steps
+    # on the CPU copy (DeepSpeed refuses client optimizers there unless told otherwise).
+    ds.setdefault("zero_allow_untested_optimizer", True)
+    ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    return ds

@@ -14,7 +14,7 @@ import json
 
 import torch.distributed as dist
 
-from engine.config.schema import ConfigError
+from engine.errors import ConfigError
 from engine.dist.process_group import control_group
 
 

@@ -22,8 +22,10 @@
 An explicit ``eng.load_checkpoint`` replaces the automatic resume: what of it was still to be
 applied (the data position, the random generators) is dropped.
 
-The engine calls ``on_batches`` / ``on_window_start`` / ``on_boundary`` / ``on_load``; it knows
-nothing else of this module.
+``AutoCheckpoint`` is one of the engine's hooks (``engine.hooks``): the engine calls
+``on_batches`` / ``on_window_start`` / ``on_window_closed`` / ``on_state_loaded`` / ``on_close``
+and knows nothing else of this module; saves and loads go through the engine's public
+``save_checkpoint`` and ``checkpoints``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 from engine.state.checkpoint import MANIFEST, verify_checkpoint
 from engine.dist.collectives import from_rank0
 from engine.errors import CheckpointError
+from engine.hooks import EngineHook
 from engine.state.preemption import Preempted, StopSignals, report_stop
 
 log = logging.getLogger("engine")
@@ -48,16 +51,12 @@ def checkpoint_name(global_steps: int) -> str:
     return f"step_{global_steps:08d}"
 
 
-def attach(engine, checkpointer, section) -> "AutoCheckpoint | None":
-    """Resume as ``section`` (the config's ``checkpoint``) says and start watching for stop
-    signals; None when it asks for nothing automatic. Collective."""
+def automatic_checkpoints(section, rank: int) -> "AutoCheckpoint | None":
+    """The automatic checkpoints ``section`` (the config's ``checkpoint``) asks for, or None when
+    it asks for nothing automatic. Hand it to the engine, then call its ``start``."""
     if section.dir is None and section.resume in ("auto", "never"):
         return None
-    auto = AutoCheckpoint(engine, checkpointer, section)
-    auto.resume()
-    if auto.stop is not None:
-        auto.stop.install()
-    return auto
+    return AutoCheckpoint(section, rank)
 
 
 class _DataPosition:
@@ -72,12 +71,11 @@ class _DataPosition:
         self.state = state
 
 
-class AutoCheckpoint:
+class AutoCheckpoint(EngineHook):
     """Resumes, saves every ``every_steps`` and on a stop signal, keeps the last ``keep_last``."""
 
-    def __init__(self, engine, checkpointer, section):
-        self.engine = engine
-        self.checkpointer = checkpointer
+    def __init__(self, section, rank: int):
+        self.rank = rank
         self.section = section
         self.dir = Path(section.dir).absolute() if section.dir is not None else None
         self.stop = StopSignals(section.stop_signals) if self.dir is not None and section.stop_signals else None
@@ -87,22 +85,28 @@ class AutoCheckpoint:
         self._pending_restore = None  # the resumed checkpoint, until training starts and its RNG states are set
 
     # -- resuming -----------------------------------------------------------------------------
-    def resume(self) -> None:
+    def start(self, engine) -> None:
+        """Resume ``engine`` as ``resume`` says and start watching for stop signals. Collective."""
+        self._resume(engine)
+        if self.stop is not None:
+            self.stop.install()
+
+    def _resume(self, engine) -> None:
         """Load what ``resume`` chooses (every rank loads rank 0's choice). Collective."""
-        decision = from_rank0((self._unwritable_dir() or self._choose()) if self.engine.rank == 0 else None)
+        decision = from_rank0((self._unwritable_dir() or self._choose()) if self.rank == 0 else None)
         if "error" in decision:
             raise CheckpointError(decision["error"])
         path = decision["path"]
         if path is None:
             return
         position = _DataPosition() if decision["data_position"] else None
-        self._pending_restore = self.checkpointer.restore(path, data=position)
+        self._pending_restore = engine.checkpoints.restore(path, data=position)
         self._position = position.state if position is not None else None
         self.resumed_from = path
-        if position is None and self.engine.rank == 0 and self.engine.global_steps:
+        if position is None and self.rank == 0 and engine.global_steps:
             log.warning("%s holds no data position (it was saved before eng.batches() made the data): "
                         "data of your own starts where you put it, not at global step %d",
-                        path, self.engine.global_steps)
+                        path, engine.global_steps)
 
     def _unwritable_dir(self) -> dict | None:
         """Rank 0: create ``dir`` and write into it now, so that a bad ``dir`` fails here rather
@@ -168,7 +172,7 @@ class AutoCheckpoint:
             self._pending_restore = None
 
     # -- the engine's hooks ---------------------------------------------------------------------
-    def on_batches(self, data) -> None:
+    def on_batches(self, engine, data) -> None:
         """``eng.batches()`` created ``data``: its position is the one saved from now on, and
         the resumed position, if any, is given to it."""
         self.data = data
@@ -180,53 +184,55 @@ class AutoCheckpoint:
             log.warning("eng.batches(seed=%s): the resumed run shuffled with seed %s; it keeps that seed so "
                         "the data order goes on unchanged", data.seed, position.get("seed"))
         data.load_state_dict(position)
-        if self.engine.rank == 0:
+        if self.rank == 0:
             log.info("data position restored: epoch %d, batch %d of %d", data.epoch, data.step, len(data))
 
-    def on_window_start(self) -> None:
+    def on_window_start(self, engine) -> None:
         """A training window's first forward."""
         if self._pending_restore is not None:
             self._start_training()
 
-    def on_load(self, path) -> None:
-        """``eng.load_checkpoint(path)`` restored the engine: what the automatic resume had not
-        applied yet (data position, random generators) must not override it later."""
+    def on_state_loaded(self, engine) -> None:
+        """``eng.load_checkpoint`` restored the engine: what the automatic resume had not applied
+        yet (data position, random generators) must not override it later. (The automatic resume's
+        own load finds nothing pending yet.)"""
         if self._pending_restore is None and self._position is None:
             return
         self._pending_restore, self._position = None, None
-        if self.engine.rank == 0:
-            log.info("load_checkpoint(%s) replaces the automatic resume from %s: its data position and random "
-                     "generators are not applied", path, self.resumed_from)
+        if self.rank == 0:
+            log.info("load_checkpoint (global step %d) replaces the automatic resume from %s: its data position "
+                     "and random generators are not applied", engine.global_steps, self.resumed_from)
 
-    def on_boundary(self) -> None:
+    def on_window_closed(self, engine, report) -> None:
         """A window closed: save when due; stop when any rank received a stop signal."""
         saved = None
         every = self.section.every_steps
-        if every is not None and self.engine.global_steps % every == 0:
-            saved = self.save()
+        if every is not None and engine.global_steps % every == 0:
+            saved = self.save(engine)
         received = self.stop.agreed() if self.stop is not None else None
         if received is None:
             return
-        saved = saved or self.save()
+        saved = saved or self.save(engine)
         code = self.section.stop_exit_code
-        report_stop(self.engine.rank, code)
-        if self.engine.rank == 0:
+        report_stop(self.rank, code)
+        if self.rank == 0:
             log.warning("%s received: saved %s at global step %d; stopping with exit code %d (the same "
-                        "command again resumes from it)", received.name, saved, self.engine.global_steps, code)
+                        "command again resumes from it)", received.name, saved, engine.global_steps, code)
         raise Preempted(code, received.name, saved)
 
     # -- saving -------------------------------------------------------------------------------------
-    def save(self) -> str:
-        """Save ``dir/step_<N>`` now (at a boundary), then keep the newest ``keep_last``. Collective."""
-        steps = self.engine.global_steps
+    def save(self, engine) -> str:
+        """Save ``dir/step_<N>`` of ``engine`` now (at a boundary), then keep the newest ``keep_last``.
+        Collective."""
+        steps = engine.global_steps
         target = self.dir / checkpoint_name(steps)
-        if self.engine.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
+        if self.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
             # A save or a removal of ours cut short (no manifest: never loadable); the save
             # would refuse to replace a directory that is not a checkpoint.
             log.info("removing %s, an incomplete checkpoint, before saving there", target)
             shutil.rmtree(target, ignore_errors=True)
-        path = self.checkpointer.save(target, data=self.data)
-        if self.section.keep_last is not None and self.engine.rank == 0:
+        path = engine.save_checkpoint(target, data=self.data)
+        if self.section.keep_last is not None and self.rank == 0:
             self._remove_older(steps)
         return path
 
@@ -246,6 +252,6 @@ class AutoCheckpoint:
                 continue
             log.info("removed the old checkpoint %s (keep_last: %d)", path.name, keep)
 
-    def close(self) -> None:
+    def on_close(self, engine) -> None:
         if self.stop is not None:
             self.stop.uninstall()

@@ -3,7 +3,8 @@
 A checkpoint is a directory (see docs/checkpoints.md)::
 
     manifest.json        written last: format version, counters, world size, every file's size
-    engine_state.pt      rank 0: counters, plan, scheduler, loss scaler, config, client_state
+    engine_state.pt      rank 0: each stateful part's state by name (the engine's counters and
+                         plan, scheduler, loss scaler, micro-size tuner), config, client_state
     rank00000.pt ...     one per rank: RNG states, the data position
     model_optimizer/     the strategy's model and optimizer state (torch: a DCP checkpoint)
 
@@ -13,6 +14,10 @@ then rank 0 renames it into place (an existing checkpoint is moved aside first a
 deleted after), so ``path`` always holds either the previous checkpoint or the new one.
 Leftovers of a crashed save are ignored by ``load_checkpoint`` and removed by the next
 successful save in the same parent directory.
+
+The manager is handed what it saves (torchtitan's ``Stateful`` pattern): named parts with
+``state_dict()`` / ``load_state_dict()``, the strategy's model and optimizer state (a directory
+of its own), and a function giving the training position; it never reaches into an engine.
 
 Any rank's failure is agreed on before the next collective, so every rank raises the same
 :class:`CheckpointError` instead of some ranks waiting forever. Checkpoints are pickled
@@ -30,7 +35,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,12 +45,12 @@ from engine.dist.process_group import control_group
 from engine.errors import CheckpointError, EngineUsageError
 from engine.state.rng import restore_rng_state, rng_state, seed_everything
 
-__all__ = ["Checkpointer", "CheckpointError", "MANIFEST", "Restored", "verify_checkpoint"]
+__all__ = ["CheckpointManager", "CheckpointError", "CheckpointPosition", "MANIFEST", "Restored", "verify_checkpoint"]
 
 log = logging.getLogger("engine")
 
 FORMAT = "microstep-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: engine_state.pt holds each part under its name (1: the engine's flat state_dict)
 MANIFEST = "manifest.json"
 ENGINE_STATE = "engine_state.pt"
 STATE_DIR = "model_optimizer"
@@ -56,31 +61,67 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-class Checkpointer:
-    """Saves and restores one engine at window boundaries: its ``state_dict()``, its
-    strategy's model and optimizer state, the random generators and a data position."""
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
 
-    def __init__(self, engine):
-        self.engine = engine
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class TrainingState(Protocol):
+    """The strategy's model and optimizer state, in a directory of its own."""
+
+    name: str
+    checkpoint_format: str
+
+    def save_training_state(self, directory: str) -> None: ...
+
+    def load_training_state(self, directory: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointPosition:
+    """Where training is when a checkpoint is saved or loaded."""
+
+    global_steps: int
+    global_samples: int
+    train_batch_size: int | None  # the global batch; None for a data-defined plan
+    window_micro_steps: int  # 0 at a boundary, the only place a checkpoint is taken
+    accumulation_steps: int
+
+
+class CheckpointManager:
+    """Saves and restores, at window boundaries, the stateful ``states`` (by name; None: a part
+    this run does not have; loaded in the order given), the ``training_state`` (model and
+    optimizer), the random generators and a data position."""
+
+    def __init__(self, states: dict[str, Stateful | None], *, training_state: TrainingState,
+                 position: Callable[[], CheckpointPosition], rank: int, world_size: int,
+                 seed: int | None, config_record: dict):
+        self.states = dict(states)
+        self.training_state = training_state
+        self.position = position
+        self.rank, self.world_size = rank, world_size
+        self.seed = seed  # re-seeds the generators of a rank the checkpoint did not have
+        self.config_record = config_record  # the run's config, saved alongside
 
     def save(self, path, *, data=None, client_state: dict | None = None) -> str:
-        return save_checkpoint(self.engine, path, data=data, client_state=client_state)
+        return save_checkpoint(self, path, data=data, client_state=client_state)
 
     def load(self, path, *, data=None) -> dict:
-        return load_checkpoint(self.engine, path, data=data)
+        return load_checkpoint(self, path, data=data)
 
     def restore(self, path, *, data=None) -> Restored:
-        return restore_checkpoint(self.engine, path, data=data)
+        return restore_checkpoint(self, path, data=data)
 
 
 # =========================================================================== save
-def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None) -> str:
-    """Write everything needed to resume ``engine`` at this boundary into directory ``path``
-    (replacing a checkpoint already there). Collective: every rank calls it. Returns the
-    absolute path."""
-    _require_boundary(engine, "save_checkpoint")
+def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state: dict | None = None) -> str:
+    """Write everything needed to resume at this boundary into directory ``path`` (replacing a
+    checkpoint already there). Collective: every rank calls it. Returns the absolute path."""
+    position = manager.position()
+    _require_boundary(position, "save_checkpoint")
     started = time.perf_counter()
-    rank = engine.rank
+    rank = manager.rank
     target = Path(os.path.abspath(path))
     tmp = None
     try:
@@ -92,17 +133,17 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
         agree(problem)
         problem, cause = None, None
         try:
-            _write_local_files(engine, tmp, data, client_state)
+            _write_local_files(manager, tmp, data, client_state)
         except CheckpointError as error:
             problem, cause = str(error), error
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             problem, cause = f"writing the rank's own files failed: {error!r}", error
         agree(problem, cause)
-        engine.strategy.save_training_state(str(tmp / STATE_DIR))
+        manager.training_state.save_training_state(str(tmp / STATE_DIR))
         problem, cause = None, None
         if rank == 0:
             try:
-                _write_manifest(engine, tmp, data_position=data is not None)
+                _write_manifest(manager, position, tmp, data_position=data is not None)
                 _publish(tmp, target, token)
             except Exception as error:  # noqa: BLE001
                 problem, cause = f"publishing failed: {error!r}", error
@@ -117,38 +158,40 @@ def save_checkpoint(engine, path, *, data=None, client_state: dict | None = None
             f"already at that path is untouched): {describe(error)}"
         ) from error
     if rank == 0:
-        log.info("saved checkpoint %s (global step %d) in %.2f s", target, engine.global_steps,
+        log.info("saved checkpoint %s (global step %d) in %.2f s", target, position.global_steps,
                  time.perf_counter() - started)
     return str(target)
 
 
-def _write_local_files(engine, tmp: Path, data, client_state) -> None:
+def _write_local_files(manager: CheckpointManager, tmp: Path, data, client_state) -> None:
     if not tmp.is_dir():
-        raise CheckpointError(f"{tmp.parent} is not visible from rank {engine.rank}, where rank 0 "
+        raise CheckpointError(f"{tmp.parent} is not visible from rank {manager.rank}, where rank 0 "
                               "created it: checkpoints need a filesystem shared by all ranks")
     data_state = data.state_dict() if data is not None else None
-    if engine.rank == 0:
-        _save(tmp / ENGINE_STATE, _engine_state(engine, data_state, client_state))
-    _save(tmp / rank_file(engine.rank), {"rng": rng_state(), "data": data_state})
+    if manager.rank == 0:
+        _save(tmp / ENGINE_STATE, _engine_state(manager, data_state, client_state))
+    _save(tmp / rank_file(manager.rank), {"rng": rng_state(), "data": data_state})
 
 
-def _engine_state(engine, data_state, client_state) -> dict:
-    """engine_state.pt: the engine's own state, plus what the run was and what the caller added."""
-    return {**engine.state_dict(), "world_size": engine.world_size, "config": engine.config.to_dict(),
+def _engine_state(manager: CheckpointManager, data_state, client_state) -> dict:
+    """engine_state.pt: every part's state by name, plus what the run was and what the caller added."""
+    parts = {name: part.state_dict() if part is not None else None for name, part in manager.states.items()}
+    return {"parts": parts, "world_size": manager.world_size, "config": manager.config_record,
             "data": data_state, "client_state": client_state}
 
 
-def _write_manifest(engine, tmp: Path, *, data_position: bool) -> None:
+def _write_manifest(manager: CheckpointManager, position: CheckpointPosition, tmp: Path, *,
+                    data_position: bool) -> None:
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "world_size": engine.world_size,
-        "train_batch_size": engine.plan.train_batch_size,
-        "strategy": engine.strategy.name,
-        "state_format": engine.strategy.checkpoint_format,
+        "global_steps": position.global_steps,
+        "global_samples": position.global_samples,
+        "world_size": manager.world_size,
+        "train_batch_size": position.train_batch_size,
+        "strategy": manager.training_state.name,
+        "state_format": manager.training_state.checkpoint_format,
         "data_position": data_position,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -216,35 +259,38 @@ def _recover(target: Path) -> None:
 # =========================================================================== load
 @dataclass
 class Restored:
-    """A checkpoint restored into an engine, all but its random generators: ``restore_rng()``
+    """A checkpoint restored, all but its random generators: ``restore_rng()``
     sets them (``load_checkpoint`` at once; an automatic resume when training starts, so that
     what the script draws between ``initialize`` and its loop does not shift them)."""
 
     path: str
     client_state: dict
-    _engine: Any
+    _manager: CheckpointManager
     _rng: dict | None  # this rank's saved states; None: the rank did not exist then
     _saved_world_size: int
+    _global_steps: int
 
     def restore_rng(self) -> None:
-        _restore_rng(self._engine, self._rng, self._saved_world_size)
+        _restore_rng(self._manager, self._rng, self._saved_world_size, self._global_steps)
 
 
-def load_checkpoint(engine, path, *, data=None) -> dict:
+def load_checkpoint(manager: CheckpointManager, path, *, data=None) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` (possibly on another number
     of ranks, with the same ``train_batch_size``); returns its ``client_state``.
     Collective: every rank calls it."""
-    restored = restore_checkpoint(engine, path, data=data)
+    restored = restore_checkpoint(manager, path, data=data)
     restored.restore_rng()
     return restored.client_state
 
 
-def restore_checkpoint(engine, path, *, data=None) -> Restored:
+def restore_checkpoint(manager: CheckpointManager, path, *, data=None) -> Restored:
     """:func:`load_checkpoint` without the random generators (see :class:`Restored`)."""
-    _require_boundary(engine, "load_checkpoint")
+    position = manager.position()
+    _require_boundary(position, "load_checkpoint")
     started = time.perf_counter()
     target = Path(os.path.abspath(path))
-    if engine.rank == 0:
+    rank = manager.rank
+    if rank == 0:
         try:
             _recover(target)
         except OSError as error:
@@ -253,10 +299,10 @@ def restore_checkpoint(engine, path, *, data=None) -> Restored:
     saved, mine, problem, cause = None, None, None, None
     try:
         manifest = verify_checkpoint(target)
-        _check_compatible(engine, target, manifest)
+        _check_compatible(manager, position, target, manifest)
         saved = _load(target / ENGINE_STATE)
-        if engine.rank < manifest["world_size"]:
-            mine = _load(target / rank_file(engine.rank))
+        if rank < manifest["world_size"]:
+            mine = _load(target / rank_file(rank))
         if data is not None and saved.get("data") is None:
             raise CheckpointError(f"{target} holds no data position (it was saved without data=); "
                                   "load it without data= and position the data yourself")
@@ -269,24 +315,47 @@ def restore_checkpoint(engine, path, *, data=None) -> Restored:
     data_before = data.state_dict() if data is not None else None
     try:
         if data is not None:
-            same_world = manifest["world_size"] == engine.world_size and mine is not None
+            same_world = manifest["world_size"] == manager.world_size and mine is not None
             data.load_state_dict(mine["data"] if same_world and mine.get("data") is not None else saved["data"])
     except Exception as error:  # noqa: BLE001
         problem, cause = f"restoring the data position failed: {error}", error
     try:
         agree(problem, cause)
-        engine.strategy.load_training_state(str(target / STATE_DIR))
+        manager.training_state.load_training_state(str(target / STATE_DIR))
     except BaseException:
         if data is not None:
             data.load_state_dict(data_before)
         raise
-    engine.load_state_dict(saved)
-    if engine.rank == 0:
+    _load_parts(manager.states, _parts_of(saved, manifest))
+    if rank == 0:
         log.info("loaded checkpoint %s (global step %d, saved on %d rank(s)) in %.2f s", target,
-                 engine.global_steps, manifest["world_size"], time.perf_counter() - started)
+                 manifest["global_steps"], manifest["world_size"], time.perf_counter() - started)
     client_state = saved.get("client_state")
-    return Restored(str(target), client_state if client_state is not None else {}, engine,
-                    mine["rng"] if mine is not None else None, manifest["world_size"])
+    return Restored(str(target), client_state if client_state is not None else {}, manager,
+                    mine["rng"] if mine is not None else None, manifest["world_size"], manifest["global_steps"])
+
+
+def _parts_of(saved: dict, manifest: dict) -> dict:
+    """Each part's saved state by name (a version-1 checkpoint kept the engine's state flat)."""
+    if manifest.get("version", 1) >= 2:
+        return saved["parts"]
+    engine_keys = ("counters", "plan", "micro_batch")
+    return {"engine": {key: saved[key] for key in engine_keys},
+            **{name: saved.get(name) for name in ("lr_scheduler", "loss_scaler", "micro_batch_tuner")}}
+
+
+def _load_parts(parts: dict[str, Stateful | None], saved: dict) -> None:
+    for name, part in parts.items():
+        state = saved.get(name)
+        if part is not None and state is not None:
+            part.load_state_dict(state)
+        elif part is not None:
+            log.warning("the checkpoint holds no %s state; this run's %s starts fresh", name, name)
+        elif state is not None:
+            log.warning("the checkpoint holds %s state but this run has none; it is ignored", name)
+    for name in saved.keys() - parts.keys():
+        if saved[name] is not None:
+            log.warning("the checkpoint holds %s state but this run has none; it is ignored", name)
 
 
 def verify_checkpoint(path) -> dict:
@@ -340,8 +409,9 @@ def _check_files(target: Path, manifest: dict) -> None:
                               + (f"; and {len(problems) - 10} more" if len(problems) > 10 else ""))
 
 
-def _check_compatible(engine, target: Path, manifest: dict) -> None:
-    saved_batch, batch = manifest["train_batch_size"], engine.plan.train_batch_size
+def _check_compatible(manager: CheckpointManager, position: CheckpointPosition, target: Path,
+                      manifest: dict) -> None:
+    saved_batch, batch = manifest["train_batch_size"], position.train_batch_size
     if saved_batch != batch:
         data_defined = "a data-defined batch (the config gave only gradient_accumulation_steps)"
         if saved_batch is None:
@@ -354,35 +424,35 @@ def _check_compatible(engine, target: Path, manifest: dict) -> None:
             f"{data_defined if saved_batch is None else f'train_batch_size {saved_batch} (the global batch)'}; "
             f"this engine has {data_defined if batch is None else batch}. Resuming with "
             f"another global batch would change the training: {fix}")
-    fmt = engine.strategy.checkpoint_format
+    fmt = manager.training_state.checkpoint_format
     if manifest["state_format"] != fmt:
         raise CheckpointError(
             f"{target} holds model/optimizer state in the {manifest['state_format']!r} layout "
             f"(strategy {manifest['strategy']}); this engine's strategy "
-            f"{engine.strategy.name} reads {fmt!r}")
+            f"{manager.training_state.name} reads {fmt!r}")
 
 
 # =========================================================================== RNG
-def _restore_rng(engine, states: dict | None, saved_world_size: int) -> None:
+def _restore_rng(manager: CheckpointManager, states: dict | None, saved_world_size: int, global_steps: int) -> None:
     if states is None:
-        seed = random.Random(f"{engine.config.seed}-{engine.rank}-{engine.global_steps}").getrandbits(32)
+        seed = random.Random(f"{manager.seed}-{manager.rank}-{global_steps}").getrandbits(32)
         log.info("rank %d did not exist in the checkpoint (%d ranks): its random generators are "
-                 "re-seeded with %d", engine.rank, saved_world_size, seed)
+                 "re-seeded with %d", manager.rank, saved_world_size, seed)
         seed_everything(seed)
         return
     restore_rng_state(states)
-    if engine.rank == 0 and saved_world_size > engine.world_size:
+    if manager.rank == 0 and saved_world_size > manager.world_size:
         log.info("the random generator states of checkpoint ranks %d..%d are not used",
-                 engine.world_size, saved_world_size - 1)
+                 manager.world_size, saved_world_size - 1)
 
 
 # =========================================================================== shared helpers
-def _require_boundary(engine, what: str) -> None:
-    done = engine.window_micro_steps
+def _require_boundary(position: CheckpointPosition, what: str) -> None:
+    done = position.window_micro_steps
     if done:
         raise EngineUsageError(
             f"{what}() called in the middle of an accumulation window ({done} of "
-            f"{engine.plan.gradient_accumulation_steps} micro-steps done): a checkpoint holds a "
+            f"{position.accumulation_steps} micro-steps done): a checkpoint holds a "
             f"window boundary only; call it after the step() that closes the window "
             f"(eng.is_gradient_accumulation_boundary() tells which one)")
 

@@ -2,8 +2,8 @@
 
 The engine counts micro-steps, weights losses and decides boundaries; a strategy does the
 backend-specific parts. The engine never asks which strategy it runs on. Every strategy is
-built as ``Strategy(config, dist)``: the validated config and the one ``DistInfo`` that
-``engine.initialize`` got from joining the process group.
+built as ``Strategy(setup, dist)``: the frozen ``engine.setup.Setup`` that ``engine.initialize``
+resolved from the config, and the one ``DistInfo`` it got from joining the process group.
 
 Gradient convention: every strategy leaves the *mean over ranks* of the per-rank
 accumulated gradients (what DDP, FSDP and DeepSpeed all produce), so the engine weights
@@ -22,6 +22,7 @@ from engine.adapters import torch_internals
 from engine.dist.collectives import failure_vote, sum_of_squares
 from engine.dist.process_group import DistInfo
 from engine.precision import Precision, scale_
+from engine.setup import Setup
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
 
 
@@ -47,8 +48,8 @@ class Strategy(ABC):
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
     group = None  # process group of the strategy's gradient collectives (None: the default)
 
-    def __init__(self, config, dist_info: DistInfo):
-        self.config = config
+    def __init__(self, setup: Setup, dist_info: DistInfo):
+        self.settings = setup
         self.rank, self.world_size, self.device = dist_info.rank, dist_info.world_size, dist_info.device
 
     @abstractmethod
@@ -151,10 +152,10 @@ class TorchStrategy(Strategy):
     # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
     checkpoint_format = "torch-dcp"
 
-    def __init__(self, config, dist_info: DistInfo):
+    def __init__(self, setup: Setup, dist_info: DistInfo):
         torch_internals.check()
-        super().__init__(config, dist_info)
-        self.precision = Precision(config, self.device.type)
+        super().__init__(setup, dist_info)
+        self.precision = Precision(setup.precision, self.device.type)
 
     @property
     def loss_scaler(self):

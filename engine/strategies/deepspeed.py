@@ -38,51 +38,15 @@ import torch.distributed as dist
 from engine.adapters import deepspeed_internals as internals
 from engine.adapters.torch_internals import foreach_mul_
 from engine.dist.collectives import sum_of_squares
-from engine.config.deepspeed import deepspeed_backend_problems
 from engine.errors import CheckpointError, ConfigError
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 
 log = logging.getLogger("engine")
 
-# Microstep keys that do not exist in DeepSpeed's zero_optimization section.
-_OUR_ZERO_KEYS = {"defer_reduction", "shard_unit_size"}
 TAG = "deepspeed"  # the DeepSpeed checkpoint tag (a sub-directory of model_optimizer/)
 STATE_FILE = "microstep_deepspeed.json"  # what the checkpoint was saved with
 INSTALL_HINT = internals.INSTALL_HINT
-
-
-def deepspeed_config(config, world_size: int) -> dict:
-    """The DeepSpeed config for a Microstep config: batch keys that leave accumulation to
-    Microstep, clipping stated explicitly (DeepSpeed's default is 1.0), DeepSpeed-only keys
-    passed through. Optimizer and scheduler are not translated: Microstep builds torch ones
-    and hands the instances over, so both backends train identically."""
-    zero = config.zero_optimization.model_dump()
-    for key in _OUR_ZERO_KEYS:
-        zero.pop(key, None)
-    if zero["stage"] == 3:
-        # Otherwise ZeRO-3 patches torch.nn.functional.linear for the whole process.
-        zero.setdefault("memory_efficient_linear", False)
-    ds = json.loads(json.dumps(config.deepspeed_extras))  # a deep copy: DeepSpeed may edit it
-    ds.update({
-        "train_batch_size": world_size,
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": config.gradient_clipping,
-        "zero_optimization": zero,
-    })
-    if config.checkpoint.model_extra:  # DeepSpeed's own checkpoint keys (the rest is Microstep's)
-        ds["checkpoint"] = json.loads(json.dumps(config.checkpoint.model_extra))
-    if config.fp16.enabled:
-        ds["fp16"] = config.fp16.model_dump()
-    if config.bf16.enabled:
-        ds["bf16"] = config.bf16.model_dump()
-    # Microstep always hands DeepSpeed a torch optimizer instance: any type is fine with us
-    # (DeepSpeed refuses untested ones at ZeRO-1..3), and with offload_optimizer it steps
-    # on the CPU copy (DeepSpeed refuses client optimizers there unless told otherwise).
-    ds.setdefault("zero_allow_untested_optimizer", True)
-    ds.setdefault("zero_force_ds_cpu_optimizer", False)
-    return ds
 
 
 @contextlib.contextmanager
@@ -110,14 +74,11 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     checkpoint_format = "deepspeed"
 
-    def __init__(self, config, dist_info):
-        problems = deepspeed_backend_problems(config)
-        if problems:
-            raise ConfigError(problems)
-        super().__init__(config, dist_info)
-        self.stage = config.zero_optimization.stage
+    def __init__(self, setup, dist_info):
+        super().__init__(setup, dist_info)
+        self.stage = setup.stage
         self.deepspeed = internals.import_deepspeed()
-        if config.fp16.enabled and not self.deepspeed.get_accelerator().is_fp16_supported():
+        if setup.precision.dtype == torch.float16 and not self.deepspeed.get_accelerator().is_fp16_supported():
             raise ConfigError([(
                 f"fp16.enabled: DeepSpeed's {self.deepspeed.get_accelerator().device_name()} accelerator has no "
                 "fp16 support on this machine (DeepSpeed refuses to start); use bf16: {enabled: true}, or "
@@ -135,11 +96,11 @@ class DeepSpeedStrategy(Strategy):
                 "at ZeRO stage 0 (it fails in the first boundary's backward) and keeps fp32 master copies at "
                 "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
         gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        ds_config = deepspeed_config(self.config, self.world_size)
+        ds_config = json.loads(json.dumps(self.settings.deepspeed))  # a deep copy: DeepSpeed may edit it
         try:
             # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets
             # unless the config does: any torch optimizer steps exactly as on the torch backend.
-            untested = "zero_allow_untested_optimizer" not in self.config.deepspeed_extras
+            untested = self.settings.deepspeed_allows_untested_optimizer
             with _quiet_stdout(), _without_log(self.deepspeed.utils.logger, "untested optimizer", untested):
                 self.ds_engine, *_ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                                                dist_init_required=False)
@@ -149,14 +110,13 @@ class DeepSpeedStrategy(Strategy):
         self.module = self.ds_engine.module
         self.forward_module = self.ds_engine
         self.optimizer = optimizer  # DeepSpeed steps it; schedulers and the monitor read its lr
-        self._cast_inputs = torch.bfloat16 if self.config.bf16.enabled else \
-            torch.float16 if self.config.fp16.enabled else None
+        self._cast_inputs = self.settings.precision.dtype
         problem = internals.check_optimizer(self.ds_engine.optimizer, self.stage)
         if problem:
             self.ds_engine.destroy()
             raise ConfigError([f"backend deepspeed: {problem}"])
-        self.deferral = ReductionDeferral(self.config.zero_optimization.defer_reduction if self.stage >= 2 else False,
-                                          self, extra_bytes=gradient_bytes, memory_limit=self.config.auto_memory_limit)
+        self.deferral = ReductionDeferral(self.settings.defer_reduction, self, extra_bytes=gradient_bytes,
+                                          memory_limit=self.settings.memory_limit)
 
     def forward(self, *args, **kwargs):
         if self._cast_inputs is not None:  # DeepSpeed's half-precision models want half inputs

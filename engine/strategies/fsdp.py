@@ -39,7 +39,6 @@ from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
 from engine.dist.collectives import broadcast_, check_peers
-from engine.config.offload import torch_offload
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 
@@ -102,9 +101,9 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
 
-    def __init__(self, config, dist_info):
-        super().__init__(config, dist_info)
-        self.stage = config.zero_optimization.stage
+    def __init__(self, setup, dist_info):
+        super().__init__(setup, dist_info)
+        self.stage = setup.stage
         self._flags = None  # (gradient sync, reshard after backward, reshard after forward) last set
         self._window_defers = None  # decided at a window's first micro-step
 
@@ -115,12 +114,12 @@ class FullyShardedDataParallel(TorchStrategy):
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         everything = sum(p.numel() * p.element_size() for p in module.parameters())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        offload = torch_offload(self.config.zero_optimization)
+        offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
         self.inner_units = []
-        for group in shard_units(module, self.config.zero_optimization.shard_unit_size):
+        for group in shard_units(module, self.settings.shard_unit_size):
             fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy)
             self.inner_units.append(group[0])  # the modules of one group share their FSDP state
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
@@ -134,9 +133,9 @@ class FullyShardedDataParallel(TorchStrategy):
         if self._gloo:
             self._set_comms(guard=None)
         # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
-        self.deferral = ReductionDeferral(self.config.zero_optimization.defer_reduction, self,
+        self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
-                                          memory_limit=self.config.auto_memory_limit)
+                                          memory_limit=self.settings.memory_limit)
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,35 @@
+"""What an engine tells the collaborators it was built with, at fixed points of training.
+
+A hook (the monitor, automatic checkpoints) subclasses :class:`EngineHook` and overrides the
+points it cares about; ``engine.initialize`` hands the engine a list of them. The engine calls
+every hook at every point, so its hot path holds no ``if monitor is not None`` ladder.
+"""
+
+from __future__ import annotations
+
+
+class EngineHook:
+    """Every point is a no-op here."""
+
+    def records(self, step: int) -> bool:
+        """Whether global step ``step`` is measured: its peak memory and its loss over every rank."""
+        return False
+
+    def needs_grad_norm(self, step: int) -> bool:
+        """Whether global step ``step`` needs the gradient norm even without clipping."""
+        return False
+
+    def on_batches(self, engine, data) -> None:
+        """``eng.batches()`` made ``data`` (an ``engine.batching.data.DistributedBatches``)."""
+
+    def on_window_start(self, engine) -> None:
+        """A training window's first forward."""
+
+    def on_window_closed(self, engine, report) -> None:
+        """A window closed (``report``: the engine's ``last_window``); counters are updated."""
+
+    def on_state_loaded(self, engine, path) -> None:
+        """``eng.load_checkpoint(path)`` restored the engine (``path`` None: an automatic resume)."""
+
+    def on_close(self, engine) -> None:
+        """``eng.close()``."""
