@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import engine
 from bench.common import interleaved, save
-from engine.dist.process_group import init_distributed, strip_local_rank_arg
+from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from examples.train_lm import (DEFAULT_CONFIG, DEFAULT_CORPUS, CharTokenizer, Lines, build_model,
                                collate, split_lines, token_loss)
 

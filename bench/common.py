@@ -50,7 +50,7 @@ def start_ranks(description: str, rounds: int, argv=None):
     """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``), the process
     group, one thread per rank, and the workload: (args, dist info, model, this rank's share
     of the global batch)."""
-    from engine.dist.process_group import init_distributed, strip_local_rank_arg
+    from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 
     strip_local_rank_arg(argv)
     parser = argparse.ArgumentParser(description=description)

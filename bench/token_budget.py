@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import engine
 from bench.common import adamw, interleaved, save
-from engine.dist.process_group import init_distributed, strip_local_rank_arg
+from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from gpt import GPT, GPTConfig
 
 VOCAB = 64

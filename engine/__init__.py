@@ -4,7 +4,7 @@ from engine.batching.plan import BatchPlan, plan_from_config, resolve_batch_plan
 from engine.build import initialize
 from engine.config.schema import Config, load_config
 from engine.batching.data import DistributedBatches
-from engine.dist.process_group import init_distributed, strip_local_rank_arg
+from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,

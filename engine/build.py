@@ -13,11 +13,11 @@ from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.plan import plan_from_config
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
-from engine.dist.process_group import init_distributed
+from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
-from engine.dist.rank_consistency import check_same_settings
+from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
 from engine.setup import process_group_request, resolve_setup
 from engine.strategies import make_strategy

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from engine.batching.plan import BatchPlan
-from engine.dist.collectives import agreed_max
+from engine.distributed.collectives import agreed_max
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError
 from engine.hooks import EngineHook

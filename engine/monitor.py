@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import torch
 
 from engine.config.schema import MonitorConfig
-from engine.dist.process_group import get_rank
+from engine.distributed.process_group import get_rank
 from engine.hooks import EngineHook
 
 __all__ = ["Monitor", "FIELDS"]

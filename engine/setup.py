@@ -16,15 +16,15 @@ import torch
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload, torch_offload
 from engine.config.schema import Config
-from engine.dist.mesh import MeshLayout
-from engine.dist.process_group import DistInfo
+from engine.distributed.mesh import MeshLayout
+from engine.distributed.process_group import DistInfo
 
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
 
 
 @dataclass(frozen=True)
 class ProcessGroupRequest:
-    """How to join the process group (``engine.dist.process_group.init_distributed``'s arguments)."""
+    """How to join the process group (``engine.distributed.process_group.init_distributed``'s arguments)."""
 
     timeout_seconds: float
     backend: str

@@ -17,7 +17,7 @@ import torch
 
 import engine
 from engine.cli import add_override_argument
-from engine.dist.process_group import strip_local_rank_arg
+from engine.distributed.process_group import strip_local_rank_arg
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "param_unchanged.py"
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import engine
 from engine.cli import add_override_argument
 from engine.batching.data import DistributedBatches
-from engine.dist.process_group import strip_local_rank_arg
+from engine.distributed.process_group import strip_local_rank_arg
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -14,7 +14,7 @@
 picklable arguments and return value: the child processes import it by module and name,
 so lambdas, nested functions and functions defined in ``__main__`` do not work.
 
-Each rank runs ``fn(rank, world_size, *args)`` after ``engine.dist.process_group.init_distributed``
+Each rank runs ``fn(rank, world_size, *args)`` after ``engine.distributed.process_group.init_distributed``
 has set up a gloo process group. Its environment is the caller's ``os.environ`` at the
 time of the call (so ``monkeypatch.setenv`` reaches it), then MASTER_ADDR=127.0.0.1, a
 free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, OMP_NUM_THREADS=1,
@@ -85,7 +85,7 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, environ: dict,
         import torch
 
         torch.set_num_threads(1)
-        from engine.dist.process_group import init_distributed, shutdown
+        from engine.distributed.process_group import init_distributed, shutdown
 
         init_distributed(timeout_seconds=pg_timeout, backend="gloo")
         message = pickle.dumps(("ok", fn(rank, world_size, *args)))

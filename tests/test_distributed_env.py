@@ -1,4 +1,4 @@
-"""engine.dist.process_group: launch-environment parsing, helpers, and the run_distributed harness."""
+"""engine.distributed.process_group: launch-environment parsing, helpers, and the run_distributed harness."""
 import datetime
 import functools
 import os
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import DistributedRunError, run_distributed, run_scenarios
-from engine.dist import process_group as distributed
-from engine.dist.process_group import (
+from engine.distributed import process_group as distributed
+from engine.distributed.process_group import (
     DistributedEnvError,
     DistInfo,
     LaunchEnv,

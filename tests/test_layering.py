@@ -13,16 +13,16 @@ PACKAGE = REPO / "engine"
 
 # Lower layers never import higher ones. A new module must be placed here.
 LAYERS = {
-    0: ["engine.errors", "engine.state.rng", "engine.dist", "engine.dist.agent_store", "engine.dist.process_group",
-        "engine.dist.mesh",
+    0: ["engine.errors", "engine.state.rng", "engine.distributed", "engine.distributed.agent_store", "engine.distributed.process_group",
+        "engine.distributed.mesh",
         "engine.config", "engine.config.raw", "engine.config.colossalai", "engine.config.offload",
         "engine.config.loaders", "engine.config.deepspeed", "engine.config.schema",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
-        "engine.dist.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
+        "engine.distributed.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
         "engine.hooks"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
-        "engine.precision", "engine.dist.rank_consistency", "engine.state.preemption", "engine.config.checks",
+        "engine.precision", "engine.distributed.rank_consistency", "engine.state.preemption", "engine.config.checks",
         "engine.setup", "engine.state.checkpoint"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",

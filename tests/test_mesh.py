@@ -3,7 +3,7 @@
 import pytest
 
 import engine
-from engine.dist.mesh import MeshLayout
+from engine.distributed.mesh import MeshLayout
 
 
 def test_tensor_innermost_then_data_then_pipeline():

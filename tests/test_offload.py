@@ -27,7 +27,7 @@ from engine.adapters.torch_internals import fsdp_offload_policies
 from engine.cli import main
 from engine.config.checks import check_without_model
 from engine.config.offload import torch_offload
-from engine.dist.process_group import DistInfo
+from engine.distributed.process_group import DistInfo
 from engine.setup import resolve_setup
 from engine.strategies import make_strategy
 from tests.dist_utils import run_scenarios

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dist.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
+from engine.distributed.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
 from engine.engine import WindowRunner
 from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.batching.plan import BatchPlan, split_evenly
-from engine.dist.collectives import agreed_max
+from engine.distributed.collectives import agreed_max
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
 from engine.batching.microbatch import batch_size, split_batch

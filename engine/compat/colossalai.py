@@ -34,7 +34,7 @@ import torch
 import engine
 from engine.compat import refuse_engine_formed_micro_batches
 from engine.config.schema import ALIASES, Config, load_config
-from engine.dist.process_group import get_rank, get_world_size, init_distributed, read_launch_env
+from engine.distributed.process_group import get_rank, get_world_size, init_distributed, read_launch_env
 from engine.errors import EngineUsageError
 from engine.state.rng import seed_everything
 

@@ -36,12 +36,12 @@ import torch
 
 import engine
 from engine.batching.plan import split_evenly
-from engine.dist.collectives import from_rank0
+from engine.distributed.collectives import from_rank0
 from engine.compat import refuse_engine_formed_micro_batches
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.batching.data import DistributedBatches
-from engine.dist.process_group import barrier, init_distributed as _join_group, read_launch_env
+from engine.distributed.process_group import barrier, init_distributed as _join_group, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
 from engine.batching.microbatch import batch_size, split_batch
 from engine.optim import build_deepspeed_scheduler, build_optimizer

@@ -37,7 +37,7 @@ import shutil
 from pathlib import Path
 
 from engine.state.checkpoint import MANIFEST, verify_checkpoint
-from engine.dist.collectives import from_rank0
+from engine.distributed.collectives import from_rank0
 from engine.errors import CheckpointError
 from engine.hooks import EngineHook
 from engine.state.preemption import Preempted, StopSignals, report_stop

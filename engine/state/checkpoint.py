@@ -40,8 +40,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from engine.dist.collectives import agree, describe, peer_lost_as_error
-from engine.dist.process_group import control_group
+from engine.distributed.collectives import agree, describe, peer_lost_as_error
+from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError, EngineUsageError
 from engine.state.rng import restore_rng_state, rng_state, seed_everything
 

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.dist.collectives import max_over_ranks, peer_lost_as_error
+from engine.distributed.collectives import max_over_ranks, peer_lost_as_error
 
 log = logging.getLogger("engine")
 

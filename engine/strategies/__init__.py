@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.dist.process_group import DistInfo
+from engine.distributed.process_group import DistInfo
 from engine.setup import Setup
 
 log = logging.getLogger("engine")

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from engine.adapters import torch_internals
-from engine.dist.collectives import failure_vote, sum_of_squares
-from engine.dist.process_group import DistInfo
+from engine.distributed.collectives import failure_vote, sum_of_squares
+from engine.distributed.process_group import DistInfo
 from engine.precision import Precision, scale_
 from engine.setup import Setup
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state

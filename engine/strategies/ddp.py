@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.adapters.torch_internals import set_ddp_gradient_sync
-from engine.dist.collectives import all_reduce_mean_
+from engine.distributed.collectives import all_reduce_mean_
 from engine.strategies.base import TorchStrategy
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from engine.adapters import deepspeed_internals as internals
 from engine.adapters.torch_internals import foreach_mul_
-from engine.dist.collectives import sum_of_squares
+from engine.distributed.collectives import sum_of_squares
 from engine.errors import CheckpointError, ConfigError
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
-from engine.dist.collectives import broadcast_, check_peers
+from engine.distributed.collectives import broadcast_, check_peers
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 

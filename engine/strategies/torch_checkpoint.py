@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from engine.dist.collectives import agree, describe
-from engine.dist.process_group import control_group
+from engine.distributed.collectives import agree, describe
+from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError
 
 

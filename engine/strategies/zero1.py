@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.dist.collectives import broadcast_
+from engine.distributed.collectives import broadcast_
 from engine.strategies.ddp import DataParallel
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
-from engine.dist.process_group import agreement_timeout_seconds, control_group, is_peer_lost
+from engine.distributed.process_group import agreement_timeout_seconds, control_group, is_peer_lost
 from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
 
 BUCKET_BYTES = 25 * 1024 * 1024

@@ -25,7 +25,7 @@ from typing import Mapping, MutableSequence
 import torch
 import torch.distributed as dist
 
-from engine.dist.agent_store import fresh_namespace
+from engine.distributed.agent_store import fresh_namespace
 from engine.errors import DistributedEnvError
 
 LAUNCH_HINT = (
@@ -275,7 +275,7 @@ def _join_default_group(timeout_seconds: float, backend: str, group_for_one_proc
 
 def _store_of_this_attempt(env: LaunchEnv, timeout: datetime.timedelta):
     """Under torchrun, whose agent hosts one store for every start of its workers: a key space
-    that no earlier start used, agreed through the store itself (``engine.dist.agent_store``). None
+    that no earlier start used, agreed through the store itself (``engine.distributed.agent_store``). None
     when there is nothing to fix (env:// as usual)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

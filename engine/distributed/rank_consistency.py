@@ -15,7 +15,7 @@ import json
 import torch.distributed as dist
 
 from engine.errors import ConfigError
-from engine.dist.process_group import control_group
+from engine.distributed.process_group import control_group
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, object]:
