@@ -83,14 +83,23 @@ def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, t
     return built
 
 
+DEEPSPEED_ADAM_WEIGHT_DECAY = 0.0  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam default (torch's AdamW: 0.01)
+
+
 def _deepspeed_adam_params(type_name: str, params: dict) -> tuple[str, dict]:
-    """DeepSpeed's ``Adam`` type means AdamW unless ``adam_w_mode`` is false; its ``torch_adam``
-    switch has no meaning here. Honour both so DeepSpeed configs keep their behaviour."""
+    """DeepSpeed's ``Adam`` / ``AdamW`` types as DeepSpeed builds them: ``Adam`` means AdamW
+    unless ``adam_w_mode`` is false (``AdamW`` always is), and the weight decay defaults to
+    DeepSpeed's 0.0 unless ``torch_adam: true`` asks for torch's class with torch's defaults.
+    lr, betas and eps default alike in both (1e-3, (0.9, 0.999), 1e-8)."""
     params = dict(params)
-    params.pop("torch_adam", None)
+    if type_name.lower() not in ("adam", "adamw"):
+        return type_name, params
+    torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)  # DeepSpeed's default
-    if type_name.lower() == "adam" and adam_w_mode:
+    if type_name.lower() == "adamw" or adam_w_mode:
         type_name = "AdamW"
+    if not torch_adam:
+        params.setdefault("weight_decay", DEEPSPEED_ADAM_WEIGHT_DECAY)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     return type_name, params
@@ -155,10 +164,11 @@ class WarmupLR(_WarmupSchedule):
 
 
 class WarmupDecayLR(WarmupLR):
-    """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``."""
+    """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``.
+    ``warmup_max_lr`` defaults to 0.001 (DeepSpeed's), not to the optimizer's lr as in ``WarmupLR``."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
+                 warmup_max_lr: float | None = 0.001, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_epoch: int = -1):
         if not isinstance(total_num_steps, int) or total_num_steps <= 0:
             raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")

@@ -450,6 +450,9 @@ def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
     ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 4}),
     ("WarmupLR", {"warmup_num_steps": 3, "warmup_type": "linear"}),
     ("WarmupDecayLR", {"total_num_steps": 7, "warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 3}),
+    ("WarmupDecayLR", {"total_num_steps": 7, "warmup_num_steps": 3}),  # DeepSpeed's default peak: 0.001
+    ("WarmupLR", {}),
+    ("WarmupCosineLR", {"total_num_steps": 7}),
     ("WarmupCosineLR", {"total_num_steps": 7, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}),
 ])
 def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
