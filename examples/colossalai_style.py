@@ -63,11 +63,11 @@ def main(argv=None) -> list[int]:
         previous = current
         if rank == 0:
             print(f"iteration {idx}, loss: {train_loss.item():.4f}, first 10 elements of param: "
-                  f"{current.flatten()[:10].tolist()}", flush=True)
+                  f"{current.flatten()[:10].tolist()}\n", end="", flush=True)
         if idx == 7:
             break
     print(f"rank {rank}: parameter updated at iterations {updated} "
-          f"(gradient_accumulation = {gpc.config.gradient_accumulation})", flush=True)
+          f"(gradient_accumulation = {gpc.config.gradient_accumulation})\n", end="", flush=True)
     engine.engine.close()
     return updated
 
