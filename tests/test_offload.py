@@ -171,7 +171,8 @@ def offloaded_run(rank, world_size, stage, offload=BOTH):
                                 for p in fsdp_offload_policies(units)],
               "devices": sorted({t.device.type for t in local}),
               "optimizer_state": (len(optimizer_state), sorted({t.device.type for t in optimizer_state})),
-              "param_devices": sorted({p.to_local().device.type for p in eng.module.parameters()}),
+              # the shards the optimizer steps (stages 1-2 hold gathered copies in the module between windows)
+              "param_devices": sorted({p.to_local().device.type for g in eng.optimizer.param_groups for p in g["params"]}),
               "state": eng.full_state_dict()}
     eng.close()
     return result
