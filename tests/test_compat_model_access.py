@@ -163,3 +163,32 @@ def test_zero_to_fp32_without_a_checkpoint_is_a_clear_error(tmp_path):
                            str(tmp_path / "out.bin")], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 2 and "no latest file" in done.stderr and "Traceback" not in done.stderr
+
+
+def deepspeed_backend_gathered(rank, world):
+    model_engine, *_ = deepspeed.initialize(model=mlp(dtype=torch.float32), config=config(3, backend="deepspeed"))
+    batches = regression_batches(STEPS, 8, dtype=torch.float32)
+    model = model_engine.module
+    train(model_engine, batches[:1])
+    with deepspeed.zero.GatheredParameters(model.parameters()):
+        shape = tuple(model[0].weight.shape)
+    with deepspeed.zero.GatheredParameters(list(model[0].parameters()), modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                set_first_layer(model)
+    written = model_engine.module_state_dict()["0.weight"]
+    model_engine.destroy()
+    return {"shape": shape, "written": bool(torch.all(written == 0.25))}
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_gathered_parameters_on_the_deepspeed_backend():
+    """backend deepspeed: the facade's GatheredParameters is DeepSpeed's own underneath."""
+    results = run_scenarios({"ds": deepspeed_backend_gathered}, world_size=2, timeout=220,
+                            env={"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                                        str(REPO / ".cache" / "torch_extensions"))})
+    for result in results["ds"]:
+        assert result == {"shape": (16, 8), "written": True}, result
