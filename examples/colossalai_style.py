@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import engine.compat.colossalai as colossalai  # was: import colossalai
-from engine.compat.colossalai import gpc  # was: from colossalai.core import global_context as gpc
+from engine.compat.colossalai.core import global_context as gpc  # was: from colossalai.core import ...
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "colossalai_grad_accum.py"
 FEATURES, CLASSES = 32, 10

@@ -21,6 +21,10 @@ Colossal-AI's semantics, kept:
   ``GradAccumDataloader`` does (the last ``len % A`` batches are dropped), and the scheduler
   the script steps every iteration moves once per window (``GradAccumLrSchedulerByStep``).
 
+The other names the legacy examples import live in this package's modules, under the same
+names: ``core`` (``global_context``), ``context`` (``ParallelMode``), ``logging``
+(``get_dist_logger``), ``utils`` (``get_dataloader``), ``nn.lr_scheduler``, ``amp`` (``AMP_TYPE``).
+
 What differs: docs/migrating.md.
 """
 from __future__ import annotations

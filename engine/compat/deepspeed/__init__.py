@@ -22,6 +22,10 @@ DeepSpeed's semantics, kept:
   ``global_step<N>``) and the ``latest`` file; ``load_checkpoint(load_dir, tag=None)``
   follows ``latest`` and returns ``(path, client_state)``, or ``(None, None)`` without one.
 
+The other names DeepSpeed's examples import live in this package's modules, under the
+same names: ``accelerator`` (``get_accelerator``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
+``log_dist``, ``RepeatingLoader``, ``zero_to_fp32``) and ``zero`` (``GatheredParameters``, ``Init``).
+
 What differs from DeepSpeed: docs/migrating.md.
 """
 from __future__ import annotations
