@@ -150,6 +150,8 @@ def test_zero3_gathered_parameters_16bit_model_and_zero_to_fp32(tmp_path, bf16):
     # one process, no model, no process group: the checkpoint's shards joined
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))  # `latest` names "final"
     assert consolidated.keys() == whole.keys() and max_param_diff(consolidated, whole) < 1e-6
+    if bf16:
+        return  # the command line once is enough
     command = [sys.executable, "-m", "engine.compat.deepspeed.utils.zero_to_fp32", str(tmp_path / "ckpt"),
                str(tmp_path / "fp32.bin")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
