@@ -194,3 +194,13 @@ def test_gathered_parameters_on_the_deepspeed_backend():
                                                                         str(REPO / ".cache" / "torch_extensions"))})
     for result in results["ds"]:
         assert result == {"shape": (16, 8), "written": True}, result
+
+
+def test_gathered_parameters_inside_a_window_is_refused():
+    import engine
+
+    eng = engine.initialize(mlp(), config(0))
+    x, y = regression_batches(1, 8)[0]
+    eng.backward(F.mse_loss(eng(x[:2]), y[:2]))
+    with pytest.raises(engine.EngineUsageError, match="inside an accumulation window"):
+        eng.gathered_parameters()
