@@ -1,4 +1,4 @@
 """``python -m engine ...``: see ``engine.cli``."""
-from engine.cli import main
+from engine.cli import MODULE_COMMAND, main
 
-raise SystemExit(main())
+raise SystemExit(main(prog=MODULE_COMMAND))

@@ -77,16 +77,20 @@ def _model_output_loss(model, batch):
     models given labels) or its output when that is a scalar."""
     import torch
 
-    if isinstance(batch, dict):
-        output = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        output = model(*batch)
-    else:
-        output = model(batch)
+    hint = "pass --loss module:function computing loss_fn(model, micro_batch)"
+    try:
+        if isinstance(batch, dict):
+            output = model(**batch)
+        elif isinstance(batch, (tuple, list)):
+            output = model(*batch)
+        else:
+            output = model(batch)
+    except TypeError as error:  # e.g. a plain model given (inputs, labels): it takes the inputs only
+        raise FactoryError(f"without --loss the model is called with the whole batch as its arguments (labels "
+                           f"included) to return its own loss, and that call failed: {error}; {hint}") from None
     loss = getattr(output, "loss", output)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        raise FactoryError("the model does not return a scalar loss (or an output with .loss): "
-                           "pass --loss module:function computing loss_fn(model, micro_batch)")
+        raise FactoryError(f"the model does not return a scalar loss (or an output with .loss): {hint}")
     return loss
 
 
@@ -150,8 +154,12 @@ def _count(minimum: int):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine",
+CONSOLE_SCRIPT = "microstep"  # pyproject's [project.scripts] name for main
+MODULE_COMMAND = "python -m engine"
+
+
+def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Microstep command-line tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -187,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = CONSOLE_SCRIPT) -> int:
+    """The command line; ``prog`` is how usage lines name it (the ``microstep`` console script,
+    or ``python -m engine`` from ``engine/__main__.py``)."""
+    args = build_parser(prog).parse_args(argv)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -407,6 +407,16 @@ class Engine:
         """The whole, unsharded model state as CPU tensors, on every rank."""
         return self.strategy.full_state_dict()
 
+    def gathered_parameters(self, modifier_rank: int | None = None):
+        """A context manager: inside it every rank's ``eng.module`` holds whole parameters (at
+        ZeRO-3 they are gathered; collective: enter it on every rank). With ``modifier_rank``,
+        that rank's parameter values at the end of the block become every rank's (DeepSpeed's
+        ``zero.GatheredParameters``); changes made elsewhere are dropped. Between windows only."""
+        if self._window.micro_steps:
+            raise EngineUsageError("gathered_parameters() inside an accumulation window: use it between windows "
+                                   "(after the step that closes one)")
+        return self.strategy.gathered(modifier_rank)
+
     def state_dict(self) -> dict:
         """The engine's own state at a boundary: counters, plan and micro-batch size (the model
         and optimizer are the strategy's; scheduler, loss scaler and tuner are parts of their own

@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules from the config's ``optimizer`` / ``scheduler``.
 
 Optimizer types are the ``torch.optim`` classes by name (case-insensitive). Schedule types
-are the ``torch.optim.lr_scheduler`` classes by name plus DeepSpeed's warmup schedules
-(``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) with DeepSpeed's formulas and
+are the ``torch.optim.lr_scheduler`` classes by name plus DeepSpeed's schedules
+(``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``) with
+DeepSpeed's formulas and defaults and
 torch's step indexing: the learning rate used by optimizer step ``t`` (0-based) is the
 schedule's value at ``t``. The scheduler steps once per optimizer step.
 ``build_deepspeed_scheduler`` builds DeepSpeed's schedules stepped as DeepSpeed itself steps
@@ -83,14 +84,23 @@ def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, t
     return built
 
 
+DEEPSPEED_ADAM_WEIGHT_DECAY = 0.0  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam default (torch's AdamW: 0.01)
+
+
 def _deepspeed_adam_params(type_name: str, params: dict) -> tuple[str, dict]:
-    """DeepSpeed's ``Adam`` type means AdamW unless ``adam_w_mode`` is false; its ``torch_adam``
-    switch has no meaning here. Honour both so DeepSpeed configs keep their behaviour."""
+    """DeepSpeed's ``Adam`` / ``AdamW`` types as DeepSpeed builds them: ``Adam`` means AdamW
+    unless ``adam_w_mode`` is false (``AdamW`` always is), and the weight decay defaults to
+    DeepSpeed's 0.0 unless ``torch_adam: true`` asks for torch's class with torch's defaults.
+    lr, betas and eps default alike in both (1e-3, (0.9, 0.999), 1e-8)."""
     params = dict(params)
-    params.pop("torch_adam", None)
+    if type_name.lower() not in ("adam", "adamw"):
+        return type_name, params
+    torch_adam = params.pop("torch_adam", False)
     adam_w_mode = params.pop("adam_w_mode", True)  # DeepSpeed's default
-    if type_name.lower() == "adam" and adam_w_mode:
+    if type_name.lower() == "adamw" or adam_w_mode:
         type_name = "AdamW"
+    if not torch_adam:
+        params.setdefault("weight_decay", DEEPSPEED_ADAM_WEIGHT_DECAY)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     return type_name, params
@@ -111,8 +121,17 @@ class _WarmupSchedule(LRScheduler):
     def _lr(self, step: int, base_lr: float, group_index: int) -> float:
         raise NotImplementedError
 
+    def _before_start(self, base_lr: float, group_index: int) -> float:
+        raise NotImplementedError
+
+    def _schedule_step(self) -> int:
+        """The schedule's step whose value the next optimizer step uses (torch's indexing)."""
+        return self.last_epoch
+
     def get_lr(self) -> list[float]:
-        return [self._lr(self.last_epoch, base, i) for i, base in enumerate(self.base_lrs)]
+        step = self._schedule_step()
+        return [self._lr(step, base, i) if step >= 0 else self._before_start(base, i)
+                for i, base in enumerate(self.base_lrs)]
 
 
 def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -150,15 +169,16 @@ class WarmupLR(_WarmupSchedule):
         top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
         return self.warmup_min_lr + (top - self.warmup_min_lr) * self._gamma(step)
 
-    def _before_start(self, base_lr: float) -> float:
+    def _before_start(self, base_lr: float, group_index: int) -> float:
         return self.warmup_min_lr
 
 
 class WarmupDecayLR(WarmupLR):
-    """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``."""
+    """``WarmupLR`` followed by a linear decay reaching ``warmup_min_lr`` at ``total_num_steps``.
+    ``warmup_max_lr`` defaults to 0.001 (DeepSpeed's), not to the optimizer's lr as in ``WarmupLR``."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
+                 warmup_max_lr: float | None = 0.001, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_epoch: int = -1):
         if not isinstance(total_num_steps, int) or total_num_steps <= 0:
             raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")
@@ -198,19 +218,17 @@ class WarmupCosineLR(_WarmupSchedule):
     def _lr(self, step, base_lr, group_index):
         return base_lr * self._ratio(step)
 
-    def _before_start(self, base_lr: float) -> float:
+    def _before_start(self, base_lr: float, group_index: int) -> float:
         return 0.0  # DeepSpeed's ratio before its first step
 
 
 class _DeepSpeedStepping:
-    """DeepSpeed's own stepping of its warm-up schedules: built, they stand at their "not
-    started" value; each ``step()`` then moves to the next value. So optimizer step ``t``
-    uses the schedule's value at ``t - 1`` (the first two steps both use the start)."""
+    """DeepSpeed's own stepping of its schedules: built, they stand at their "not started"
+    value; each ``step()`` then moves to the next value. So optimizer step ``t`` uses the
+    schedule's value at ``t - 1`` (the first two steps both use the start)."""
 
-    def get_lr(self) -> list[float]:
-        step = self.last_epoch - 1
-        return [self._lr(step, base, i) if step >= 0 else self._before_start(base)
-                for i, base in enumerate(self.base_lrs)]
+    def _schedule_step(self) -> int:
+        return self.last_epoch - 1
 
 
 class DeepSpeedWarmupLR(_DeepSpeedStepping, WarmupLR):
@@ -225,9 +243,128 @@ class DeepSpeedWarmupCosineLR(_DeepSpeedStepping, WarmupCosineLR):
     """``WarmupCosineLR`` stepped as DeepSpeed steps it."""
 
 
+def _per_group(optimizer, value, name: str) -> list:
+    """A scalar for every parameter group, or a list with one value per group (DeepSpeed's rule)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(optimizer.param_groups):
+            raise ValueError(f"{name}: expected {len(optimizer.param_groups)} values (one per parameter group), "
+                             f"got {len(value)}")
+        return list(value)
+    return [value] * len(optimizer.param_groups)
+
+
+class LRRangeTest(_WarmupSchedule):
+    """DeepSpeed's learning-rate range test: from ``lr_range_test_min_lr`` up by
+    ``lr_range_test_step_rate`` every ``lr_range_test_step_size`` steps (continuously, or in
+    stairs)."""
+
+    def __init__(self, optimizer, lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: int = 2000,
+                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False, last_epoch: int = -1):
+        if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size, self.step_rate, self.staircase = lr_range_test_step_size, lr_range_test_step_rate, \
+            lr_range_test_staircase
+        super().__init__(optimizer, last_epoch)
+
+    def _lr(self, step, base_lr, group_index):
+        interval = (step + 1) / self.step_size
+        return self.min_lrs[group_index] * (1 + self.step_rate * (math.floor(interval) if self.staircase else interval))
+
+    def _before_start(self, base_lr, group_index):
+        return self.min_lrs[group_index]
+
+
+class OneCycle(_WarmupSchedule):
+    """DeepSpeed's 1Cycle: the learning rate from ``cycle_min_lr`` up to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` steps and back down over ``cycle_second_step_size`` (default: the
+    same), optionally in stairs, then decaying by ``decay_lr_rate`` every ``decay_step_size``
+    steps. With ``cycle_momentum`` and an optimizer with betas (Adam's), beta1 cycles the
+    other way between ``cycle_max_mom`` and ``cycle_min_mom`` (beta2 set to 0.99, as DeepSpeed does)."""
+
+    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
+                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_epoch: int = -1):
+        first = float(cycle_first_step_size)
+        second = first if cycle_second_step_size is None else float(cycle_second_step_size)
+        if first <= 0 or second < 0:
+            raise ValueError(f"cycle_first_step_size must be positive and cycle_second_step_size non-negative, got "
+                             f"{cycle_first_step_size!r} and {cycle_second_step_size!r}")
+        self.first_step_size, self.second_step_size, self.total_size = first, second, first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = cycle_first_stair_count if cycle_second_stair_count is None \
+            else cycle_second_stair_count
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate, self.decay_mom_rate = decay_lr_rate, decay_mom_rate
+        no_decay = math.isclose(decay_step_size, 0)
+        self.skip_lr_decay = no_decay or math.isclose(decay_lr_rate, 0)
+        self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
+        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults  # DeepSpeed: betas only
+        self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+        self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+        super().__init__(optimizer, last_epoch)
+
+    def _scale(self, step: int) -> float:
+        iteration = step + 1
+        cycle = math.floor(1 + iteration / self.total_size)
+        x = 1.0 + iteration / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # flat across each stair, counted from the integer position in the cycle
+            position = iteration % self.total_size
+            if position <= self.first_step_size:
+                scale = math.floor(position * stairs / self.first_step_size) / stairs
+            else:
+                scale = math.floor((self.total_size - position) * stairs / self.second_step_size) / stairs
+        return scale
+
+    def _lr(self, step, base_lr, group_index):
+        low, high = self.min_lrs[group_index], self.max_lrs[group_index]
+        if step < self.total_size:
+            return low + (high - low) * self._scale(step)
+        if self.skip_lr_decay:
+            return low
+        return low / (1 + self.decay_lr_rate * (step - self.total_size + 1) / self.decay_step_size)
+
+    def _before_start(self, base_lr, group_index):
+        return self.min_lrs[group_index]
+
+    def _momentum(self, step: int, group_index: int) -> float:
+        low, high = self.min_moms[group_index], self.max_moms[group_index]
+        if step < 0:
+            return low
+        if step < self.total_size:
+            return high - (high - low) * self._scale(step)
+        if self.skip_mom_decay:
+            return high
+        return high * (1 + self.decay_mom_rate * (step - self.total_size + 1) / self.decay_step_size)
+
+    def step(self, epoch=None):
+        super().step(epoch)
+        if self.cycle_momentum:
+            step = self._schedule_step()
+            for i, group in enumerate(self.optimizer.param_groups):
+                group["betas"] = (self._momentum(step, i), 0.99)
+
+
+class DeepSpeedLRRangeTest(_DeepSpeedStepping, LRRangeTest):
+    """``LRRangeTest`` stepped as DeepSpeed steps it."""
+
+
+class DeepSpeedOneCycle(_DeepSpeedStepping, OneCycle):
+    """``OneCycle`` stepped as DeepSpeed steps it."""
+
+
 SCHEDULERS = {
     **_public_classes(torch.optim.lr_scheduler, LRScheduler),
-    **{cls.__name__.lower(): cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR)},
+    **{cls.__name__.lower(): cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest, OneCycle)},
 }
 # These need Python callables or other schedulers, which a config file cannot hold.
 for _name in ("lambdalr", "multiplicativelr", "sequentiallr", "chainedscheduler", "reducelronplateau"):
@@ -242,7 +379,8 @@ def build_scheduler(section, optimizer: torch.optim.Optimizer) -> LRScheduler:
 DEEPSPEED_SCHEDULERS = {
     **SCHEDULERS,
     **{name: cls for name, cls in (("warmuplr", DeepSpeedWarmupLR), ("warmupdecaylr", DeepSpeedWarmupDecayLR),
-                                   ("warmupcosinelr", DeepSpeedWarmupCosineLR))},
+                                   ("warmupcosinelr", DeepSpeedWarmupCosineLR), ("lrrangetest", DeepSpeedLRRangeTest),
+                                   ("onecycle", DeepSpeedOneCycle))},
 }
 
 

@@ -96,6 +96,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
-    if mesh.world_size == 1 and not _fsdp_even_alone(config):
+    if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)
+        return "fsdp"
+    if mesh.world_size == 1:
         return "single"
     return ("ddp", "zero1", "fsdp", "fsdp")[config.zero_optimization.stage]

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import engine.compat.colossalai as colossalai  # was: import colossalai
-from engine.compat.colossalai import gpc  # was: from colossalai.core import global_context as gpc
+from engine.compat.colossalai.core import global_context as gpc  # was: from colossalai.core import ...
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "colossalai_grad_accum.py"
 FEATURES, CLASSES = 32, 10
@@ -63,11 +63,11 @@ def main(argv=None) -> list[int]:
         previous = current
         if rank == 0:
             print(f"iteration {idx}, loss: {train_loss.item():.4f}, first 10 elements of param: "
-                  f"{current.flatten()[:10].tolist()}", flush=True)
+                  f"{current.flatten()[:10].tolist()}\n", end="", flush=True)
         if idx == 7:
             break
     print(f"rank {rank}: parameter updated at iterations {updated} "
-          f"(gradient_accumulation = {gpc.config.gradient_accumulation})", flush=True)
+          f"(gradient_accumulation = {gpc.config.gradient_accumulation})\n", end="", flush=True)
     engine.engine.close()
     return updated
 

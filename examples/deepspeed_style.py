@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         if rank == 0:
             print(f"epoch {epoch}: mean micro-batch loss {epoch_losses[-1]:.4f}, lr {model_engine.get_lr()[0]:.4g}, "
                   f"global step {model_engine.global_steps}, samples {model_engine.global_samples}, "
-                  f"grad norm {model_engine.get_global_grad_norm():.3f}", flush=True)
+                  f"grad norm {model_engine.get_global_grad_norm():.3f}\n", end="", flush=True)
 
     summary = {"epoch_losses": epoch_losses, "global_steps": model_engine.global_steps,
                "train_batch_size": model_engine.train_batch_size()}
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         path, client_state = model_engine.load_checkpoint(args.save_dir)
         summary["resumed"] = {"path": path, "client_state": client_state}
         if rank == 0:
-            print(f"saved and loaded {path}: client state {client_state}", flush=True)
+            print(f"saved and loaded {path}: client state {client_state}\n", end="", flush=True)
     model_engine.destroy()
     return summary
 

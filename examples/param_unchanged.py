@@ -33,6 +33,8 @@ def main(argv=None) -> list[int]:
     in_features = config.constants.get("IN_FEATURES", 16)
 
     torch.set_printoptions(linewidth=200)  # one line per iteration
+    # Each line is printed in one write (its newline included, end=""): torchrun runs workers
+    # unbuffered, where print writes text and newline apart and ranks would splice their lines.
     torch.manual_seed(0)  # the same initial model on every rank
     eng = engine.initialize(torch.nn.Linear(in_features, 1), config)
     prefix = f"rank {eng.rank}: " if eng.world_size > 1 else ""
@@ -51,12 +53,12 @@ def main(argv=None) -> list[int]:
         eng.backward(loss)
         eng.step()
         current = first_elements()
-        print(f"{prefix}iteration {iteration}, first 10 elements of param: {current}", flush=True)
+        print(f"{prefix}iteration {iteration}, first 10 elements of param: {current}\n", end="", flush=True)
         if not torch.equal(current, previous):
             updated.append(iteration)
         previous = current
     print(f"{prefix}parameter updated at iterations {updated} "
-          f"(gradient_accumulation_steps = {eng.plan.gradient_accumulation_steps})", flush=True)
+          f"(gradient_accumulation_steps = {eng.plan.gradient_accumulation_steps})\n", end="", flush=True)
     eng.close()
     return updated
 

@@ -257,14 +257,14 @@ def main(argv=None) -> dict:
         kind = f"transformers {type(model).__name__}" if args.hf_model else "GPT (examples/gpt.py)"
         print(f"{kind}: {sum(p.numel() for p in model.parameters()) / 1e3:.0f}k parameters, "
               f"vocab {tokenizer.vocab_size}; {len(train_lines)} train / {len(held_out_lines)} "
-              f"held-out lines", flush=True)
+              f"held-out lines\n", end="", flush=True)
         if eng.plan.micro_batch_tokens:
             split = f"micro-batches of at most {eng.plan.micro_batch_tokens} padded tokens"
         else:
             split = (f"{eng.plan.train_micro_batch_size_per_gpu} per micro-batch x "
                      f"{eng.plan.gradient_accumulation_steps} accumulation steps")
         print(f"global batch {eng.plan.train_batch_size} lines = {eng.world_size} process(es) x {split}; "
-              f"{steps} steps", flush=True)
+              f"{steps} steps\n", end="", flush=True)
 
     data = DistributedBatches(Lines(train_lines, tokenizer, block_size), eng.plan,
                               shuffle=True, seed=seed, drop_last=True, collate_fn=collate)
@@ -277,7 +277,7 @@ def main(argv=None) -> dict:
         if eng.monitor is not None:
             eng.monitor.log_eval(step, loss)
         elif rank0:
-            print(f"eval step {step} | loss {loss:.4f}", flush=True)
+            print(f"eval step {step} | loss {loss:.4f}\n", end="", flush=True)
 
     train_losses: list[tuple[int, float]] = []
     eval_losses: list[tuple[int, float]] = []
@@ -350,7 +350,7 @@ def print_summary(summary: dict, config, out: Path, png: Path) -> None:
     if config.monitor.enabled and config.monitor.jsonl:
         lines.append(f"metrics:    {config.monitor.jsonl}")
     lines.append(f"summary:    {out / 'summary.json'}")
-    print("\n".join(lines), flush=True)
+    print("".join(line + "\n" for line in lines), end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,14 @@ def gradient_doubled(eng):
     return eng
 
 
+def gradient_ten_percent_too_large(eng):
+    """Every gradient 10% too large: what a bf16 tolerance loose enough for rounding must still catch."""
+    strategy = eng.strategy
+    backward = strategy.backward
+    strategy.backward = lambda loss, weight: backward(loss, 1.1 * weight)
+    return eng
+
+
 def clipped_each_micro_step(eng):
     """Clipping after every micro-step's backward (a loop calling ``clip_grad_norm_`` before
     each ``step()``) instead of once on the window's whole gradient. Unsharded models."""

@@ -206,6 +206,21 @@ def test_explore_command_with_a_bad_factory_exits_2(tmp_path):
     assert result.returncode == 2 and "has no callable named nope" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_explore_without_loss_on_a_plain_model_says_to_pass_one(tmp_path):
+    """A model that computes no loss of its own, called with (inputs, labels): a clear error
+    naming --loss, not the TypeError of its forward."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "explore.yaml"
+    config.write_text("train_batch_size: 16\noptimizer: {type: SGD, params: {lr: 0.1}}\n")
+    result = subprocess.run([sys.executable, "-m", "engine", "explore", str(config), "--model",
+                             "tests.oom_models:explore_model", "--batch", "tests.oom_models:explore_batch",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "pass --loss module:function" in result.stderr and "takes 2 positional arguments" in result.stderr
+
+
 # -- several ranks ----------------------------------------------------------------------------
 def zero(stage, defer=False):
     return {"stage": stage, "defer_reduction": defer} if stage >= 2 else {"stage": stage}

@@ -54,6 +54,9 @@ def name(stage, defer=False):
 def optimizer_state(eng) -> dict:
     """{name.key: full tensor} of the parameters this rank's optimizer holds."""
     names = {id(p): n for n, p in eng.module.named_parameters()}
+    stepped = [p for group in eng.optimizer.param_groups for p in group["params"]]
+    if not all(id(p) in names for p in stepped):  # ZeRO-1/2 on FSDP2: the module holds gathered copies
+        names = {id(p): n for (n, _), p in zip(eng.module.named_parameters(), stepped, strict=True)}
     out = {}
     for group in eng.optimizer.param_groups:
         for p in group["params"]:

@@ -101,6 +101,25 @@ def test_missing_subcommand_is_a_usage_error(capsys):
     assert caught.value.code == 2
 
 
+@pytest.mark.parametrize("command, usage", [
+    (["microstep"], "usage: microstep "),  # the console script pyproject installs
+    (["python", "-m", "engine"], "usage: python -m engine "),
+])
+def test_usage_names_the_command_that_was_run(command, usage):
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if command[0] == "microstep":  # installed next to this interpreter
+        command = [str(Path(sys.executable).parent / "microstep")]
+        assert shutil.which(command[0]), "the microstep console script is not installed"
+    else:
+        command = [sys.executable, *command[1:]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(usage), result.stderr
+
+
 def test_add_override_argument_is_repeatable():
     parser = argparse.ArgumentParser()
     add_override_argument(parser)

@@ -450,6 +450,15 @@ def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
     ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 4}),
     ("WarmupLR", {"warmup_num_steps": 3, "warmup_type": "linear"}),
     ("WarmupDecayLR", {"total_num_steps": 7, "warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 3}),
+    ("WarmupDecayLR", {"total_num_steps": 7, "warmup_num_steps": 3}),  # DeepSpeed's default peak: 0.001
+    ("WarmupLR", {}),
+    ("WarmupCosineLR", {"total_num_steps": 7}),
+    ("LRRangeTest", {}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 2, "lr_range_test_step_rate": 0.5,
+                     "lr_range_test_staircase": True}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2, "cycle_second_step_size": 3,
+                  "cycle_first_stair_count": 2, "decay_lr_rate": 0.5, "decay_step_size": 1}),
     ("WarmupCosineLR", {"total_num_steps": 7, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}),
 ])
 def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
@@ -473,3 +482,27 @@ def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
     assert rates(lambda optimizer: build_deepspeed_scheduler(section, optimizer)) == pytest.approx(theirs, abs=1e-15)
     # engine.initialize's own schedules use torch's indexing: one step earlier
     assert rates(lambda optimizer: build_scheduler(section, optimizer))[:-1] == pytest.approx(theirs[1:], abs=1e-15)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("params", [{}, {"decay_mom_rate": 0.1, "decay_step_size": 2, "cycle_first_stair_count": 1}])
+def test_one_cycle_cycles_adams_beta1_as_deepspeeds_own(params):
+    from engine.adapters.deepspeed_internals import import_deepspeed
+    from engine.config.schema import SchedulerConfig
+    from engine.optim import build_deepspeed_scheduler
+
+    schedules = import_deepspeed().runtime.lr_schedules
+    params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2, **params}
+
+    def betas(make):
+        optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler, out = make(optimizer), []
+        for _ in range(8):
+            out += [optimizer.param_groups[0]["lr"], *optimizer.param_groups[0]["betas"]]
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    theirs = betas(lambda optimizer: schedules.OneCycle(optimizer, **params))
+    section = SchedulerConfig(type="OneCycle", params=params)
+    assert betas(lambda optimizer: build_deepspeed_scheduler(section, optimizer)) == pytest.approx(theirs, abs=1e-15)

@@ -20,11 +20,10 @@ def launch(*argv: str) -> subprocess.CompletedProcess:
 
 def test_colossalai_tutorial_updates_only_at_iterations_3_and_7():
     out = launch("examples/colossalai_style.py").stdout
-    assert sorted(re.findall(r"rank (\d): parameter updated at iterations \[3, 7\] \(gradient_accumulation = 4\)",
-                             out)) == ["0", "1"], out
-    # rank 0 prints every iteration; not anchored at a line start: torchrun runs workers with `python -u`,
-    # where print writes the text and its newline apart, so rank 1's summary can land mid-line
-    assert len(re.findall(r"iteration \d, loss: ", out)) == 8, out
+    # anchored at line starts: each rank writes whole lines, though torchrun runs it unbuffered
+    assert sorted(re.findall(r"^rank (\d): parameter updated at iterations \[3, 7\] \(gradient_accumulation = 4\)$",
+                             out, re.M)) == ["0", "1"], out
+    assert len(re.findall(r"^iteration \d, loss: [\d.]+, first 10 elements of param: \[[^\n]*\]$", out, re.M)) == 8, out
 
 
 def test_deepspeed_script_trains_saves_and_resumes(tmp_path):

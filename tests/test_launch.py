@@ -286,6 +286,31 @@ def test_demo_under_deepspeed_launcher(launched):
     assert "deepspeed.launcher.runner --num_gpus 2" in err and "backend=deepspeed" in err
 
 
+class WriteRecorder:
+    """A stdout that keeps every write() apart, as an unbuffered stream (``python -u``) issues them."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_demo_writes_whole_lines(monkeypatch):
+    """Every write is one or more whole lines: two ranks sharing a terminal cannot splice them."""
+    from examples.param_unchanged import main as demo
+
+    recorder = WriteRecorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    demo([])
+    printed = [text for text in recorder.writes if text]
+    assert len(printed) == 9 and all(text.endswith("\n") and text.count("\n") == 1 for text in printed), printed
+
+
 def test_demo_in_one_process(capsys):
     from examples.param_unchanged import main as demo
 

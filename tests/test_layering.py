@@ -31,7 +31,12 @@ LAYERS = {
     4: ["engine.state.autosave", "engine.autotune.tuner", "engine.monitor",
         "engine.autotune.report"],
     5: ["engine.build", "engine.cli", "engine", "engine.__main__",
-        "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai"],
+        "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai",
+        "engine.compat.deepspeed.accelerator", "engine.compat.deepspeed.comm", "engine.compat.deepspeed.moe",
+        "engine.compat.deepspeed.moe.utils", "engine.compat.deepspeed.utils", "engine.compat.deepspeed.utils.zero_to_fp32",
+        "engine.compat.deepspeed.zero", "engine.compat.colossalai.amp", "engine.compat.colossalai.context",
+        "engine.compat.colossalai.core", "engine.compat.colossalai.logging", "engine.compat.colossalai.nn",
+        "engine.compat.colossalai.nn.lr_scheduler", "engine.compat.colossalai.utils"],
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 

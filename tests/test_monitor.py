@@ -44,7 +44,7 @@ def rank_slice(batch, plan):
 def reference_norms(model, batches, loss_fn) -> list[float]:
     """Norm of the full-batch gradient before each step, with the config's AdamW + schedule."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)  # the config's AdamW: DeepSpeed's default
     scheduler = WarmupLR(optimizer, **WARMUP["params"])
     norms = []
     for batch in batches:

@@ -48,30 +48,67 @@ def load(zero, backend="torch"):
 
 
 # -- what the torch backend makes of each request ------------------------------------------------
-@pytest.mark.parametrize("zero, problem", [
-    ({"stage": 2, "offload_optimizer": CPU}, "offload_optimizer: the torch backend (FSDP2) offloads the optimizer "
-                                             "state only together with the parameters"),
-    ({"stage": 3, **BOTH, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_param.device: nvme"),
-    ({"stage": 1, **BOTH}, "at ZeRO stage 2 or 3"),
-    ({"stage": 0, "cpu_offload": True, "cpu_offload_param": True}, "at ZeRO stage 2 or 3"),
-    ({"stage": 3, **BOTH, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio: 0.3"),
-    ({"stage": 3, "offload_param": {"device": "gpu"}}, "expected cpu, nvme or none, got 'gpu'"),
-    ({"stage": 3, "offload_param": "cpu"}, "expected a section"),
+def _use_cpu(zero):
+    return {**zero, "offload_param": {**zero["offload_param"], "device": "cpu"}}
+
+
+def _without(section, key):
+    def fix(zero):
+        return {**zero, section: {k: v for k, v in zero[section].items() if k != key}}
+    return fix
+
+
+# Each refusal, the fix its message advises (within the torch backend), and that the fix passes.
+@pytest.mark.parametrize("zero, problem, advice, fix", [
+    ({"stage": 3, **BOTH, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_param.device: nvme",
+     "use device: cpu", _use_cpu),
+    ({"stage": 0, **BOTH, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_param.device: nvme",
+     "use device: cpu", lambda zero: {**_use_cpu(zero), "stage": 1}),  # both problems at once, both fixed
+    ({"stage": 0, "cpu_offload": True, "cpu_offload_param": True}, "offloading needs ZeRO",
+     "set zero_optimization.stage: 1, 2 or 3", lambda zero: {**zero, "stage": 1}),
+    ({"stage": 0, "offload_optimizer": CPU}, "offloading needs ZeRO", "set zero_optimization.stage: 1, 2 or 3",
+     lambda zero: {**zero, "stage": 2}),
+    ({"stage": 3, **BOTH, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio: 0.3",
+     "remove ratio", _without("offload_optimizer", "ratio")),
+    ({"stage": 2, **BOTH, "offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload",
+     "remove it", _without("offload_optimizer", "super_offload")),
+    ({"stage": 3, "offload_param": {"device": "gpu"}}, "expected cpu, nvme or none, got 'gpu'", "expected cpu",
+     lambda zero: {**zero, "offload_param": CPU}),
+    ({"stage": 3, "offload_param": "cpu"}, "expected a section", "{device: cpu",
+     lambda zero: {**zero, "offload_param": CPU}),
 ])
-def test_what_fsdp2_cannot_do_is_an_error_naming_the_deepspeed_backend(zero, problem):
+def test_what_fsdp2_cannot_do_is_an_error_whose_advice_works(zero, problem, advice, fix):
     config, _ = load(zero)
     problems = check_without_model(config)
-    assert len(problems) == 1 and problem in problems[0], problems
-    assert "backend: deepspeed" in problems[0] or "expected" in problem
+    assert problems and problem in problems[0] and all(advice in p or "offloading needs ZeRO" in p
+                                                       for p in problems), problems
+    assert all("backend: deepspeed" in p for p in problems) or "expected" in problem
     with pytest.raises(engine.ConfigError, match="zero_optimization"):
         engine.initialize(mlp(), config, optimizer=sgd)  # refused before any process group
-    # the DeepSpeed backend takes the same keys as they are
-    ds_config, _ = load(zero, backend="deepspeed")
-    assert not any("offload" in p for p in check_without_model(ds_config))
+    fixed, _ = load(fix(zero))
+    assert check_without_model(fixed) == [], "the advice leads to another error"
+    # the DeepSpeed backend takes the same keys as they are (when the config is one DeepSpeed accepts)
+    if "expected" not in problem and zero["stage"] > 0:
+        ds_config, _ = load(zero, backend="deepspeed")
+        assert not any("offload" in p for p in check_without_model(ds_config))
+
+
+def test_the_deepspeed_advice_needs_deepspeed_installed(monkeypatch):
+    """Without DeepSpeed the way to its backend starts with installing it."""
+    import engine.config.offload as offload
+
+    monkeypatch.setattr(offload, "find_spec", lambda name: None)
+    config, _ = load({"stage": 0, "offload_optimizer": CPU})
+    assert "install DeepSpeed (pip install 'microstep[deepspeed]') and set backend: deepspeed" in \
+        check_without_model(config)[0]
 
 
 @pytest.mark.parametrize("zero, pinned, note", [
     ({"stage": 2, **BOTH}, True, None),
+    ({"stage": 2, "offload_optimizer": CPU}, True, "the sharded parameters and gradients are held on the host too"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, True, "at ZeRO stage 1: the torch backend offloads with "
+                                                                 "FSDP2"),  # HelloDeepSpeed's
+    ({"stage": 1, **BOTH}, True, "at ZeRO stage 1"),
     ({"stage": 3, **BOTH}, True, None),
     ({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}, "offload_optimizer": CPU}, False, None),
     ({"stage": 3, "offload_param": CPU}, True, "gradients and optimizer state are held on the host too"),
@@ -107,7 +144,7 @@ def test_one_process_offloads_with_fsdp2():
 
 def test_validate_names_the_problem(tmp_path, capsys):
     path = tmp_path / "ds.json"
-    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2,\n'
+    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 0,\n'
                     ' "offload_optimizer": {"device": "cpu"}}}')
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
@@ -118,9 +155,9 @@ def test_validate_names_the_problem(tmp_path, capsys):
 STEPS, GLOBAL = 3, 8
 
 
-def offloaded_run(rank, world_size, stage):
+def offloaded_run(rank, world_size, stage, offload=BOTH):
     eng = engine.initialize(mlp(), {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 2,
-                                    "zero_optimization": {"stage": stage, "shard_unit_size": 100, **BOTH}},
+                                    "zero_optimization": {"stage": stage, "shard_unit_size": 100, **offload}},
                             optimizer=sgd)  # small units: the policy is checked on several
     for batch in regression_batches(STEPS, GLOBAL):
         eng.train_batch(rank_slice(batch, eng.plan), mse)
@@ -134,7 +171,8 @@ def offloaded_run(rank, world_size, stage):
                                 for p in fsdp_offload_policies(units)],
               "devices": sorted({t.device.type for t in local}),
               "optimizer_state": (len(optimizer_state), sorted({t.device.type for t in optimizer_state})),
-              "param_devices": sorted({p.to_local().device.type for p in eng.module.parameters()}),
+              # the shards the optimizer steps (stages 1-2 hold gathered copies in the module between windows)
+              "param_devices": sorted({p.to_local().device.type for g in eng.optimizer.param_groups for p in g["params"]}),
               "state": eng.full_state_dict()}
     eng.close()
     return result
@@ -142,14 +180,17 @@ def offloaded_run(rank, world_size, stage):
 
 @pytest.fixture(scope="module")
 def offloaded():
-    return run_scenarios({f"stage{s}": functools.partial(offloaded_run, stage=s) for s in (2, 3)},
-                         world_size=2, timeout=180)
+    scenarios = {f"stage{s}": functools.partial(offloaded_run, stage=s) for s in (2, 3)}
+    # DeepSpeed's ZeRO-Offload as configs write it (HelloDeepSpeed's): the optimizer alone, ZeRO-1
+    scenarios["stage1 offload_optimizer"] = functools.partial(offloaded_run, stage=1,
+                                                              offload={"offload_optimizer": {"device": "cpu"}})
+    return run_scenarios(scenarios, world_size=2, timeout=180)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_offloaded_training_holds_everything_on_the_host_and_equals_the_reference(offloaded, stage):
+@pytest.mark.parametrize("name", ["stage2", "stage3", "stage1 offload_optimizer"])
+def test_offloaded_training_holds_everything_on_the_host_and_equals_the_reference(offloaded, name):
     expected = state(reference_train(mlp(), regression_batches(STEPS, GLOBAL), mse, sgd))
-    for result in offloaded[f"stage{stage}"]:
+    for result in offloaded[name]:
         assert result["policy"] == (CPUOffloadPolicy.__name__, False)  # no accelerator: not pinned
         # what FSDP2 acts on: every unit sharded with it (on a CPU machine the devices below hold either way)
         assert len(result["unit_policies"]) > 1

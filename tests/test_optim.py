@@ -1,5 +1,6 @@
 """Schedules: DeepSpeed's formulas, torch's indexing (the lr used by optimizer step t)."""
 
+import inspect
 import math
 
 import pytest
@@ -68,3 +69,41 @@ def test_deepspeed_adam_defaults_to_adamw(params, expected):
 
     Section.params = {"lr": 1e-3, **params}
     assert type(build_optimizer(Section, [torch.nn.Parameter(torch.zeros(1))])) is expected
+
+
+def _section(type_name, params):
+    class Section:
+        type = type_name
+
+    Section.params = params
+    return Section
+
+
+@pytest.mark.parametrize("type_name", ["Adam", "AdamW"])
+def test_deepspeed_adam_types_default_to_no_weight_decay(type_name):
+    """DeepSpeed builds Adam / AdamW without weight decay unless the config sets it: one step
+    with a zero gradient leaves the weights where they were (torch's AdamW would shrink them)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer(_section(type_name, {"lr": 1e-1}), [weight])
+    weight.grad = torch.zeros(3)
+    opt.step()
+    assert torch.equal(weight.detach(), torch.ones(3))
+    assert opt.defaults["weight_decay"] == 0.0
+
+
+def test_torch_adam_keeps_torchs_defaults():
+    opt = build_optimizer(_section("AdamW", {"lr": 1e-3, "torch_adam": True}), [torch.nn.Parameter(torch.zeros(1))])
+    assert opt.defaults["weight_decay"] == torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).defaults[
+        "weight_decay"]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("type_name", ["Adam", "AdamW"])
+def test_adam_defaults_equal_deepspeeds_fused_adam(type_name):
+    """lr, betas, eps and weight decay of a section that sets none of them: DeepSpeed's FusedAdam's."""
+    from deepspeed.ops.adam.fused_adam import FusedAdam  # importing builds nothing
+
+    theirs = {name: p.default for name, p in inspect.signature(FusedAdam).parameters.items()}
+    ours = build_optimizer(_section(type_name, {}), [torch.nn.Parameter(torch.zeros(1))]).defaults
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert ours[key] == theirs[key], key

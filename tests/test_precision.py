@@ -10,6 +10,7 @@ import torch
 import engine
 from engine.batching.microbatch import split_batch
 from engine.precision import LossScaler
+from tests import broken
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mse, reference_train, regression_batches, sgd, state
 from tests.scenarios import assert_precision_results, precision_scenarios
@@ -90,10 +91,14 @@ def test_fp16_scaled_windows_equal_fp32_closely():
     assert all(p.dtype == torch.float32 for p in eng.module.parameters())
 
 
-def test_bf16_autocast_keeps_fp32_master_weights():
+BF16_TOLERANCE = 2e-3  # measured 5.2e-4 after 3 steps; a gradient 10% too large gives 1.3e-2
+
+
+@pytest.mark.parametrize("variant, exact", [(broken.intact, True), (broken.gradient_ten_percent_too_large, False)])
+def test_bf16_autocast_keeps_fp32_master_weights(variant, exact):
     model, batches = fp32_mlp(), fp32_batches(3, 8)
-    eng = engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "gradient_accumulation_steps": 4,
-                                                   "bf16": {"enabled": True}}, optimizer=sgd)
+    eng = variant(engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "gradient_accumulation_steps": 4,
+                                                           "bf16": {"enabled": True}}, optimizer=sgd))
     seen = []
     eng.module[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     for batch in batches:
@@ -103,7 +108,8 @@ def test_bf16_autocast_keeps_fp32_master_weights():
     assert set(seen) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 and p.grad is None for p in eng.module.parameters())
     expected = reference_train(model, batches, mse, sgd)
-    assert 0 < max_param_diff(state(eng.module), state(expected)) < 3e-2
+    difference = max_param_diff(state(eng.module), state(expected))
+    assert 0 < difference < BF16_TOLERANCE if exact else difference > BF16_TOLERANCE, difference
 
 
 def overflow_on_one_rank(rank, world, stage):

@@ -161,10 +161,14 @@ def expected_collectives(stage, defer, units):
         return quiet + [{"all_reduce": 1}]
     if stage == 1:
         return quiet + [{"all_reduce": 1, "broadcast": 2}]  # each rank broadcasts what it owns
-    if defer:  # gathered once, reduced once
+    # Stage 2 gathers once per window, right after its step: the module holds whole parameters
+    # between windows (module.state_dict() on one rank), so the window's gather ends it.
+    if defer and stage == 2:  # gathered once, reduced once
+        return [{}] * (ACCUMULATION - 1) + [{"all_to_all": units, "all_gather": units}]
+    if defer:  # stage 3: gathered once at the window's start, reduced once
         return [{"all_gather": units}] + [{}] * (ACCUMULATION - 2) + [{"all_to_all": units}]
     if stage == 2:  # gathered once, reduced every micro-step
-        return [{"all_gather": units, "all_to_all": units}] + [{"all_to_all": units}] * (ACCUMULATION - 1)
+        return [{"all_to_all": units}] * (ACCUMULATION - 1) + [{"all_to_all": units, "all_gather": units}]
     # stage 3: every unit gathered in each forward, gathered again in the backward unless it is
     # the root unit (kept from its forward to its backward), reduced every micro-step
     root_holds = units == 1

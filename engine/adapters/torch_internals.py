@@ -66,6 +66,8 @@ def _required():
         group = _fsdp_param_group.FSDPParamGroup
         for name in ("_wait_for_post_backward", "_to_sharded"):
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
+    yield "FSDPParamGroup._register_state_dict_hooks", hasattr(_fsdp_param_group.FSDPParamGroup,
+                                                                 "_register_state_dict_hooks")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
     yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
 
@@ -99,6 +101,18 @@ def fsdp_params(unit):
     """The FSDPParam objects of one ``fully_shard`` unit (its parameter groups' members)."""
     for group in _fsdp_param_groups(unit):
         yield from group.fsdp_params
+
+
+def state_dict_as_held(units) -> None:
+    """Make ``state_dict()`` of FSDP2 modules return the parameters as they are held: the
+    gathered (whole, plain) tensors while gathered, the DTensor shards while sharded. FSDP2
+    reshards in a pre-hook of every ``state_dict()`` call; that hook is removed (its handle stays
+    recorded, so FSDP2's lazy initialisation does not register it again). Call after the
+    units' lazy initialisation (``unit.unshard()`` does it)."""
+    for unit in units:
+        for group in _fsdp_param_groups(unit):
+            for handle in group._module_to_pre_save_state_dict_hook_handle.values():
+                handle.remove()
 
 
 def fsdp_offload_policies(units):

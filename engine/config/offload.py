@@ -5,21 +5,23 @@ gradients and the optimizer state live on the host, and the optimizer steps ther
 
 | request (DeepSpeed keys) | torch backend |
 |---|---|
-| ``offload_param`` and ``offload_optimizer`` to ``cpu``, stage 2 or 3 | CPU offload |
-| ``offload_param`` to ``cpu`` alone, stage 2 or 3 | CPU offload; the optimizer state goes to the host too (a note says so) |
-| ``offload_optimizer`` to ``cpu`` alone | error: FSDP2 cannot keep parameters on the device and their optimizer state on the host |
-| ``nvme``, ``ratio`` < 1, ``super_offload``, stage 0 or 1 | error |
+| ``offload_param`` and / or ``offload_optimizer`` to ``cpu``, stage 2 or 3 | CPU offload |
+| the same at stage 1 | CPU offload on FSDP2, which shards the parameters too (as stage 2; a note says so) |
+| ``offload_param`` or ``offload_optimizer`` alone | CPU offload of both; a note says what else goes to the host |
+| ``nvme``, ``ratio`` < 1, ``super_offload``, stage 0 | error |
 | ``device: none`` (DeepSpeed's default) | nothing to do |
 
-Every error names ``backend: deepspeed``, which does all of these. ``pin_memory`` (DeepSpeed's
-default: true) pins the host copies when there is an accelerator to copy to; the legacy
-``cpu_offload`` / ``cpu_offload_param`` / ``cpu_offload_use_pin_memory`` switches mean the
-same. Other sub-keys (NVMe buffers, pipelining) have no FSDP2 counterpart: a note names them.
-This module reads a ``ZeroConfig`` and imports nothing of the engine (a config-layer leaf).
+Every error says how to fix it within the torch backend, and names ``backend: deepspeed`` (which
+does all of these) as DeepSpeed is installed or not. ``pin_memory`` (DeepSpeed's default: true)
+pins the host copies when there is an accelerator to copy to; the legacy ``cpu_offload`` /
+``cpu_offload_param`` / ``cpu_offload_use_pin_memory`` switches mean the same. Other sub-keys
+(NVMe buffers, pipelining) have no FSDP2 counterpart: a note names them. This module reads a
+``ZeroConfig`` and imports nothing of the engine (a config-layer leaf).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 SECTIONS = ("offload_param", "offload_optimizer")
 LEGACY = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
@@ -27,7 +29,13 @@ LEGACY_PIN = "cpu_offload_use_pin_memory"
 KEYS = frozenset(SECTIONS) | frozenset(LEGACY) | {LEGACY_PIN}  # what the torch backend reads
 _USED = {"device", "pin_memory", "ratio", "super_offload"}
 _DEVICES = ("cpu", "nvme", "none")
-_DEEPSPEED = "or set backend: deepspeed (DeepSpeed's ZeRO-Offload does this)"
+
+
+def _deepspeed_advice() -> str:
+    """The other way out, as it stands on this machine (advice must not lead to another error)."""
+    if find_spec("deepspeed") is not None:
+        return "or set backend: deepspeed (DeepSpeed's ZeRO-Offload does this)"
+    return "or install DeepSpeed (pip install 'microstep[deepspeed]') and set backend: deepspeed"
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ def torch_offload(zero) -> TorchOffload:
     problems: list[str] = []
     notes: list[str] = []
     requests = _requests(extras, problems)
+    deepspeed = _deepspeed_advice()
     to_host = {}
     for section, settings in requests.items():
         device = settings.get("device", "none")
@@ -73,32 +82,33 @@ def torch_offload(zero) -> TorchOffload:
             continue
         if device == "nvme":
             problems.append(f"zero_optimization.{section}.device: nvme: the torch backend (FSDP2) offloads "
-                            f"to host memory only; use device: cpu, {_DEEPSPEED}")
+                            f"to host memory only; use device: cpu, {deepspeed}")
         if settings.get("ratio", 1.0) != 1.0:
             problems.append(f"zero_optimization.{section}.ratio: {settings['ratio']!r}: the torch backend "
-                            f"offloads all of the optimizer state or none; remove ratio, {_DEEPSPEED}")
+                            f"offloads all of the optimizer state or none; remove ratio, {deepspeed}")
         if settings.get("super_offload"):
             problems.append(f"zero_optimization.{section}.super_offload: not available on the torch backend; "
-                            f"remove it, {_DEEPSPEED}")
+                            f"remove it, {deepspeed}")
         unused = sorted(set(settings) - _USED)
         if unused and device == "cpu":
             notes.append(f"zero_optimization.{section}: {', '.join(unused)} not used by the torch backend's "
                          "CPU offload (FSDP2)")
-        if device == "cpu":
+        if device != "none":
             to_host[section] = settings.get("pin_memory", True)
+    asked = " and ".join(f"zero_optimization.{section}" for section in to_host)
+    if to_host and zero.stage < 1:  # reported with the other problems: fixing those must not reveal it
+        problems.append(f"{asked}: offloading needs ZeRO: set zero_optimization.stage: 1, 2 or 3 (the torch backend "
+                        f"offloads with FSDP2), {deepspeed}")
     if problems or not to_host:
         return TorchOffload(problems=tuple(problems), notes=tuple(notes))
-    asked = " and ".join(f"zero_optimization.{section}" for section in to_host)
-    if zero.stage < 2:
-        problems.append(f"{asked}: the torch backend offloads with FSDP2, at ZeRO stage 2 or 3; set "
-                        f"zero_optimization.stage: 2 or 3, {_DEEPSPEED}")
-    elif "offload_param" not in to_host:
-        problems.append(
-            "zero_optimization.offload_optimizer: the torch backend (FSDP2) offloads the optimizer state "
-            "only together with the parameters it updates; add offload_param: {device: cpu} to hold both "
-            f"on the host, {_DEEPSPEED}")
+    if zero.stage == 1:
+        notes.append(f"{asked} at ZeRO stage 1: the torch backend offloads with FSDP2, which shards the parameters "
+                     "too (as at stage 2); the result is the same")
+    if "offload_param" not in to_host:
+        notes.append("zero_optimization.offload_optimizer: the torch backend (FSDP2) steps the optimizer where the "
+                     "parameters are: the sharded parameters and gradients are held on the host too, and each "
+                     "layer is copied to the device for its forward and backward")
     elif "offload_optimizer" not in to_host:
         notes.append("zero_optimization.offload_param: the torch backend (FSDP2) steps the optimizer where "
                      "the parameters are: gradients and optimizer state are held on the host too")
-    return TorchOffload(to_host=not problems, pin_memory=all(to_host.values()),
-                        problems=tuple(problems), notes=tuple(notes))
+    return TorchOffload(to_host=True, pin_memory=all(to_host.values()), problems=tuple(problems), notes=tuple(notes))

@@ -12,6 +12,7 @@ each rank's micro-batch loss by ``samples · world_size / global_samples``.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.adapters import torch_internals
-from engine.distributed.collectives import failure_vote, sum_of_squares
+from engine.distributed.collectives import broadcast_, failure_vote, sum_of_squares
 from engine.distributed.process_group import DistInfo
 from engine.precision import Precision, scale_
 from engine.setup import Setup
@@ -110,6 +111,14 @@ class Strategy(ABC):
 
     def close(self) -> None:
         """Release backend resources (called when the engine is closed)."""
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank: int | None):
+        """Whole parameters in ``self.module`` for the block (they are whole here); afterwards
+        ``modifier_rank``'s values, when given, are every rank's. Collective."""
+        yield
+        if modifier_rank is not None and self.world_size > 1:
+            broadcast_([p.detach() for p in self.module.parameters()], src=modifier_rank)
 
     # -- checkpoints (engine.state.checkpoint) ---------------------------------------------------
     def save_training_state(self, directory: str) -> None:

@@ -4,16 +4,29 @@ DDP decides in the *forward* whether the coming backward all-reduces, so the eng
 ``prepare_micro_step`` before every forward; only the micro-step that closes the window
 syncs. A window that ends without such a micro-step (``flush()``) or whose sync was
 deliberately deferred is all-reduced afterwards, in buckets, by ``reduce_gradients``.
+
+Unused parameters. DDP's all-reduce inside the backward waits for every parameter's
+gradient, so a parameter the forward never reaches (a Hugging Face encoder's pooler) would
+leave it waiting. The first window is therefore reduced after its backward, where the engine
+sees which parameters got a gradient on which rank; when some did not on every rank, DDP is
+rebuilt to find unused parameters in each backward (an extra traversal of the autograd graph,
+which models without unused parameters never pay). A parameter unused on every rank keeps no
+gradient, so the optimizer leaves it alone, as in one process.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.adapters.torch_internals import set_ddp_gradient_sync
 from engine.distributed.collectives import all_reduce_mean_
 from engine.strategies.base import TorchStrategy
+
+log = logging.getLogger("engine")
 
 
 class DataParallel(TorchStrategy):
@@ -21,16 +34,21 @@ class DataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
-        # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
-        self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
+        self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
         self._backward_syncs = False
         self._defer_reduction = False
+        self._probing_usage = True  # the first window: which parameters get gradients
+
+    def _wrap(self, find_unused_parameters: bool) -> DistributedDataParallel:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
+        return DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                       find_unused_parameters=find_unused_parameters)
 
     def prepare_micro_step(self, closes_window):
-        syncs = closes_window and not self._defer_reduction
+        syncs = closes_window and not self._defer_reduction and not self._probing_usage
         set_ddp_gradient_sync(self.forward_module, syncs)
         self._backward_syncs = syncs
 
@@ -43,10 +61,22 @@ class DataParallel(TorchStrategy):
     def reduce_gradients(self):
         if self._backward_syncs:
             return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # How many ranks gave each parameter a gradient: one small all-reduce per reduced window.
+        users = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+        dist.all_reduce(users)
         grads = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: its share is zero
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+        for p, count in zip(params, users.tolist()):
+            if count == 0:  # unused on every rank: no gradient, as in one process
+                continue
+            if p.grad is None:  # unused on this rank only: its share is zero
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         all_reduce_mean_(grads, self.world_size)
+        if self._probing_usage:
+            self._probing_usage = False
+            unused = sum(count < self.world_size for count in users.tolist())
+            if unused:
+                log.info("%d parameter(s) got no gradient on some rank in the first window: DDP finds unused "
+                         "parameters in every backward from now on", unused)
+                self.forward_module = self._wrap(find_unused_parameters=True)

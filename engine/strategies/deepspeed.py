@@ -207,6 +207,11 @@ class DeepSpeedStrategy(Strategy):
     def held_tensors(self):
         return list(internals.held_tensors(self.ds_engine))
 
+    def gathered(self, modifier_rank):
+        # DeepSpeed's own: at ZeRO-3 it gathers and, with a modifier rank, re-partitions its values
+        return self.deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=modifier_rank,
+                                                      enabled=self.stage == 3)
+
     def full_state_dict(self):
         with self.deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None,
                                                     enabled=self.stage == 3):

@@ -20,6 +20,11 @@ parameters stay gathered for the whole window, which then costs one all-gather a
 reduce-scatter per unit whatever its number of micro-steps. ``"auto"`` chooses per window
 (``engine.strategies.deferral``).
 
+Between windows, stages 1 and 2 hold the parameters gathered, as DeepSpeed's ZeRO-1/2 hold
+them whole: the window's one all-gather runs after the step instead of at the next forward, and
+``module.state_dict()`` on any rank alone gives whole, plain tensors (checkpoints still save
+shards). Stage 3 rests sharded.
+
 Offload (``offload_param`` / ``offload_optimizer``, read by ``engine.config.offload``):
 FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and the optimizer state on
 the host; the gathered parameters live on the device while a unit computes.
@@ -27,6 +32,7 @@ the host; the gathered parameters live on the device while a unit computes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -34,9 +40,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import (
-    drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
+    drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
 )
 from engine.distributed.collectives import broadcast_, check_peers
 from engine.strategies.base import TorchStrategy, cpu_state_dict
@@ -104,6 +111,7 @@ class FullyShardedDataParallel(TorchStrategy):
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.stage = setup.stage
+        self.rests_gathered = setup.stage < 3  # whole parameters between windows (ZeRO-1/2, as DeepSpeed)
         self._flags = None  # (gradient sync, reshard after backward, reshard after forward) last set
         self._window_defers = None  # decided at a window's first micro-step
 
@@ -136,6 +144,9 @@ class FullyShardedDataParallel(TorchStrategy):
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
                                           memory_limit=self.settings.memory_limit)
+        if self.rests_gathered:
+            self._gather()
+            state_dict_as_held(self._units())
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
@@ -168,7 +179,7 @@ class FullyShardedDataParallel(TorchStrategy):
             reduce_accumulated_gradients(self.module)
             self._flags = None
         elif not after_backward:  # parameters still gathered: the step updates the shards
-            self.release_gathered_parameters()
+            self._reshard()
 
     def step(self, multiplier, max_norm, want_norm=False):
         result = super().step(multiplier, max_norm, want_norm)
@@ -177,8 +188,59 @@ class FullyShardedDataParallel(TorchStrategy):
         return result
 
     def release_gathered_parameters(self):
+        if not self.rests_gathered:
+            self._reshard()
+
+    def _reshard(self) -> None:
         for unit in self._units():
             unit.reshard()
+
+    def _gather(self) -> None:
+        for unit in self._units():
+            unit.unshard()
+
+    def _is_gathered(self) -> bool:
+        return not any(isinstance(p, DTensor) for p in self.module.parameters())
+
+    @contextlib.contextmanager
+    def _sharded(self):
+        """The module sharded for the duration (checkpoints save and load shards), then back at rest."""
+        self._reshard()
+        try:
+            yield
+        finally:
+            if self.rests_gathered:
+                self._gather()
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank):
+        self._gather()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                self._write_back(modifier_rank)
+            elif not self.rests_gathered:
+                self._reshard()
+
+    def _write_back(self, modifier_rank: int) -> None:
+        """``modifier_rank``'s gathered parameters into every rank's shards (what the optimizer steps)."""
+        whole = {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        broadcast_(list(whole.values()), src=modifier_rank)
+        self._reshard()  # frees the gathered copies; the module holds its shards again
+        with torch.no_grad():
+            for name, shard in self.module.named_parameters():
+                local = shard.to_local()
+                chunks = torch.chunk(whole[name], self.world_size, dim=0)  # FSDP2 shards dim 0 as torch.chunk
+                piece = chunks[self.rank] if self.rank < len(chunks) else whole[name][:0]
+                local.copy_(piece.reshape(local.shape))
+        if self.rests_gathered:
+            self._gather()
+
+    def zero_grad(self):
+        super().zero_grad()  # the shards' gradients: the module is sharded after a step
+        if self.rests_gathered and not self._is_gathered():
+            self._gather()  # the window's all-gather, done now: whole parameters until the next step
 
     # -- surviving a failed micro-step ----------------------------------------------------------
     def enable_failure_guard(self):
@@ -209,4 +271,14 @@ class FullyShardedDataParallel(TorchStrategy):
         return super().held_tensors() + list(fsdp_held_tensors(self._units()))
 
     def full_state_dict(self):
+        if self.rests_gathered and self._is_gathered():  # every rank holds the whole model: nothing to gather
+            return cpu_state_dict(self.module.state_dict())
         return cpu_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)))
+
+    def save_training_state(self, directory):
+        with self._sharded():
+            super().save_training_state(directory)
+
+    def load_training_state(self, directory):
+        with self._sharded():
+            super().load_training_state(directory)

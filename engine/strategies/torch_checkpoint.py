@@ -100,6 +100,20 @@ def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
     optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
 
 
+def read_model_state(directory: str) -> dict[str, torch.Tensor]:
+    """The whole model state a :func:`save_training_state` directory holds, every shard joined,
+    as CPU tensors keyed by the model's own names; read in this process alone (no process group,
+    no model: what ``zero_to_fp32`` does for DeepSpeed's checkpoints)."""
+    try:
+        saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+        model = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in saved.items()
+                 if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+        _dcp(dcp.load, model, directory, local=True)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - library errors, rephrased
+        raise CheckpointError(f"cannot read the model state in {directory}: {describe(error)}") from error
+    return {key[len("model."):]: value for key, value in model.items()}
+
+
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 

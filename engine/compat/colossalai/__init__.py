@@ -21,102 +21,50 @@ Colossal-AI's semantics, kept:
   ``GradAccumDataloader`` does (the last ``len % A`` batches are dropped), and the scheduler
   the script steps every iteration moves once per window (``GradAccumLrSchedulerByStep``).
 
+The other names the legacy examples import live in this package's modules, under the same
+names: ``core`` (``global_context``), ``context`` (``ParallelMode``), ``logging``
+(``get_dist_logger``), ``utils`` (``get_dataloader``), ``nn.lr_scheduler``, ``amp`` (``AMP_TYPE``).
+
 What differs: docs/migrating.md.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping
-from typing import Any
+import argparse
+from logging import getLogger
 
 import torch
 
 import engine
 from engine.compat import refuse_engine_formed_micro_batches
-from engine.config.schema import ALIASES, Config, load_config
-from engine.distributed.process_group import get_rank, get_world_size, init_distributed, read_launch_env
+from engine.compat.colossalai.context import ConfigView, GlobalContext, ParallelMode, gpc
+from engine.config.schema import load_config
+from engine.distributed.process_group import get_rank, get_world_size, init_distributed
 from engine.errors import EngineUsageError
 from engine.state.rng import seed_everything
+# colossalai.logging, .utils, ... as attributes of the package, as Colossal-AI has them
+from engine.compat.colossalai import amp, context, core, logging, nn, utils  # noqa: F401
 
-__all__ = ["launch_from_torch", "gpc", "initialize", "ColossalEngine", "ConfigView", "GlobalContext"]
+__all__ = ["launch_from_torch", "gpc", "initialize", "get_default_parser", "ColossalEngine", "ConfigView",
+           "GlobalContext", "ParallelMode", "amp", "context", "core", "nn", "utils"]
 
-log = logging.getLogger("engine")
+log = getLogger("engine")
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_ONE_RANK_MODES = ("PIPELINE", "TENSOR", "SEQUENCE")  # parallel modes Microstep does not split over
 
 
-class ConfigView(Mapping):
-    """``gpc.config``: a loaded config read the way Colossal-AI scripts read theirs, by
-    attribute or key, with the names the file uses: its UPPER_CASE constants, its legacy keys
-    (``num_epochs``, ``logging``...), aliases (``gradient_accumulation``, ``clip_grad_norm``)
-    and the settings it gave. A name the file did not set is missing (``in`` is False,
-    ``.get(name, default)`` gives the default)."""
-
-    def __init__(self, config: Config):
-        self._config = config
-
-    def _names(self) -> dict[str, Any]:
-        config = self._config
-        names = {field: getattr(config, field) for field in config.model_fields_set
-                 if field not in ("constants", "colossalai_extras", "deepspeed_extras")}
-        names.update({alias: names[canonical] for alias, canonical in ALIASES.items() if canonical in names})
-        return {**names, **config.deepspeed_extras, **config.colossalai_extras, **config.constants}
-
-    def __getitem__(self, name: str):
-        return self._names()[name]
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(f"gpc.config has no {name!r}: the config ({self._config.source}) does not set it"
-                                 ) from None
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    @property
-    def microstep(self) -> Config:
-        """The validated Microstep config behind this view."""
-        return self._config
-
-
-class GlobalContext:
-    """Colossal-AI's ``gpc``: the launched config and this process's place in the job."""
-
-    def __init__(self):
-        self._config: ConfigView | None = None
-
-    @property
-    def config(self) -> ConfigView:
-        if self._config is None:
-            raise EngineUsageError("gpc.config is set by colossalai.launch_from_torch(config=...): call it first")
-        return self._config
-
-    def get_global_rank(self) -> int:
-        return get_rank()
-
-    def get_local_rank(self, parallel_mode=None) -> int:
-        return read_launch_env().local_rank if _splits_over_ranks(parallel_mode) else 0
-
-    def get_world_size(self, parallel_mode=None) -> int:
-        """The number of processes; 1 for pipeline / tensor / sequence modes (Microstep
-        parallelises over data only)."""
-        return get_world_size() if _splits_over_ranks(parallel_mode) else 1
-
-
-def _splits_over_ranks(parallel_mode) -> bool:
-    name = getattr(parallel_mode, "name", parallel_mode)
-    return not (isinstance(name, str) and name.upper() in _ONE_RANK_MODES)
-
-
-gpc = GlobalContext()
+def get_default_parser() -> argparse.ArgumentParser:
+    """Colossal-AI's command line: ``--config`` (the config file), and the launch settings
+    ``--host``, ``--port``, ``--world_size``, ``--rank``, ``--local_rank``, ``--backend``
+    (accepted; ``launch_from_torch`` reads the launcher's environment)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=str, help="path to the config file")
+    parser.add_argument("--host", type=str, help="the master address (accepted; the launcher sets it)")
+    parser.add_argument("--port", type=int, help="the master port (accepted; the launcher sets it)")
+    parser.add_argument("--world_size", type=int, help="world size (accepted; the launcher sets it)")
+    parser.add_argument("--rank", type=int, help="rank (accepted; the launcher sets it)")
+    parser.add_argument("--local_rank", type=int, help="local rank (accepted; the launcher sets it)")
+    parser.add_argument("--backend", type=str, default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
+    return parser
 
 
 def launch_from_torch(config, backend: str | None = None, seed: int = 1024, verbose: bool = True) -> None:
@@ -130,7 +78,7 @@ def launch_from_torch(config, backend: str | None = None, seed: int = 1024, verb
     init_distributed(loaded.distributed.timeout_seconds, backend or loaded.distributed.backend,
                      agreement_timeout_seconds=loaded.distributed.agreement_timeout_seconds)
     seed_everything(seed)
-    gpc._config = ConfigView(loaded)
+    gpc.load(loaded)
     if verbose and get_rank() == 0:
         log.info("launched from torch: %d process(es), config %s", get_world_size(), loaded.source)
 

@@ -22,15 +22,17 @@ DeepSpeed's semantics, kept:
   ``global_step<N>``) and the ``latest`` file; ``load_checkpoint(load_dir, tag=None)``
   follows ``latest`` and returns ``(path, client_state)``, or ``(None, None)`` without one.
 
+The other names DeepSpeed's examples import live in this package's modules, under the
+same names: ``accelerator`` (``get_accelerator``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
+``log_dist``, ``RepeatingLoader``, ``zero_to_fp32``) and ``zero`` (``GatheredParameters``, ``Init``).
+
 What differs from DeepSpeed: docs/migrating.md.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-from typing import Any
 
 import torch
 
@@ -41,12 +43,16 @@ from engine.compat import refuse_engine_formed_micro_batches
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.batching.data import DistributedBatches
-from engine.distributed.process_group import barrier, init_distributed as _join_group, read_launch_env
+from engine.distributed.process_group import barrier, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
 from engine.batching.microbatch import batch_size, split_batch
 from engine.optim import build_deepspeed_scheduler, build_optimizer
+from engine.compat.deepspeed import accelerator, comm, moe, utils, zero
+from engine.compat.deepspeed.accelerator import get_accelerator
+from engine.compat.deepspeed.comm import init_distributed
 
-__all__ = ["add_config_arguments", "init_distributed", "initialize", "DeepSpeedEngine", "MicroBatchLoader"]
+__all__ = ["add_config_arguments", "init_distributed", "initialize", "DeepSpeedEngine", "MicroBatchLoader",
+           "get_accelerator", "accelerator", "comm", "moe", "utils", "zero"]
 
 log = logging.getLogger("engine")
 
@@ -65,24 +71,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
     group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
     return parser
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: datetime.timedelta = datetime.timedelta(minutes=30), init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
-                     world_size: int = -1) -> None:
-    """Join the process group the launcher describes (torchrun, ``python -m launch``, the
-    deepspeed launcher, Slurm); a group that exists already is kept. ``dist_backend``: nccl,
-    gloo or None (nccl with CUDA, else gloo)."""
-    if init_method is not None or rank != -1 or world_size != -1:
-        raise EngineUsageError(
-            "init_distributed(init_method=, rank=, world_size=): Microstep joins the process group its launcher "
-            "describes in the environment; start the script with torchrun, python -m launch or the deepspeed "
-            "launcher instead")
-    if dist_init_required is False:
-        return
-    _join_group(timeout.total_seconds(), dist_backend or "auto")
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -114,6 +102,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # Each micro-batch weighted by its real size; get_global_grad_norm() answers at every stage.
     eng = engine.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, manual_sizes="inputs",
                             grad_norm_every_step=True)
+    zero.register(eng)  # deepspeed.zero.GatheredParameters finds it by its parameters
     if default_clipping:
         log.info("gradient_clipping: %g (DeepSpeed's default; the config does not set it)", DEFAULT_GRADIENT_CLIPPING)
     loader = None
@@ -304,15 +293,25 @@ class DeepSpeedEngine:
         return None if norm is None else float(norm)
 
     # -- saving ---------------------------------------------------------------------------------
-    def module_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model state (CPU tensors). Collective at ZeRO stages 2 and 3: call it on
-        every rank."""
-        return self.engine.full_state_dict()
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Rank 0 saves the whole model state to ``save_dir/save_filename`` in the dtype the
-        model trains in. Collective: call it on every rank."""
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model state (CPU tensors). Collective at ZeRO-3: call it on every rank."""
         state = self.engine.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.engine.module.named_parameters() if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        return state
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 saves the whole model state to ``save_dir/save_filename``, floating-point
+        tensors in the half precision the model trains in (bf16 / fp16, as DeepSpeed's module
+        holds them; fp32 without one). Gathered at ZeRO-3 whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says. Collective: call it on every rank."""
+        state = self.module_state_dict(exclude_frozen_parameters)
+        config = self.engine.config
+        half = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else None
+        if half is not None:
+            state = {name: value.to(half) if value.is_floating_point() else value for name, value in state.items()}
         if self.engine.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
