@@ -1,0 +1,144 @@
+"""How a model is cut into pipeline stages, keeping the model's own parameter names.
+
+A model is split as a sequence of parts run one after the other: an ``nn.Sequential``'s
+children in order, a child that is itself an ``nn.Sequential`` (a stack of blocks) opened
+into its own children. The parts are cut into consecutive stages:
+
+* ``auto``: balanced by parameter count (DeepSpeed's ``partition_method: parameters``):
+  the cut whose largest stage holds the fewest parameters;
+* ``uniform``: the same number of parts per stage (give or take one);
+* a list of part names: where stages 2, 3, ... start (``["4", "blocks.6"]``).
+
+A stage is a :class:`StageModule`: it holds its parts under their original names (so its
+``state_dict`` keys are the model's own) and runs them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engine.errors import ConfigError
+
+
+def sequence_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (name, module) parts ``model`` runs in order; a ConfigError naming the fix for a
+    model whose order cannot be known."""
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError([
+            f"pipeline.split: {type(model).__name__} is not an nn.Sequential, so the order its forward runs its "
+            "modules in is unknown and it cannot be cut into pipeline stages. Build it as "
+            "nn.Sequential(embedding, *blocks, head) (each part taking the previous part's output), or run "
+            "it with pipeline.stages: 1"])
+    parts = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            parts += [(f"{name}.{inner}", block) for inner, block in child.named_children()]
+        else:
+            parts.append((name, child))
+    return parts
+
+
+def cut(parts: list[tuple[str, nn.Module]], stages: int, split) -> list[list[tuple[str, nn.Module]]]:
+    """The parts of each of ``stages`` consecutive stages, as ``split`` asks."""
+    names = [name for name, _ in parts]
+    if len(parts) < stages:
+        raise ConfigError([
+            f"pipeline.stages: the model has {len(parts)} part(s) ({', '.join(names)}) for {stages} pipeline "
+            f"stage(s); every stage needs at least one: use at most {len(parts)} stages, or split the model into "
+            "more modules"])
+    if split == "auto":
+        starts = _balanced_starts([_parameter_count(module) for _, module in parts], stages)
+    elif split == "uniform":
+        starts = [round(i * len(parts) / stages) for i in range(stages)]
+    else:
+        starts = [0] + _starts_of_names(split, names, stages)
+    bounds = starts + [len(parts)]
+    return [parts[bounds[i]:bounds[i + 1]] for i in range(stages)]
+
+
+def _starts_of_names(split: list[str], names: list[str], stages: int) -> list[int]:
+    if len(split) != stages - 1:
+        raise ConfigError([
+            f"pipeline.split: {len(split)} module name(s) for {stages} stage(s); give the {stages - 1} name(s) of "
+            f"the modules where stages 2..{stages} start, in order, among: {', '.join(names)}"])
+    unknown = [name for name in split if name not in names]
+    if unknown:
+        raise ConfigError([
+            f"pipeline.split: {', '.join(unknown)} is not a part of the model; the parts, in order, are: "
+            f"{', '.join(names)}"])
+    starts = [names.index(name) for name in split]
+    if starts != sorted(starts) or starts[0] == 0:
+        raise ConfigError([
+            f"pipeline.split: {split} must name modules after the first, in the model's order "
+            f"({', '.join(names)}), each starting a non-empty stage"])
+    return starts
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _balanced_starts(sizes: list[int], stages: int) -> list[int]:
+    """Start indices of the contiguous cut into ``stages`` non-empty pieces whose largest
+    piece is smallest (ties: the earliest cut), by dynamic programming."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    # best[k][i]: (largest piece, starts) cutting the first i parts into k pieces
+    best: list[dict[int, tuple[int, list[int]]]] = [{0: (0, [])}]
+    for k in range(1, stages + 1):
+        row = {}
+        for i in range(k, n - (stages - k) + 1):
+            row[i] = min(((max(best[k - 1][j][0], prefix[i] - prefix[j]), best[k - 1][j][1] + [j])
+                          for j in range(k - 1, i) if j in best[k - 1]), key=lambda option: option[0])
+        best.append(row)
+    return best[stages][n][1]
+
+
+class StageModule(nn.Module):
+    """Some consecutive parts of a model, under their original names, run in order (the
+    first part gets the stage's inputs; a tuple output is passed on as several inputs)."""
+
+    def __init__(self, parts: list[tuple[str, nn.Module]],
+                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 own_outputs: bool = False):
+        super().__init__()
+        for name, module in parts:
+            *path, leaf = name.split(".")
+            holder: nn.Module = self
+            for step in path:
+                if step not in holder._modules:
+                    holder.add_module(step, nn.Module())
+                holder = holder._modules[step]
+            holder.add_module(leaf, module)
+        self.part_names = [name for name, _ in parts]
+        self._forward_context = forward_context  # e.g. autocast for half precision
+        # Zero-bubble schedules detach a stage's outputs in place, which a view does not allow
+        # (e.g. a Linear's output on 3-d inputs): such outputs are copied.
+        self._own_outputs = own_outputs
+
+    def forward(self, *inputs):
+        value = inputs[0] if len(inputs) == 1 else inputs
+        with self._forward_context():
+            for name in self.part_names:
+                value = self.get_submodule(name)(value)
+        if self._own_outputs:
+            value = _owned(value)
+        return value
+
+
+def _owned(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value._is_view() else value
+    if isinstance(value, tuple):
+        return tuple(_owned(item) for item in value)
+    return value
+
+
+def parameters_of(stage_modules: list[nn.Module]) -> list[torch.nn.Parameter]:
+    return [p for module in stage_modules for p in module.parameters()]
