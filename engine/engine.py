@@ -246,6 +246,7 @@ class Engine:
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
         window is taken to hold ``plan.micro_batch_sizes[k]`` samples, or, when sizes are
         read from the inputs, the batch size of what was passed to ``eng(...)``."""
+        self.strategy.check_manual_loop()
         window = self._window
         k = window.micro_steps
         if k >= self.plan.gradient_accumulation_steps:

@@ -20,7 +20,7 @@ import engine
 from engine.errors import ConfigError, EngineUsageError
 from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_scenarios
-from tests.reference import max_param_diff, mlp, regression_batches, sgd, state
+from tests.reference import TinyLM, max_param_diff, mlp, regression_batches, sgd, state
 
 TOL = 1e-10
 MISSED = 1e-4
@@ -146,3 +146,149 @@ def test_two_stages_every_schedule_is_exact():
     for name, per_rank in results.items():
         assert_exact(per_rank), name
     assert all(result["diff"] > MISSED for result in broken)
+
+
+def fp16_overflow_on_first_stage(rank, world):
+    """fp16 autocast with the loss scaler; the second window's gradient overflows on stage 1
+    only (injected): the window is discarded on every stage, the others train as the reference."""
+    model, batches = mlp(dtype=torch.float32), regression_batches(3, 4, dtype=torch.float32)
+    doubled = [tuple(t.double() for t in batch) for batch in batches]
+    expected, _ = reference_run(copy.deepcopy(model).double(), [doubled[0], doubled[2]], reference_mse, 0.0)
+    eng = engine.initialize(copy.deepcopy(model), config(4, 1, fp16={"enabled": True, "initial_scale_power": 8}),
+                            optimizer=sgd)
+    strategy, calls = eng.strategy, []
+    gradients = strategy.local_gradients
+
+    def overflowing():
+        grads = gradients()
+        calls.append(1)
+        if len(calls) == 2 and strategy.holds_first_stage:
+            grads[0].view(-1)[0] = float("inf")
+        return grads
+
+    strategy.local_gradients = overflowing
+    for batch in batches:
+        eng.train_batch(data_share(batch, eng), mse_outputs)
+    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "skipped": eng.skipped_steps,
+              "steps": eng.global_steps, "scale": strategy.loss_scaler.scale}
+    eng.close()
+    return result
+
+
+def misuse(rank, world):
+    """The manual loop names train_batch; a batch that is not (inputs, labels) says what is."""
+    eng = engine.initialize(mlp(), config(4, 1), optimizer=sgd)
+    found = {}
+    x, y = regression_batches(1, 4)[0]
+    for name, call in {"forward": lambda: eng(x), "backward": lambda: eng.backward(x.sum()),
+                       "batch": lambda: eng.train_batch(x, mse_outputs)}.items():
+        try:
+            call()
+        except EngineUsageError as error:
+            found[name] = str(error)
+    eng.close()
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_the_manual_loop_names_train_batch():
+    results = run_scenarios({"fp16": fp16_overflow_on_first_stage, "misuse": misuse}, world_size=2, timeout=110)
+    for result in results["fp16"]:
+        assert result["skipped"] == 1 and result["steps"] == 3
+        assert result["diff"] < 2e-4, result
+    assert results["fp16"][0]["scale"] == results["fp16"][1]["scale"]
+    for found in results["misuse"]:
+        assert "train_batch((inputs, labels), loss_fn)" in found["forward"]
+        assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
+        assert "a pair (inputs, labels)" in found["batch"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pipeline_two_by_data_two_is_exact():
+    """4 ranks: stages 1-2 on ranks {0, 1} and {2, 3}, their data-parallel replicas {0, 2} and {1, 3}."""
+    scenarios = {"1f1b mean": functools.partial(train),
+                 "interleaved tokens": functools.partial(train, schedule="interleaved", loss="tokens"),
+                 "gpipe clipped, short window": functools.partial(train, schedule="gpipe", clip=0.05, short=True),
+                 "zero_bubble balanced": functools.partial(train, schedule="zero_bubble", split="balanced"),
+                 "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches)}
+    results = run_scenarios(scenarios, world_size=4, timeout=280)
+    broken = results.pop("summed (DeepSpeed #7773)")
+    for name, per_rank in results.items():
+        assert_exact(per_rank), name
+    assert all(result["diff"] > MISSED for result in broken)
+
+
+# -- config, planner and split: no processes -----------------------------------------------------
+def test_deepspeed_pipeline_keys_map_and_the_unused_ones_are_named():
+    with pytest.warns(UserWarning, match="pipeline.activation_checkpoint_interval"):
+        config = engine.load_config({"train_batch_size": 8, "pipeline": {
+            "stages": 2, "partition": "uniform", "activation_checkpoint_interval": 1}})
+    assert (config.pipeline.stages, config.pipeline.split, config.pipeline.schedule) == (2, "uniform", "1f1b")
+    assert engine.load_config({"pipeline": {"stages": "auto", "partition": "parameters"}}).pipeline.stages == 1
+    with pytest.raises(ConfigError, match=r"partition 'type:transformer' \(DeepSpeed's partition method\)"):
+        engine.load_config({"pipeline": {"stages": 2, "partition": "type:transformer"}})
+    with pytest.raises(ConfigError, match="pipeline.schedule: input should be 'gpipe', '1f1b', 'interleaved' or"):
+        engine.load_config({"pipeline": {"stages": 2, "schedule": "dualpipe"}})
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage: 3 is not available under a pipeline of 2"),
+    ({"train_micro_batch_size_per_gpu": "auto"}, "'auto' is not available under a pipeline of 2 stages"),
+    ({"micro_batch_tokens": 64}, "micro_batch_tokens: not available under a pipeline of 2 stages"),
+])
+def test_what_a_pipeline_cannot_run_yet_is_refused_before_anything_starts(extra, problem):
+    config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                 "pipeline": {"stages": 2}, **extra})
+    assert any(problem in line for line in engine.config.checks.check_without_model(config))
+
+
+def test_the_planner_counts_data_parallel_ranks_and_its_errors_name_the_mesh(capsys):
+    from engine.batching.mesh_plan import plan_for_mesh
+    from engine.distributed.mesh import MeshLayout
+
+    config = engine.load_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
+                                 "pipeline": {"stages": 2}})
+    plan = plan_for_mesh(config, MeshLayout.from_config(config, 4), rank=3)
+    assert (plan.world_size, plan.rank, plan.gradient_accumulation_steps) == (2, 1, 3)
+    with pytest.raises(engine.BatchConfigError) as raised:
+        plan_for_mesh(config, MeshLayout.from_config(config, 8))
+    assert str(raised.value).startswith(
+        "world 8 = pipeline 2 × data 4 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × tensor 1) = 4 "
+        "data-parallel rank(s), so G = M·A·4: train_batch_size 12 is not divisible by micro 2 × world 4")
+    with pytest.raises(ConfigError, match="world of 3 rank"):
+        MeshLayout.from_config(config, 3)
+
+
+def test_a_sequential_model_is_cut_by_parameters_uniformly_or_at_named_modules():
+    from engine.pipeline.split import StageModule, cut, sequence_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]),
+                                torch.nn.Linear(8, 2))
+    parts = sequence_of(model)
+    assert [name for name, _ in parts] == ["0", "1.0", "1.1", "1.2", "1.3", "2"]
+    names = lambda stages: [[name for name, _ in stage] for stage in stages]  # noqa: E731
+    # parameters 40, 72 x 4, 18: the cut whose largest stage is smallest
+    assert names(cut(parts, 2, "auto")) == [["0", "1.0", "1.1"], ["1.2", "1.3", "2"]]
+    assert names(cut(parts, 3, "uniform")) == [["0", "1.0"], ["1.1", "1.2"], ["1.3", "2"]]
+    assert names(cut(parts, 2, ["1.3"])) == [["0", "1.0", "1.1", "1.2"], ["1.3", "2"]]
+    stages = [StageModule(stage) for stage in cut(parts, 2, "auto")]
+    assert [k for stage in stages for k in stage.state_dict()] == list(model.state_dict())
+    x = torch.randn(3, 4)
+    assert torch.equal(stages[1](stages[0](x)), model(x))
+
+
+@pytest.mark.parametrize("model, stages, split, problem", [
+    (mlp(), 2, ["9"], "pipeline.split: 9 is not a part of the model; the parts, in order, are: 0, 1, 2, 3, 4"),
+    (mlp(), 3, ["2"], "pipeline.split: 1 module name(s) for 3 stage(s)"),
+    (mlp(), 3, ["4", "2"], "must name modules after the first, in the model's order"),
+    (mlp(), 6, "auto", "the model has 5 part(s) (0, 1, 2, 3, 4) for 6 pipeline stage(s)"),
+    (TinyLM(), 2, "auto", "TinyLM is not an nn.Sequential"),
+])
+def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, split, problem):
+    from engine.pipeline.split import cut, sequence_of
+
+    with pytest.raises(ConfigError) as raised:
+        cut(sequence_of(model), stages, split)
+    assert problem in str(raised.value)

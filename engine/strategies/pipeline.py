@@ -105,6 +105,9 @@ class PipelineParallel(TorchStrategy):
         self.forward_module = self.module
 
     def forward(self, *args, **kwargs):
+        self.check_manual_loop()
+
+    def check_manual_loop(self):
         raise EngineUsageError(
             f"under a pipeline of {self.num_stages} stages the accumulation steps are the pipeline's "
             "micro-batches: train with eng.train_batch((inputs, labels), loss_fn) and evaluate with "
@@ -112,7 +115,7 @@ class PipelineParallel(TorchStrategy):
             "eng(x) / eng.backward() / eng.step() work with pipeline.stages: 1 only")
 
     def backward(self, loss, weight):
-        self.forward()
+        self.check_manual_loop()
 
     # -- running a window --------------------------------------------------------------------
     def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool) -> None:
