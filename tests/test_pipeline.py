@@ -292,3 +292,35 @@ def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, s
     with pytest.raises(ConfigError) as raised:
         cut(sequence_of(model), stages, split)
     assert problem in str(raised.value)
+
+
+def train_with_checkpoints(rank, world, directory, windows):
+    """Automatic checkpoints every 2 steps in ``directory``; resumes from the newest there and
+    trains up to ``windows`` windows of the same global batch on this run's data size."""
+    model, batches = mlp(), regression_batches(3, 8)
+    expected, _ = reference_run(model, batches, reference_mse, 0.05)
+    eng = engine.initialize(copy.deepcopy(model), config(8, 2, "interleaved", gradient_clipping=0.05,
+                                                         checkpoint={"dir": directory, "every_steps": 2}),
+                            optimizer=sgd)
+    resumed = eng.global_steps
+    while eng.global_steps < windows:
+        eng.train_batch(data_share(batches[eng.global_steps], eng), mse_outputs)
+    result = {"resumed": resumed, "diff": max_param_diff(eng.full_state_dict(), state(expected)),
+              "accumulation": eng.plan.gradient_accumulation_steps}
+    eng.close()
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_checkpoints_per_stage_resume_on_another_data_parallel_size(tmp_path):
+    directory = str(tmp_path / "checkpoints")
+    first = run_scenarios({"4 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=2)},
+                          world_size=4, timeout=90)["4 ranks"]
+    assert [result["resumed"] for result in first] == [0] * 4
+    assert [result["accumulation"] for result in first] == [2] * 4  # G 8 = M 2 · A 2 · W_dp 2
+    second = run_scenarios({"2 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=3)},
+                           world_size=2, timeout=90)["2 ranks"]
+    for result in second:
+        assert result["resumed"] == 2 and result["accumulation"] == 4  # W_dp 1: A 4
+        assert result["diff"] < TOL, result

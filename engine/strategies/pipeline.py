@@ -32,6 +32,7 @@ from engine.distributed.collectives import all_reduce_mean_, broadcast_, sum_of_
 from engine.errors import EngineUsageError
 from engine.pipeline.split import StageModule, cut, sequence_of
 from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.torch_checkpoint import load_training_state
 
 log = logging.getLogger("engine")
 
@@ -187,6 +188,11 @@ class PipelineParallel(TorchStrategy):
         squares = sum_of_squares(grads, self.device)
         dist.all_reduce(squares, group=self.pipeline_group)  # each stage holds its own piece
         return squares.sqrt()
+
+    # -- checkpoints: a DCP checkpoint keyed by the model's own names (each stage writes and
+    # reads its own entries), so it loads on any data-parallel size, and on any pipeline size.
+    def load_training_state(self, directory):
+        load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order)
 
     def full_state_dict(self):
         pieces: list = [None] * self.mesh.pipeline
