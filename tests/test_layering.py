@@ -19,7 +19,7 @@ LAYERS = {
         "engine.config.loaders", "engine.config.deepspeed", "engine.config.schema",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.distributed.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
-        "engine.hooks", "engine.pipeline"],
+        "engine.hooks", "engine.pipeline", "engine.losses"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
         "engine.precision", "engine.distributed.rank_consistency", "engine.state.preemption", "engine.config.checks",

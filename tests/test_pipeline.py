@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_scenarios
 from tests.reference import TinyLM, max_param_diff, mlp, regression_batches, sgd, state
 
+REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-10
 MISSED = 1e-4
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
@@ -324,3 +329,25 @@ def test_checkpoints_per_stage_resume_on_another_data_parallel_size(tmp_path):
     for result in second:
         assert result["resumed"] == 2 and result["accumulation"] == 4  # W_dp 1: A 4
         assert result["diff"] < TOL, result
+
+
+def _run_example(*argv: str, processes: int = 1) -> list[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launcher = ["-m", "launch", "--nproc-per-node", str(processes)] if processes > 1 else []
+    result = subprocess.run([sys.executable, *launcher, "examples/pipeline.py", *argv], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    return [line for line in result.stdout.splitlines() if line.startswith("step ") or "checksum" in line]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_the_readme_script_runs_unchanged_on_one_two_and_four_processes():
+    """examples/pipeline.py as README shows it: no pipeline, pipeline 2, pipeline 2 × data 2 print
+    the same losses, learning rates and model (float64)."""
+    alone = _run_example("--set", "pipeline.stages=1")
+    two, four = _run_example(processes=2), _run_example(processes=4)
+    assert len(alone) == 9 and alone[-1].startswith("8 micro-batches per step on 1 data-parallel rank(s)"), alone
+    assert two == alone
+    assert four[:-1] == alone[:-1] and four[-1].startswith("4 micro-batches per step on 2 data-parallel rank(s)")
+    assert four[-1].split("checksum")[1] == alone[-1].split("checksum")[1]

@@ -1,7 +1,8 @@
 """Windows under a pipeline: the accumulation steps are the schedule's micro-batches.
 
 ``train_batch((inputs, labels), loss_fn)`` hands this runner the rank's per-device batch (every
-stage of one replica gets the same one). The window split cuts it into the plan's A
+stage of one replica gets the same one); ``loss_fn(outputs, labels)``, or one decorated with
+``@engine.loss_on_outputs`` (which also trains without a pipeline). The window split cuts it into the plan's A
 micro-batches, exactly as without a pipeline (a short last batch: A smaller ones); they run
 as one ``torch.distributed.pipelining`` schedule (``engine.strategies.pipeline``), the first
 stage called with each micro-batch's ``inputs`` and the last computing
@@ -28,6 +29,7 @@ import torch
 from engine.batching.microbatch import batch_size
 from engine.engine import Engine, LossFn, WindowRunner, check_loss, loss_and_units
 from engine.errors import EngineUsageError
+from engine.losses import outputs_loss_of
 from engine.strategies.pipeline import PipelineParallel
 
 
@@ -39,6 +41,7 @@ class PipelineWindows(WindowRunner):
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         inputs, _ = _inputs_and_labels(batch, "train_batch")
+        loss_fn = outputs_loss_of(loss_fn)
         pieces = list(engine.window_split.split(batch, engine.plan).pieces)
         sizes = [n for _, n in pieces]
         engine.start_window()
@@ -60,6 +63,7 @@ class PipelineWindows(WindowRunner):
 
     def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
         _inputs_and_labels(batch, "eval_batch")
+        loss_fn = outputs_loss_of(loss_fn)
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
         pieces = list(engine.window_split.eval_pieces(batch, engine.plan))
         sizes = [n for _, n in pieces]
