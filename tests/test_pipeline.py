@@ -351,3 +351,15 @@ def test_the_readme_script_runs_unchanged_on_one_two_and_four_processes():
     assert two == alone
     assert four[:-1] == alone[:-1] and four[-1].startswith("4 micro-batches per step on 2 data-parallel rank(s)")
     assert four[-1].split("checksum")[1] == alone[-1].split("checksum")[1]
+
+
+def test_plan_shows_the_mesh(capsys):
+    from engine.cli import main
+
+    assert main(["plan", "configs/pipeline.yaml", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × tensor 1: the batch is planned for W_dp = 4 / "
+                      "(pipeline 2 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
+    assert "accumulation steps: 4" in out
+    assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
+    assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
