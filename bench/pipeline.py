@@ -11,11 +11,12 @@ zeroes the gradients; the engine adds its weighting by real samples, the loss br
 the first stage, the window statistics and the boundary (clipping off). Every variant trains
 its own copy; variants alternate round by round and the slowest rank's time counts.
 
-Also reported, per stage: the bubble fraction — the share of a step a stage spends idle,
-measured as 1 - (the stage's own forward and backward of the 8 micro-batches and its
-optimizer step, timed alone) / (the engine's pipelined step), next to the schedule's theory (S - 1) / (A + S - 1) — the activation
-bytes sent per step (forward activations and their gradients), and the bytes the stage holds
-for training (parameters, gradients, AdamW state: ``engine.memory.held_bytes``).
+Also reported: the bubble fraction — the share of a step the busiest stage spends idle,
+measured as 1 - (that stage's own forward and backward of the 8 micro-batches and its
+optimizer step, timed alone among the other variants) / (the engine's pipelined step), next
+to the schedule's theory (S - 1) / (A + S - 1); and per stage the activation bytes sent per
+step (forward activations, or their gradients) and the bytes the stage holds for training
+(parameters, gradients, AdamW state: ``engine.memory.held_bytes``, after a step).
 
 Results: bench/results/pipeline_w2.json (rank 0 prints the tables).
 """
@@ -28,7 +29,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from engine.memory import held_bytes
 
 ACCUMULATION = 8
 SPLIT = 4  # the second stage starts at the model's part "4": two linear layers per stage
+BUSY = "stage alone"
 
 
 def loss_fn(outputs, labels):
@@ -110,47 +111,32 @@ def main(argv=None):
     runs["engine 1F1B"], engines["1f1b"] = engine_run(copy.deepcopy(model), data, "1f1b")
     runs["hand GPipe"] = hand(copy.deepcopy(model), data, ScheduleGPipe, rank)
     runs["engine GPipe"], engines["gpipe"] = engine_run(copy.deepcopy(model), data, "gpipe")
-    busy = stage_alone(copy.deepcopy(model), data, rank)
+    runs[BUSY] = stage_alone(copy.deepcopy(model), data, rank)  # timed among the others: the same noise
     times = interleaved(runs, args.rounds, args.steps, warmup=1, distributed=True)
-    busy_seconds = _median_seconds(busy, args.rounds, args.steps)
-    per_stage = {
-        "busy_ms": busy_seconds * 1e3,
-        "bubble_1f1b": 1 - busy_seconds / times["engine 1F1B"],
-        "bubble_gpipe": 1 - busy_seconds / times["engine GPipe"],
-        "sent_activation_bytes": _sent_bytes(),
-        "held_bytes": held_bytes(engines["1f1b"].strategy),
-    }
+    busy_seconds = times.pop(BUSY)
+    bubble = {"busiest_stage_ms": busy_seconds * 1e3, "1f1b": 1 - busy_seconds / times["engine 1F1B"],
+              "gpipe": 1 - busy_seconds / times["engine GPipe"],
+              "theory": (2 - 1) / (ACCUMULATION + 2 - 1)}
+    per_stage = {"sent_activation_bytes": _sent_bytes(), "held_bytes": held_bytes(engines["1f1b"].strategy)}
     stages = [None] * info.world_size
     dist.all_gather_object(stages, per_stage)
     if rank != 0:
         return
-    theory = (2 - 1) / (ACCUMULATION + 2 - 1)
     print(f"{'variant':40s} {'ms/step':>8s} {'vs':>6s}  baseline")
     result = {}
     for name, baseline in rows.items():
         ratio = times[name] / times[baseline] if baseline else None
         result[name] = {"ms_per_step": times[name] * 1e3, "baseline": baseline, "ratio": ratio}
         print(f"{name:40s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s}  {baseline or ''}")
-    print(f"\nbubble theory (S - 1) / (A + S - 1) = {theory:.3f}")
-    print(f"{'stage':6s} {'busy ms':>8s} {'bubble 1F1B':>12s} {'bubble GPipe':>13s} {'sent MB':>8s} {'held MB':>8s}")
+    print(f"\nbusiest stage alone: {bubble['busiest_stage_ms']:.1f} ms; bubble 1F1B {bubble['1f1b']:.3f}, "
+          f"GPipe {bubble['gpipe']:.3f} (theory (S - 1) / (A + S - 1) = {bubble['theory']:.3f})")
+    print(f"{'stage':6s} {'sent MB':>8s} {'held MB':>8s}")
     for index, stage in enumerate(stages):
-        print(f"{index + 1:<6d} {stage['busy_ms']:8.1f} {stage['bubble_1f1b']:12.3f} {stage['bubble_gpipe']:13.3f} "
-              f"{stage['sent_activation_bytes'] / 1e6:8.2f} {stage['held_bytes'] / 1e6:8.2f}")
+        print(f"{index + 1:<6d} {stage['sent_activation_bytes'] / 1e6:8.2f} {stage['held_bytes'] / 1e6:8.2f}")
     save(f"pipeline_w{info.world_size}", {
         "workload": f"MLP 4.2M params in 2 stages, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW "
                     f"fp32, 2 ranks gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
-        "variants": result, "bubble_theory": theory, "stages": stages})
-
-
-def _median_seconds(step, rounds, steps) -> float:
-    step()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        samples.append((time.perf_counter() - start) / steps)
-    return sorted(samples)[len(samples) // 2]
+        "variants": result, "bubble": bubble, "stages": stages})
 
 
 def _sent_bytes() -> int:

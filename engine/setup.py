@@ -19,7 +19,7 @@ from engine.config.schema import Config
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed", "pipeline")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed", "pipeline", "pipeline_fsdp")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
     if mesh.pipeline > 1:
-        return "pipeline"
+        return "pipeline_fsdp" if config.zero_optimization.stage >= 2 else "pipeline"
     if mesh.world_size == 1 and not _fsdp_even_alone(config):
         return "single"
     return ("ddp", "zero1", "fsdp", "fsdp")[config.zero_optimization.stage]

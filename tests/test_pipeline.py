@@ -84,7 +84,8 @@ def data_share(batch, eng):
     return tuple(t[start:start + sizes[plan.rank]] for t in batch)
 
 
-def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, split="strict", breaks=intact):
+def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, split="strict", zero=0,
+          breaks=intact):
     """Three windows (the last a short one when ``short``) against the reference."""
     data_ranks = world // 2
     # strict: A = 4 micro-batches of 1; a short window: A = 2 of 2, then 2 and 1 (padded to 2)
@@ -98,7 +99,8 @@ def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, s
         batches[-1] = tuple(t[:global_batch - 1] for t in batches[-1])
     expected, reference_losses = reference_run(model, batches, reference_loss, clip)
     eng = breaks(engine.initialize(copy.deepcopy(model),
-                                   config(global_batch, micro, schedule, gradient_clipping=clip, batch_split=split),
+                                   config(global_batch, micro, schedule, gradient_clipping=clip, batch_split=split,
+                                          zero_optimization={"stage": zero}),
                                    optimizer=sgd))
     losses = [eng.train_batch(data_share(batch, eng), loss_fn) for batch in batches]
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
@@ -212,11 +214,16 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_the_manua
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_pipeline_two_by_data_two_is_exact():
-    """4 ranks: stages 1-2 on ranks {0, 1} and {2, 3}, their data-parallel replicas {0, 2} and {1, 3}."""
+    """4 ranks: stages 1-2 on ranks {0, 1} and {2, 3}, their data-parallel replicas {0, 2} and {1, 3};
+    ZeRO 0, and 2 / 3 (each stage sharded by FSDP2 over its replicas)."""
     scenarios = {"1f1b mean": functools.partial(train),
                  "interleaved tokens": functools.partial(train, schedule="interleaved", loss="tokens"),
                  "gpipe clipped, short window": functools.partial(train, schedule="gpipe", clip=0.05, short=True),
                  "zero_bubble balanced": functools.partial(train, schedule="zero_bubble", split="balanced"),
+                 "1f1b ZeRO-3, clipped short window": functools.partial(train, zero=3, clip=0.05, short=True),
+                 "interleaved ZeRO-3 tokens": functools.partial(train, schedule="interleaved", loss="tokens", zero=3),
+                 "gpipe ZeRO-2": functools.partial(train, schedule="gpipe", zero=2),
+                 "zero_bubble ZeRO-2": functools.partial(train, schedule="zero_bubble", zero=2),
                  "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches)}
     results = run_scenarios(scenarios, world_size=4, timeout=280)
     broken = results.pop("summed (DeepSpeed #7773)")
@@ -239,9 +246,11 @@ def test_deepspeed_pipeline_keys_map_and_the_unused_ones_are_named():
 
 
 @pytest.mark.parametrize("extra, problem", [
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage: 3 is not available under a pipeline of 2"),
+    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage: 1 is not available under a pipeline of 2"),
     ({"train_micro_batch_size_per_gpu": "auto"}, "'auto' is not available under a pipeline of 2 stages"),
     ({"micro_batch_tokens": 64}, "micro_batch_tokens: not available under a pipeline of 2 stages"),
+    ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2, "schedule": "zero_bubble"}},
+     "pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3"),
 ])
 def test_what_a_pipeline_cannot_run_yet_is_refused_before_anything_starts(extra, problem):
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
@@ -299,13 +308,14 @@ def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, s
     assert problem in str(raised.value)
 
 
-def train_with_checkpoints(rank, world, directory, windows):
+def train_with_checkpoints(rank, world, directory, windows, zero):
     """Automatic checkpoints every 2 steps in ``directory``; resumes from the newest there and
     trains up to ``windows`` windows of the same global batch on this run's data size."""
     model, batches = mlp(), regression_batches(3, 8)
     expected, _ = reference_run(model, batches, reference_mse, 0.05)
     eng = engine.initialize(copy.deepcopy(model), config(8, 2, "interleaved", gradient_clipping=0.05,
-                                                         checkpoint={"dir": directory, "every_steps": 2}),
+                                                         checkpoint={"dir": directory, "every_steps": 2},
+                                                         zero_optimization={"stage": zero}),
                             optimizer=sgd)
     resumed = eng.global_steps
     while eng.global_steps < windows:
@@ -318,13 +328,14 @@ def train_with_checkpoints(rank, world, directory, windows):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_checkpoints_per_stage_resume_on_another_data_parallel_size(tmp_path):
+@pytest.mark.parametrize("zero", [0, 3])
+def test_checkpoints_per_stage_resume_on_another_data_parallel_size(tmp_path, zero):
     directory = str(tmp_path / "checkpoints")
-    first = run_scenarios({"4 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=2)},
+    first = run_scenarios({"4 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=2, zero=zero)},
                           world_size=4, timeout=90)["4 ranks"]
     assert [result["resumed"] for result in first] == [0] * 4
     assert [result["accumulation"] for result in first] == [2] * 4  # G 8 = M 2 · A 2 · W_dp 2
-    second = run_scenarios({"2 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=3)},
+    second = run_scenarios({"2 ranks": functools.partial(train_with_checkpoints, directory=directory, windows=3, zero=zero)},
                            world_size=2, timeout=90)["2 ranks"]
     for result in second:
         assert result["resumed"] == 2 and result["accumulation"] == 4  # W_dp 1: A 4

@@ -13,8 +13,8 @@ both report the same problems, all at once:
   request FSDP2 can carry out (``engine.config.offload``);
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
   (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
-* pipeline: what cannot run under more than one stage yet (another backend, ZeRO > 0, batches
-  whose micro-batches the plan does not fix).
+* pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
+  batches whose micro-batches the plan does not fix).
 """
 from __future__ import annotations
 
@@ -64,9 +64,17 @@ def _pipeline_problems(config: Config) -> list[str]:
     if config.backend != "torch":
         problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
                         "set backend: torch")
-    if config.zero_optimization.stage > 0:
-        problems.append(f"zero_optimization.stage: {config.zero_optimization.stage} is not available under a pipeline "
-                        f"of {stages} stages yet; use stage 0 (each stage's gradients averaged once per window)")
+    if config.zero_optimization.stage == 1:
+        problems.append(f"zero_optimization.stage: 1 is not available under a pipeline of {stages} stages; use stage 0 "
+                        "(each stage whole on its data-parallel ranks), 2 or 3 (each stage sharded by FSDP2)")
+    if config.zero_optimization.stage == 3 and config.pipeline.schedule == "zero_bubble":
+        # measured: torch's V schedule then applies wrong weight gradients (its split backward
+        # and FSDP's resharding after forward), silently
+        problems.append("pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3 (torch's zero-bubble "
+                        "V schedule computes wrong weight gradients on stages resharded after their forward); use "
+                        "zero_optimization.stage 2, or another schedule")
+    if config.zero_optimization.stage >= 2 and torch_offload(config.zero_optimization).to_host:
+        problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages")
     if config.train_micro_batch_size_per_gpu in ("auto", "explore"):
         problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
                         f"under a pipeline of {stages} stages yet; give a number")

@@ -24,13 +24,17 @@ the loss or the gradient (models whose rows do not interact, i.e. without batch 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.batching.microbatch import batch_size
 from engine.engine import Engine, LossFn, WindowRunner, check_loss, loss_and_units
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
-from engine.strategies.pipeline import PipelineParallel
+
+if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torch.distributed.pipelining)
+    from engine.strategies.pipeline import PipelineParallel
 
 
 class PipelineWindows(WindowRunner):

@@ -3,7 +3,8 @@ zero-bubble schedules) and runs windows as ``torch.distributed.pipelining`` sche
 
 Ranks: the mesh's ``pipeline`` dimension holds the stages of one model replica (its ranks
 pass activations and their gradients point to point); the ``data`` dimension holds replicas
-of the same stage, whose gradients are averaged once per window (ZeRO-0, as ``ddp``).
+of the same stage, whose gradients are averaged once per window (ZeRO-0, as ``ddp``;
+:class:`ShardedPipelineParallel`: ZeRO-2/3, each stage sharded by FSDP2 over its replicas).
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
@@ -28,10 +29,15 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import all_reduce_mean_, broadcast_, sum_of_squares
 from engine.errors import EngineUsageError
 from engine.pipeline.split import StageModule, cut, sequence_of
 from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.fsdp import repoint_optimizer
 from engine.strategies.torch_checkpoint import load_training_state
 
 log = logging.getLogger("engine")
@@ -49,14 +55,14 @@ class PipelineParallel(TorchStrategy):
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
-        if setup.stage > 0:  # engine.config.checks says so first; a Setup built by hand lands here
-            raise EngineUsageError(f"pipeline: ZeRO stage {setup.stage} is not available under a pipeline; use "
-                                   "zero_optimization.stage 0")
+        if setup.stage == 1:  # engine.config.checks says so first; a Setup built by hand lands here
+            raise EngineUsageError("pipeline: ZeRO stage 1 is not available under a pipeline; use "
+                                   "zero_optimization.stage 0, 2 or 3")
         mesh = self.mesh = setup.mesh
         self.schedule_class, self.stages_per_rank = SCHEDULES[setup.pipeline.schedule]
         self.num_stages = mesh.pipeline * self.stages_per_rank
         self.position = mesh.pipeline_rank(self.rank)
-        device_mesh = mesh.device_mesh(self.device.type)
+        device_mesh = self.device_mesh = mesh.device_mesh(self.device.type)
         self.pipeline_group = device_mesh["pipeline"].get_group()
         self.data_group = device_mesh["data"].get_group()
         self.stage_indices = self._stage_indices()
@@ -104,6 +110,10 @@ class PipelineParallel(TorchStrategy):
             group["params"] = [p for p in group["params"] if id(p) in held]
         self.optimizer = optimizer
         self.forward_module = self.module
+        self.shard_stages()
+
+    def shard_stages(self) -> None:
+        """ZeRO 0: every data-parallel rank holds its stages whole."""
 
     def forward(self, *args, **kwargs):
         self.check_manual_loop()
@@ -194,11 +204,59 @@ class PipelineParallel(TorchStrategy):
     def load_training_state(self, directory):
         load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order)
 
+    def _stage_state(self) -> dict:
+        """This rank's stages' state, whole."""
+        return self.module.state_dict()
+
     def full_state_dict(self):
         pieces: list = [None] * self.mesh.pipeline
-        dist.all_gather_object(pieces, cpu_state_dict(self.module.state_dict()), group=self.pipeline_group)
+        dist.all_gather_object(pieces, cpu_state_dict(self._stage_state()), group=self.pipeline_group)
         whole = {key: value for piece in pieces for key, value in piece.items()}
         return {key: whole[key] for key in self._key_order if key in whole}
+
+
+class ShardedPipelineParallel(PipelineParallel):
+    """ZeRO 2 / 3 on the data-parallel dimension: each stage is sharded by FSDP2 over its
+    data-parallel replicas. torch's schedules let a stage's gradients accumulate unsharded over
+    the window's micro-batches and reduce-scatter them (a mean over the replicas) after the
+    last one; stage 3 frees the gathered parameters after every forward, stage 2 keeps them."""
+
+    name = "pipeline_fsdp"
+
+    def shard_stages(self):
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        mesh = self.device_mesh["data"]
+        gloo = dist.get_backend(mesh.get_group()) == "gloo"
+        for stage in self.stage_modules:
+            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
+            if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
+                all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
+                stage.set_custom_all_gather(all_gather)
+                stage.set_custom_reduce_scatter(reduce_scatter)
+        repoint_optimizer(self.optimizer, names, self.module)
+
+    def reduce_gradients(self):
+        """The schedule reduce-scattered them after the window's last backward."""
+
+    def local_gradients(self):
+        return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
+
+    def global_grad_norm(self, grads):
+        squares = sum_of_squares(grads, self.device)
+        dist.all_reduce(squares)  # every rank holds a disjoint piece: a shard of a stage
+        return squares.sqrt()
+
+    def held_tensors(self):
+        return super().held_tensors() + list(fsdp_held_tensors(self.stage_modules))
+
+    def discard_window(self):
+        for stage in self.stage_modules:
+            drop_unreduced_gradients(stage, [stage])
+        self.zero_grad()
+
+    def _stage_state(self):
+        return {key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in self.module.state_dict().items()}
 
 
 def _as_tuple(inputs) -> tuple:
