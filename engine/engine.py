@@ -28,6 +28,7 @@ engine hands with itself and its strategy to one ``engine.state.checkpoint.Check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -216,7 +217,7 @@ class Engine:
         if not self._recording:
             output = self.strategy.forward(*args, **kwargs)
         else:
-            with self._peak.forward():
+            with self.measured_forwards():
                 output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
@@ -231,6 +232,11 @@ class Engine:
         self._recording = self._records(self.global_steps + 1)
         if self._recording:
             self._peak.start()
+
+    def measured_forwards(self):
+        """A context for the forwards of a window the monitor records: its peak memory is
+        measured there (``engine.memory.PeakMeter``); otherwise nothing."""
+        return self._peak.forward() if self._recording else contextlib.nullcontext()
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see

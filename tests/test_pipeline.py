@@ -24,6 +24,7 @@ import engine
 from engine.errors import ConfigError, EngineUsageError
 from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_scenarios
+from tests.scenarios import halving_schedule
 from tests.reference import TinyLM, max_param_diff, mlp, regression_batches, sgd, state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,8 +86,9 @@ def data_share(batch, eng):
 
 
 def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, split="strict", zero=0,
-          breaks=intact):
-    """Three windows (the last a short one when ``short``) against the reference."""
+          shorter_sequences=False, breaks=intact):
+    """Three windows (the last a short one when ``short``; the second of shorter sequences when
+    ``shorter_sequences``: another shape, another schedule) against the reference."""
     data_ranks = world // 2
     # strict: A = 4 micro-batches of 1; a short window: A = 2 of 2, then 2 and 1 (padded to 2)
     global_batch, micro = (4 * data_ranks, 2 if short else 1) if split == "strict" else (5 * data_ranks + 1, 2)
@@ -95,6 +97,8 @@ def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, s
     else:
         model, batches, loss_fn, reference_loss = token_model(), token_batches(3, global_batch), token_sum, \
             reference_token_mean
+    if shorter_sequences:
+        batches[1] = tuple(t[:, :4] for t in batches[1])
     if short:  # the end of an epoch: fewer samples than planned, as many micro-steps
         batches[-1] = tuple(t[:global_batch - 1] for t in batches[-1])
     expected, reference_losses = reference_run(model, batches, reference_loss, clip)
@@ -147,6 +151,8 @@ def test_two_stages_every_schedule_is_exact():
     scenarios["gpipe short window"] = functools.partial(train, schedule="gpipe", short=True)
     scenarios["1f1b short window, tokens"] = functools.partial(train, loss="tokens", short=True)
     scenarios["1f1b balanced"] = functools.partial(train, split="balanced")
+    scenarios["interleaved tokens, windows of two lengths"] = functools.partial(
+        train, schedule="interleaved", loss="tokens", shorter_sequences=True)
     scenarios["summed (DeepSpeed #7773)"] = functools.partial(train, breaks=summed_micro_batches)
     results = run_scenarios(scenarios, world_size=2, timeout=280)
     broken = results.pop("summed (DeepSpeed #7773)")
@@ -374,3 +380,34 @@ def test_plan_shows_the_mesh(capsys):
     assert "accumulation steps: 4" in out
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
     assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
+
+
+def monitored(rank, world):
+    """The monitor's records under a pipeline: the loss, the global gradient norm over every stage
+    (the reference's, before clipping), the learning rate and a peak memory, on every stage."""
+    model, batches = mlp(), regression_batches(2, 4)
+    reference = copy.deepcopy(model)
+    reference_mse(reference, batches[0]).backward()
+    norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in reference.parameters())))
+    eng = engine.initialize(copy.deepcopy(model), config(4, 1, gradient_clipping=0.05,
+                                                         monitor={"enabled": True, "progress": False}),
+                            optimizer=sgd, lr_scheduler=halving_schedule)
+    losses, norms = [], []
+    for batch in batches:
+        losses.append(eng.train_batch(data_share(batch, eng), mse_outputs))
+        norms.append(float(eng.last_window.step.grad_norm))
+    records = [(r["loss"], r["grad_norm"], r["lr"], r["peak_memory_mb"]) for r in eng.monitor.history]
+    eng.close()
+    return {"norm": norm, "records": records, "losses": losses, "norms": norms}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_monitor_reports_the_same_on_every_stage():
+    results = run_scenarios({"monitor": monitored}, world_size=2, timeout=110)["monitor"]
+    for result in results:  # the norm every stage clipped with: the whole model's
+        assert abs(result["norms"][0] - result["norm"]) < TOL and result["norms"] == results[0]["norms"]
+    (loss, grad_norm, lr, peak), (_, _, second_lr, _) = results[0]["records"]  # rank 0 records
+    assert loss == results[0]["losses"][0] and grad_norm == results[0]["norms"][0]
+    assert (lr, second_lr) == (0.1, 0.05)
+    assert peak > 0

@@ -61,7 +61,8 @@ class PipelineWindows(WindowRunner):
 
         if any(n != sizes[0] for n in sizes):
             inputs = _equal_chunks([piece[0] for piece, _ in pieces])
-        self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
+        with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+            self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
         for output, samples in records.shared(self.strategy):
             engine.record_micro_step(output, samples)
 

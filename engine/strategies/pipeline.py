@@ -71,6 +71,7 @@ class PipelineParallel(TorchStrategy):
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
         self._schedules: dict[tuple, object] = {}
+        self._step_options = _step_options(self.schedule_class)
         self._loss: LossFn | None = None
 
     def _stage_indices(self) -> list[int]:
@@ -142,12 +143,12 @@ class PipelineParallel(TorchStrategy):
         args = _as_tuple(inputs) if self.holds_first_stage else ()
         try:
             if train:
-                schedule.step(*args, target=target, **_step_options(schedule))
+                schedule.step(*args, target=target, **self._step_options)
             elif self.schedule_class is ScheduleZBVZeroBubble:
                 # torch's zero-bubble V schedule runs its backward actions in eval() too, and fails
                 # where two stages meet on one rank: evaluate with a backward of zero losses instead.
                 with torch.enable_grad():
-                    schedule.step(*args, target=target, **_step_options(schedule))
+                    schedule.step(*args, target=target, **self._step_options)
                 self.zero_grad()
             else:
                 schedule.eval(*args, target=target)
@@ -263,7 +264,7 @@ def _as_tuple(inputs) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def _step_options(schedule) -> dict:
+def _step_options(schedule_class) -> dict:
     """``return_outputs=False`` where the schedule accepts it (the last stage need not merge
     the outputs of a training window)."""
-    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule_class.step).parameters else {}
