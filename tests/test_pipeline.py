@@ -314,18 +314,18 @@ def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, s
     assert problem in str(raised.value)
 
 
-def train_with_checkpoints(rank, world, directory, windows, zero):
+def train_with_checkpoints(rank, world, directory, windows, zero, stages=2):
     """Automatic checkpoints every 2 steps in ``directory``; resumes from the newest there and
     trains up to ``windows`` windows of the same global batch on this run's data size."""
-    model, batches = mlp(), regression_batches(3, 8)
-    expected, _ = reference_run(model, batches, reference_mse, 0.05)
-    eng = engine.initialize(copy.deepcopy(model), config(8, 2, "interleaved", gradient_clipping=0.05,
-                                                         checkpoint={"dir": directory, "every_steps": 2},
-                                                         zero_optimization={"stage": zero}),
-                            optimizer=sgd)
+    model, batches = mlp(), regression_batches(4, 8)
+    expected, _ = reference_run(model, batches[:windows], reference_mse, 0.05)
+    settings = config(8, 2, "interleaved", gradient_clipping=0.05, checkpoint={"dir": directory, "every_steps": 2},
+                      zero_optimization={"stage": zero})
+    settings["pipeline"]["stages"] = stages
+    eng = engine.initialize(copy.deepcopy(model), settings, optimizer=sgd)
     resumed = eng.global_steps
-    while eng.global_steps < windows:
-        eng.train_batch(data_share(batches[eng.global_steps], eng), mse_outputs)
+    while eng.global_steps < windows:  # the same loss with and without a pipeline
+        eng.train_batch(data_share(batches[eng.global_steps], eng), engine.loss_on_outputs(mse_outputs))
     result = {"resumed": resumed, "diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "accumulation": eng.plan.gradient_accumulation_steps}
     eng.close()
@@ -346,6 +346,10 @@ def test_checkpoints_per_stage_resume_on_another_data_parallel_size(tmp_path, ze
     for result in second:
         assert result["resumed"] == 2 and result["accumulation"] == 4  # W_dp 1: A 4
         assert result["diff"] < TOL, result
+    # and without a pipeline: one process reads every stage's entries of the step-2 checkpoint
+    alone = run_scenarios({"1 rank": functools.partial(train_with_checkpoints, directory=directory, windows=4,
+                                                       zero=0, stages=1)}, world_size=1, timeout=90)["1 rank"]
+    assert alone[0]["resumed"] == 2 and alone[0]["diff"] < TOL, alone
 
 
 def _run_example(*argv: str, processes: int = 1) -> list[str]:
