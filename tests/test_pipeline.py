@@ -299,12 +299,19 @@ def test_a_sequential_model_is_cut_by_parameters_uniformly_or_at_named_modules()
     assert torch.equal(stages[1](stages[0](x)), model(x))
 
 
+def tied_sequential():
+    first, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    last.weight = first.weight
+    return torch.nn.Sequential(first, torch.nn.Tanh(), last)
+
+
 @pytest.mark.parametrize("model, stages, split, problem", [
     (mlp(), 2, ["9"], "pipeline.split: 9 is not a part of the model; the parts, in order, are: 0, 1, 2, 3, 4"),
     (mlp(), 3, ["2"], "pipeline.split: 1 module name(s) for 3 stage(s)"),
     (mlp(), 3, ["4", "2"], "must name modules after the first, in the model's order"),
     (mlp(), 6, "auto", "the model has 5 part(s) (0, 1, 2, 3, 4) for 6 pipeline stage(s)"),
     (TinyLM(), 2, "auto", "TinyLM is not an nn.Sequential"),
+    (tied_sequential(), 2, "auto", "pipeline.split: the parameter 2.weight is shared by stages 1 and 2 (tied weights)"),
 ])
 def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, split, problem):
     from engine.pipeline.split import cut, sequence_of

@@ -57,7 +57,23 @@ def cut(parts: list[tuple[str, nn.Module]], stages: int, split) -> list[list[tup
     else:
         starts = [0] + _starts_of_names(split, names, stages)
     bounds = starts + [len(parts)]
-    return [parts[bounds[i]:bounds[i + 1]] for i in range(stages)]
+    pieces = [parts[bounds[i]:bounds[i + 1]] for i in range(stages)]
+    _check_nothing_shared(pieces)
+    return pieces
+
+
+def _check_nothing_shared(pieces: list[list[tuple[str, nn.Module]]]) -> None:
+    """A parameter used by two stages (tied weights) would be trained apart on two ranks."""
+    owner: dict[int, int] = {}
+    for index, piece in enumerate(pieces):
+        for name, module in piece:
+            for param_name, param in module.named_parameters():
+                first = owner.setdefault(id(param), index)
+                if first != index:
+                    raise ConfigError([
+                        f"pipeline.split: the parameter {name}.{param_name} is shared by stages {first + 1} and "
+                        f"{index + 1} (tied weights); choose split points that keep the modules sharing it in one "
+                        "stage, or untie it"])
 
 
 def _starts_of_names(split: list[str], names: list[str], stages: int) -> list[int]:

@@ -109,6 +109,7 @@ class PipelineParallel(TorchStrategy):
         held = {id(p) for p in self.module.parameters()}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in held]
+        _release_others(module, self.module)
         self.optimizer = optimizer
         self.forward_module = self.module
         self.shard_stages()
@@ -121,7 +122,7 @@ class PipelineParallel(TorchStrategy):
 
     def check_manual_loop(self):
         raise EngineUsageError(
-            f"under a pipeline of {self.num_stages} stages the accumulation steps are the pipeline's "
+            f"under a pipeline of {self.mesh.pipeline} stages the accumulation steps are the pipeline's "
             "micro-batches: train with eng.train_batch((inputs, labels), loss_fn) and evaluate with "
             "eng.eval_batch((inputs, labels), loss_fn), where loss_fn(outputs, labels) runs on the last stage; "
             "eng(x) / eng.backward() / eng.step() work with pipeline.stages: 1 only")
@@ -258,6 +259,15 @@ class ShardedPipelineParallel(PipelineParallel):
     def _stage_state(self):
         return {key: value.full_tensor() if isinstance(value, DTensor) else value
                 for key, value in self.module.state_dict().items()}
+
+
+def _release_others(model: torch.nn.Module, mine: torch.nn.Module) -> None:
+    """Free the storage of the parameters and buffers of the stages other ranks hold: each rank
+    keeps its own stages only (the model passed to ``initialize`` belongs to the engine)."""
+    kept = {id(t) for t in (*mine.parameters(), *mine.buffers())}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in kept:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _as_tuple(inputs) -> tuple:
