@@ -86,7 +86,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
-                 window_runner=_window_runner(setup, strategy, tuner),
+                 window_runner=_window_runner(setup, strategy, plan, tuner),
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
@@ -97,10 +97,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     return eng
 
 
-def _window_runner(setup, strategy, tuner: MicroBatchTuner | None) -> WindowRunner | None:
+def _window_runner(setup, strategy, plan, tuner: MicroBatchTuner | None) -> WindowRunner | None:
     """Who runs a window: the pipeline schedule, the micro-size tuner, or the engine itself (None)."""
     if setup.mesh.pipeline > 1:
-        return PipelineWindows(strategy)
+        return PipelineWindows(strategy, plan.gradient_accumulation_steps)
     return tuner
 
 

@@ -189,10 +189,18 @@ def fp16_overflow_on_first_stage(rank, world):
 
 
 def misuse(rank, world):
-    """The manual loop names train_batch; a batch that is not (inputs, labels) says what is."""
-    eng = engine.initialize(mlp(), config(4, 1), optimizer=sgd)
+    """The manual loop names train_batch; a batch that is not (inputs, labels) says what is; an
+    accumulation the schedule cannot run is refused naming the nearest; an evaluation of fewer
+    micro-batches than 1F1B runs is padded with zero-weight ones."""
+    model = mlp()
+    eng = engine.initialize(copy.deepcopy(model), config(4, 1), optimizer=sgd)
     found = {}
     x, y = regression_batches(1, 4)[0]
+    found["eval"] = abs(eng.eval_batch((x[:1], y[:1]), mse_outputs) - float(reference_mse(model, (x[:1], y[:1]))))
+    try:
+        engine.initialize(mlp(), config(5, 1, "interleaved"), optimizer=sgd)
+    except ConfigError as error:
+        found["accumulation"] = str(error)
     for name, call in {"forward": lambda: eng(x), "backward": lambda: eng.backward(x.sum()),
                        "batch": lambda: eng.train_batch(x, mse_outputs)}.items():
         try:
@@ -205,7 +213,7 @@ def misuse(rank, world):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_the_manual_loop_names_train_batch():
+def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is_explained():
     results = run_scenarios({"fp16": fp16_overflow_on_first_stage, "misuse": misuse}, world_size=2, timeout=110)
     for result in results["fp16"]:
         assert result["skipped"] == 1 and result["steps"] == 3
@@ -215,6 +223,10 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_the_manua
         assert "train_batch((inputs, labels), loss_fn)" in found["forward"]
         assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
         assert "a pair (inputs, labels)" in found["batch"]
+        assert found["eval"] < TOL
+        assert ("gradient_accumulation_steps: 5 micro-batches per window cannot run as a pipeline.schedule interleaved "
+                "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
+                in found["accumulation"])
 
 
 @pytest.mark.distributed

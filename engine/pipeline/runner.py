@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torc
 class PipelineWindows(WindowRunner):
     """Runs training and evaluation windows through the pipeline schedule."""
 
-    def __init__(self, strategy: PipelineParallel):
+    def __init__(self, strategy: PipelineParallel, accumulation: int):
+        strategy.check_accumulation(accumulation)
         self.strategy = strategy
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
@@ -71,6 +72,8 @@ class PipelineWindows(WindowRunner):
         loss_fn = outputs_loss_of(loss_fn)
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
         pieces = list(engine.window_split.eval_pieces(batch, engine.plan))
+        # as many as the schedule runs: the last one repeated with 0 samples
+        pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
         records = _Records(len(pieces))
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import all_reduce_mean_, broadcast_, sum_of_squares
-from engine.errors import EngineUsageError
+from engine.errors import ConfigError, EngineUsageError
 from engine.pipeline.split import StageModule, cut, sequence_of
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.fsdp import repoint_optimizer
@@ -45,6 +45,8 @@ log = logging.getLogger("engine")
 # schedule name -> (torch schedule, stages per rank)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
              "interleaved": (ScheduleInterleaved1F1B, 2), "zero_bubble": (ScheduleZBVZeroBubble, 2)}
+_RULES = {Schedule1F1B: "at least one micro-batch per pipeline rank",
+          ScheduleInterleaved1F1B: "a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋"}
 _KEPT_SCHEDULES = 4  # schedules kept for other shapes (each holds its stages' receive buffers)
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
@@ -129,6 +131,37 @@ class PipelineParallel(TorchStrategy):
 
     def backward(self, loss, weight):
         self.check_manual_loop()
+
+    # -- how many micro-batches a schedule runs -------------------------------------------------
+    def runs_micro_batches(self, count: int) -> bool:
+        """Whether torch's schedule runs ``count`` micro-batches: 1F1B at least one per rank,
+        interleaved 1F1B a multiple of its rounds (⌊count / ranks⌋)."""
+        ranks = self.mesh.pipeline
+        if self.schedule_class is Schedule1F1B:
+            return count >= ranks
+        if self.schedule_class is ScheduleInterleaved1F1B:
+            return count % max(1, count // ranks) == 0
+        return count >= 1
+
+    def fitting_micro_batches(self, count: int) -> int:
+        """The fewest micro-batches, at least ``count``, the schedule runs."""
+        while not self.runs_micro_batches(count):
+            count += 1
+        return count
+
+    def check_accumulation(self, accumulation: int) -> None:
+        """A ConfigError naming the valid numbers when the schedule cannot run ``accumulation``
+        micro-batches per window."""
+        if self.runs_micro_batches(accumulation):
+            return
+        below = next((n for n in range(accumulation - 1, 0, -1) if self.runs_micro_batches(n)), None)
+        above = self.fitting_micro_batches(accumulation)
+        nearest = f"{below} or {above}" if below else str(above)
+        raise ConfigError([
+            f"gradient_accumulation_steps: {accumulation} micro-batches per window cannot run as a "
+            f"pipeline.schedule {self.settings.pipeline.schedule} over {self.mesh.pipeline} pipeline ranks "
+            f"({_RULES[self.schedule_class]}); nearest: {nearest} (change train_micro_batch_size_per_gpu or "
+            "train_batch_size), or schedule gpipe"])
 
     # -- running a window --------------------------------------------------------------------
     def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool) -> None:
