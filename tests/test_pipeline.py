@@ -48,6 +48,33 @@ def reference_mse(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
+class Blocks(torch.nn.Module):
+    """Not an nn.Sequential: an input layer, an nn.ModuleList of blocks run in a loop, a head."""
+
+    def __init__(self, seed=0, width=16):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(width, 3)
+        self.double()
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Residual(Blocks):
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 def token_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
@@ -92,8 +119,9 @@ def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, s
     data_ranks = world // 2
     # strict: A = 4 micro-batches of 1; a short window: A = 2 of 2, then 2 and 1 (padded to 2)
     global_batch, micro = (4 * data_ranks, 2 if short else 1) if split == "strict" else (5 * data_ranks + 1, 2)
-    if loss == "mean":
-        model, batches, loss_fn, reference_loss = mlp(), regression_batches(3, global_batch), mse_outputs, reference_mse
+    if loss in ("mean", "blocks"):
+        model = mlp() if loss == "mean" else Blocks()
+        batches, loss_fn, reference_loss = regression_batches(3, global_batch), mse_outputs, reference_mse
     else:
         model, batches, loss_fn, reference_loss = token_model(), token_batches(3, global_batch), token_sum, \
             reference_token_mean
@@ -151,6 +179,8 @@ def test_two_stages_every_schedule_is_exact():
     scenarios["gpipe short window"] = functools.partial(train, schedule="gpipe", short=True)
     scenarios["1f1b short window, tokens"] = functools.partial(train, loss="tokens", short=True)
     scenarios["1f1b balanced"] = functools.partial(train, split="balanced")
+    scenarios["interleaved, blocks in an nn.ModuleList"] = functools.partial(train, schedule="interleaved",
+                                                                            loss="blocks")
     scenarios["interleaved tokens, windows of two lengths"] = functools.partial(
         train, schedule="interleaved", loss="tokens", shorter_sequences=True)
     scenarios["summed (DeepSpeed #7773)"] = functools.partial(train, breaks=summed_micro_batches)
@@ -309,6 +339,8 @@ def test_a_sequential_model_is_cut_by_parameters_uniformly_or_at_named_modules()
     assert [k for stage in stages for k in stage.state_dict()] == list(model.state_dict())
     x = torch.randn(3, 4)
     assert torch.equal(stages[1](stages[0](x)), model(x))
+    blocks = Blocks()  # not an nn.Sequential: its forward's chain, traced
+    assert [name for name, _ in sequence_of(blocks)] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
 
 
 def tied_sequential():
@@ -322,7 +354,8 @@ def tied_sequential():
     (mlp(), 3, ["2"], "pipeline.split: 1 module name(s) for 3 stage(s)"),
     (mlp(), 3, ["4", "2"], "must name modules after the first, in the model's order"),
     (mlp(), 6, "auto", "the model has 5 part(s) (0, 1, 2, 3, 4) for 6 pipeline stage(s)"),
-    (TinyLM(), 2, "auto", "TinyLM is not an nn.Sequential"),
+    (TinyLM(), 2, "auto", "TinyLM's forward is not a chain of its modules: its step tanh (call_function tanh)"),
+    (Residual(), 2, "auto", "Residual's forward is not a chain of its modules: its step add (call_function add)"),
     (tied_sequential(), 2, "auto", "pipeline.split: the parameter 2.weight is shared by stages 1 and 2 (tied weights)"),
 ])
 def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, split, problem):

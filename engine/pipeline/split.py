@@ -2,7 +2,9 @@
 
 A model is split as a sequence of parts run one after the other: an ``nn.Sequential``'s
 children in order, a child that is itself an ``nn.Sequential`` (a stack of blocks) opened
-into its own children. The parts are cut into consecutive stages:
+into its own children; or, for another model, the modules its forward calls one after the
+other, each on the previous one's output (an embedding, an ``nn.ModuleList``'s blocks in a
+loop, a head), read from a ``torch.fx`` trace. The parts are cut into consecutive stages:
 
 * ``auto``: balanced by parameter count (DeepSpeed's ``partition_method: parameters``):
   the cut whose largest stage holds the fewest parameters;
@@ -19,6 +21,7 @@ import contextlib
 from typing import Callable
 
 import torch
+import torch.fx
 from torch import nn
 
 from engine.errors import ConfigError
@@ -26,19 +29,57 @@ from engine.errors import ConfigError
 
 def sequence_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The (name, module) parts ``model`` runs in order; a ConfigError naming the fix for a
-    model whose order cannot be known."""
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError([
-            f"pipeline.split: {type(model).__name__} is not an nn.Sequential, so the order its forward runs its "
-            "modules in is unknown and it cannot be cut into pipeline stages. Build it as "
-            "nn.Sequential(embedding, *blocks, head) (each part taking the previous part's output), or run "
-            "it with pipeline.stages: 1"])
-    parts = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.Sequential):
-            parts += [(f"{name}.{inner}", block) for inner, block in child.named_children()]
+    model whose forward is not such a chain."""
+    if isinstance(model, nn.Sequential):
+        parts = []
+        for name, child in model.named_children():
+            if isinstance(child, nn.Sequential):
+                parts += [(f"{name}.{inner}", block) for inner, block in child.named_children()]
+            else:
+                parts.append((name, child))
+        return parts
+    return _traced_chain(model)
+
+
+class _WholeModules(torch.fx.Tracer):
+    """Records each module the forward calls as one step (a block with a residual inside stays whole)."""
+
+    def is_leaf_module(self, module, qualified_name):
+        return True
+
+
+def _traced_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a model's forward calls one after the other, each on the previous one's
+    output (e.g. an embedding, the blocks of an nn.ModuleList in a loop, a head), read from a
+    ``torch.fx`` trace of the forward."""
+    name = type(model).__name__
+    fix = (f"build it as nn.Sequential(embedding, *blocks, head), or make its forward call its modules one after "
+           f"the other, each on the previous one's output (other steps inside modules), or run it with "
+           f"pipeline.stages: 1")
+    try:
+        graph = _WholeModules().trace(model)
+    except Exception as error:  # noqa: BLE001 - any tracing failure means: not a chain we can read
+        raise ConfigError([f"pipeline.split: {name}'s forward cannot be traced to find its modules' order "
+                           f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); {fix}"]) from None
+    parts, previous = [], None
+    for node in graph.nodes:
+        if node.op == "placeholder" and previous is None:
+            previous = node
+        elif node.op == "call_module" and previous is not None and node.args == (previous,) and not node.kwargs:
+            parts.append((node.target, model.get_submodule(node.target)))
+            previous = node
+        elif node.op == "output" and node.args == (previous,) and parts:
+            break
         else:
-            parts.append((name, child))
+            step = getattr(node.target, "__name__", node.target)
+            raise ConfigError([f"pipeline.split: {name}'s forward is not a chain of its modules: its step "
+                               f"{node.name} ({node.op} {step}) is not one of its modules called on the previous "
+                               f"one's output alone; {fix}"])
+    covered = {id(p) for _, module in parts for p in module.parameters()}
+    outside = [param_name for param_name, p in model.named_parameters() if id(p) not in covered]
+    if outside:
+        raise ConfigError([f"pipeline.split: {name} has parameters its chain of modules does not use "
+                           f"({', '.join(outside[:4])}); {fix}"])
     return parts
 
 
