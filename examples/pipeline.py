@@ -41,7 +41,8 @@ def dataset(samples: int = 64) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.sin(x[:, :2] * 2) + 0.1 * x[:, 2:4])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[str]:
+    """Train; returns what rank 0 prints (every rank: its own view of the same numbers)."""
     strip_local_rank_arg(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -50,16 +51,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     eng = engine.initialize(model(), engine.load_config(args.config, args.overrides))
     data = eng.batches(dataset(), shuffle=True, seed=0)  # this data-parallel rank's (inputs, labels)
+    lines = []
     for _ in range(args.epochs):
         for batch in data:
             loss = eng.train_batch(batch, loss_fn)
-            if eng.rank == 0:
-                print(f"step {eng.global_steps}: loss {loss:.12f}, lr {eng.lr_scheduler.get_last_lr()[0]:.4f}")
+            lines.append(f"step {eng.global_steps}: loss {loss:.12f}, lr {eng.lr_scheduler.get_last_lr()[0]:.4f}")
     checksum = sum(float(v.double().sum()) for v in eng.full_state_dict().values())
+    lines.append(f"{eng.plan.gradient_accumulation_steps} micro-batches per step on {eng.plan.world_size} "
+                 f"data-parallel rank(s); model checksum {checksum:.12f}")
     if eng.rank == 0:
-        print(f"{eng.plan.gradient_accumulation_steps} micro-batches per step on {eng.plan.world_size} data-parallel "
-              f"rank(s); model checksum {checksum:.12f}")
+        print("\n".join(lines))
     eng.close()
+    return lines
 
 
 if __name__ == "__main__":

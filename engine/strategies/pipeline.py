@@ -178,9 +178,10 @@ class PipelineParallel(TorchStrategy):
         try:
             if train:
                 schedule.step(*args, target=target, **self._step_options)
-            elif self.schedule_class is ScheduleZBVZeroBubble:
+            elif self.schedule_class is ScheduleZBVZeroBubble or not hasattr(schedule, "eval"):
                 # torch's zero-bubble V schedule runs its backward actions in eval() too, and fails
-                # where two stages meet on one rank: evaluate with a backward of zero losses instead.
+                # where two stages meet on one rank (and older schedules have no eval()):
+                # evaluate with a backward of zero losses instead.
                 with torch.enable_grad():
                     schedule.step(*args, target=target, **self._step_options)
                 self.zero_grad()
