@@ -17,9 +17,11 @@ nothing, its collectives still run (ranks with fewer micro-batches than their pe
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (:class:`WindowRunner`: the plain one, or the
+(how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
-``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step), the hooks
+``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
+schedule, ``engine.pipeline.runner``, which runs a window's micro-steps itself and tells the
+engine with ``start_window`` / ``record_micro_step``), the hooks
 (``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
 a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
