@@ -141,6 +141,9 @@ def summarize(config: Config) -> str:
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",
              f"zero stage {config.zero_optimization.stage}",
+             *([f"pipeline {config.pipeline.stages} stages ({config.pipeline.schedule}, split "
+                f"{config.pipeline.split if isinstance(config.pipeline.split, str) else ','.join(config.pipeline.split)})"]
+               if config.pipeline.stages > 1 else []),
              f"backend {config.backend}", precision]
     return ", ".join(parts)
 

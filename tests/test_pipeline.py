@@ -448,3 +448,17 @@ def test_the_monitor_reports_the_same_on_every_stage():
     assert loss == results[0]["losses"][0] and grad_norm == results[0]["norms"][0]
     assert (lr, second_lr) == (0.1, 0.05)
     assert peak > 0
+
+
+def test_plan_and_validate_show_the_mesh(capsys):
+    from engine.cli import main
+
+    assert main(["plan", "configs/pipeline.yaml", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × tensor 1: the batch is planned for W_dp = 4 / "
+                      "(pipeline 2 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
+    assert "accumulation steps: 4" in out
+    assert main(["validate", "configs/pipeline.yaml"]) == 0
+    assert "zero stage 0, pipeline 2 stages (1f1b, split auto), backend torch" in capsys.readouterr().out
+    assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
+    assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
