@@ -1,8 +1,11 @@
 """Pipeline parallelism against the float64 full-batch reference: pipeline 2 on 2 ranks with
-every schedule, pipeline 2 × data 2 on 4 ranks; mean and (sum, count) losses, clipping on the
-global norm over the stages, a short last window, a balanced plan (micro-batches of different
-sizes in one schedule), an fp16 overflow on one stage only. The broken variant of DeepSpeed
-#7773 (micro-batch gradients summed instead of averaged) misses the tolerance.
+every schedule, pipeline 2 × data 2 and pipeline 4 on 4 ranks; ZeRO 0, 2 and 3 (FSDP2 per
+stage); mean and (sum, count) losses, clipping on the global norm over the stages, a short last
+window, a balanced plan (micro-batches of different sizes in one schedule), windows of two
+sequence lengths, a model whose blocks are an nn.ModuleList, an fp16 overflow on one stage only,
+the monitor, checkpoints resumed on another data-parallel size and without a pipeline, and the
+README's script on 1, 2 and 4 processes. The broken variant of DeepSpeed #7773 (micro-batch
+gradients summed instead of averaged) misses the tolerance.
 
 Every scenario runs on every rank and returns this rank's view of the result: the whole model
 (``full_state_dict``, the same on every stage), counters and the reported loss."""
@@ -108,10 +111,10 @@ def data_share(batch, eng):
 
 
 def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, split="strict", zero=0,
-          shorter_sequences=False, breaks=intact):
+          shorter_sequences=False, stages=2, breaks=intact):
     """Three windows (the last a short one when ``short``; the second of shorter sequences when
     ``shorter_sequences``: another shape, another schedule) against the reference."""
-    data_ranks = world // 2
+    data_ranks = world // stages
     # strict: A = 4 micro-batches of 1; a short window: A = 2 of 2, then 2 and 1 (padded to 2)
     global_batch, micro = (4 * data_ranks, 2 if short else 1) if split == "strict" else (5 * data_ranks + 1, 2)
     if loss in ("mean", "blocks"):
@@ -125,10 +128,10 @@ def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, s
     if short:  # the end of an epoch: fewer samples than planned, as many micro-steps
         batches[-1] = tuple(t[:global_batch - 1] for t in batches[-1])
     expected, reference_losses = reference_run(model, batches, reference_loss, clip)
-    eng = breaks(engine.initialize(copy.deepcopy(model),
-                                   config(global_batch, micro, schedule, gradient_clipping=clip, batch_split=split,
-                                          zero_optimization={"stage": zero}),
-                                   optimizer=sgd))
+    settings = config(global_batch, micro, schedule, gradient_clipping=clip, batch_split=split,
+                      zero_optimization={"stage": zero})
+    settings["pipeline"]["stages"] = stages
+    eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     losses = [eng.train_batch(data_share(batch, eng), loss_fn) for batch in batches]
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "keys": list(eng.full_state_dict()) == list(model.state_dict()),
@@ -258,7 +261,7 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
 @pytest.mark.timeout(300)
 def test_pipeline_two_by_data_two_is_exact():
     """4 ranks: stages 1-2 on ranks {0, 1} and {2, 3}, their data-parallel replicas {0, 2} and {1, 3};
-    ZeRO 0, and 2 / 3 (each stage sharded by FSDP2 over its replicas)."""
+    ZeRO 0, and 2 / 3 (each stage sharded by FSDP2 over its replicas); and a pipeline of 4."""
     scenarios = {"1f1b mean": functools.partial(train),
                  "interleaved tokens": functools.partial(train, schedule="interleaved", loss="tokens"),
                  "gpipe clipped, short window": functools.partial(train, schedule="gpipe", clip=0.05, short=True),
@@ -267,6 +270,7 @@ def test_pipeline_two_by_data_two_is_exact():
                  "interleaved ZeRO-3 tokens": functools.partial(train, schedule="interleaved", loss="tokens", zero=3),
                  "gpipe ZeRO-2": functools.partial(train, schedule="gpipe", zero=2),
                  "zero_bubble ZeRO-2": functools.partial(train, schedule="zero_bubble", zero=2),
+                 "pipeline 4, 1f1b tokens, clipped": functools.partial(train, loss="tokens", clip=0.05, stages=4),
                  "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches)}
     results = run_scenarios(scenarios, world_size=4, timeout=280)
     broken = results.pop("summed (DeepSpeed #7773)")
