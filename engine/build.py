@@ -10,12 +10,13 @@ import torch
 
 from engine.state.autosave import automatic_checkpoints
 from engine.autotune.tuner import MicroBatchTuner
-from engine.batching.plan import plan_from_config
+from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
-from engine.engine import Engine, LossFn
+from engine.engine import Engine, LossFn, WindowRunner
 from engine.monitor import Monitor
+from engine.pipeline.runner import PipelineWindows
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
@@ -72,7 +73,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     _configure_logging(dist_info.rank)
     setup = resolve_setup(config, dist_info)
     strategy = make_strategy(setup, dist_info)
-    plan = plan_from_config(config, setup.mesh.data, setup.mesh.data_rank(dist_info.rank))
+    plan = plan_for_mesh(config, setup.mesh, dist_info.rank)
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later, token budgets choose it per window:
     # check as if it were > 1
@@ -84,7 +85,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit) if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys)
-    eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split, window_runner=tuner,
+    eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
+                 window_runner=_window_runner(setup, strategy, plan, tuner),
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
@@ -93,6 +95,13 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if autosave is not None:
         autosave.start(eng)  # may resume: last
     return eng
+
+
+def _window_runner(setup, strategy, plan, tuner: MicroBatchTuner | None) -> WindowRunner | None:
+    """Who runs a window: the pipeline schedule, the micro-size tuner, or the engine itself (None)."""
+    if setup.mesh.pipeline > 1:
+        return PipelineWindows(strategy, plan.gradient_accumulation_steps)
+    return tuner
 
 
 def _configure_logging(rank: int) -> None:

@@ -9,7 +9,8 @@ import argparse
 import sys
 import warnings
 
-from engine.batching.plan import plan_from_config
+from engine.batching.mesh_plan import describe_data_ranks, plan_for_mesh
+from engine.distributed.mesh import MeshLayout
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
@@ -27,7 +28,10 @@ def add_override_argument(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    plan = plan_from_config(config, args.world_size, args.rank)
+    mesh = MeshLayout.from_config(config, args.world_size)
+    plan = plan_for_mesh(config, mesh, args.rank)
+    if not mesh.is_data_parallel_only:
+        print(f"mesh: {describe_data_ranks(mesh)}")
     print(plan.describe())
     return 0
 
@@ -141,6 +145,9 @@ def summarize(config: Config) -> str:
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",
              f"zero stage {config.zero_optimization.stage}",
+             *([f"pipeline {config.pipeline.stages} stages ({config.pipeline.schedule}, split "
+                f"{config.pipeline.split if isinstance(config.pipeline.split, str) else ','.join(config.pipeline.split)})"]
+               if config.pipeline.stages > 1 else []),
              f"backend {config.backend}", precision]
     return ", ".join(parts)
 
@@ -165,8 +172,9 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="show how a config splits the global batch")
     plan.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
-    plan.add_argument("--world-size", type=int, required=True, help="number of data-parallel ranks")
-    plan.add_argument("--rank", type=int, default=0, help="rank whose plan to build (default 0)")
+    plan.add_argument("--world-size", type=int, required=True,
+                      help="number of processes: pipeline stages × data-parallel ranks (the planner counts the data-parallel ones)")
+    plan.add_argument("--rank", type=int, default=0, help="(global) rank whose plan to build (default 0)")
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)
 

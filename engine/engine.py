@@ -17,9 +17,11 @@ nothing, its collectives still run (ranks with fewer micro-batches than their pe
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (:class:`WindowRunner`: the plain one, or the
+(how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
-``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step), the hooks
+``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
+schedule, ``engine.pipeline.runner``, which runs a window's micro-steps itself and tells the
+engine with ``start_window`` / ``record_micro_step``), the hooks
 (``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
 a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
@@ -28,6 +30,7 @@ engine hands with itself and its strategy to one ``engine.state.checkpoint.Check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -209,22 +212,40 @@ class Engine:
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
-            for hook in self.hooks:
-                hook.on_window_start(self)
-            self._recording = self._records(self.global_steps + 1)
-            if self._recording:
-                self._peak.start()
+            self.start_window()
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         if not self._recording:
             output = self.strategy.forward(*args, **kwargs)
         else:
-            with self._peak.forward():
+            with self.measured_forwards():
                 output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
+
+    def start_window(self) -> None:
+        """A training window starts: tell the hooks, start measuring memory when it is recorded.
+        (Called at the window's first forward; a window runner whose micro-steps do not go
+        through ``eng(...)`` calls it itself.)"""
+        for hook in self.hooks:
+            hook.on_window_start(self)
+        self._recording = self._records(self.global_steps + 1)
+        if self._recording:
+            self._peak.start()
+
+    def measured_forwards(self):
+        """A context for the forwards of a window the monitor records: its peak memory is
+        measured there (``engine.memory.PeakMeter``); otherwise nothing."""
+        return self._peak.forward() if self._recording else contextlib.nullcontext()
+
+    def record_micro_step(self, output, samples: int) -> None:
+        """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
+        ``engine.pipeline.runner``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
+        or ``(sum, count)``), ``samples`` its real samples."""
+        loss, units, item_weighted = loss_and_units(output, samples)
+        self._count_micro_step(loss, units, samples, item_weighted, exact_counts=True)
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss, weighted by its share of the global batch.
@@ -233,6 +254,7 @@ class Engine:
         num_items)`` for item-weighted losses. In this manual loop the k-th micro-step of a
         window is taken to hold ``plan.micro_batch_sizes[k]`` samples, or, when sizes are
         read from the inputs, the batch size of what was passed to ``eng(...)``."""
+        self.strategy.check_manual_loop()
         window = self._window
         k = window.micro_steps
         if k >= self.plan.gradient_accumulation_steps:
@@ -240,8 +262,8 @@ class Engine:
                 f"backward() called {k + 1} times in a window of {self.plan.gradient_accumulation_steps} "
                 "micro-steps: call step() after every backward()"
             )
-        tensor = self._loss_and_units(loss, 0)[0]
-        _check_loss(tensor)
+        tensor = loss_and_units(loss, 0)[0]
+        check_loss(tensor)
         samples = self.window_split.manual_samples(window.forwards, self.plan, k, tensor)
         self._backward(loss, samples, exact_counts=self.window_split.counts_exactly)
 
@@ -387,7 +409,7 @@ class Engine:
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
-                loss, count, item_weighted = self._loss_and_units(loss_fn(self, micro_batch), n)
+                loss, count, item_weighted = loss_and_units(loss_fn(self, micro_batch), n)
                 if n:
                     total[0] += loss.double().cpu() * (1 if item_weighted else n)
                     total[1] += torch.as_tensor(count, dtype=torch.float64).cpu()
@@ -489,42 +511,27 @@ class Engine:
         for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 
-    def _loss_and_units(self, output, samples: int):
-        """(loss, the units the window's mean divides by, item-weighted?): a mean loss
-        stands for its samples, a ``(sum, count)`` pair for its count."""
-        if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
-            output = output.loss
-        if isinstance(output, torch.Tensor):
-            return output, samples, False
-        if isinstance(output, (tuple, list)) and len(output) == 2:
-            loss_sum, count = output
-            if isinstance(loss_sum, torch.Tensor):
-                return loss_sum, count, True
-        raise EngineUsageError(
-            "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
-            f"(loss_sum, num_items); got {type(output).__name__}"
-        )
-
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
-        loss, units, item_weighted = self._loss_and_units(output, samples)
-        _check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
-        if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
-            units = 0
+        loss, units, item_weighted = loss_and_units(output, samples)
+        check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
         if self.world_size > 1 and not window.forwarded:
             raise EngineUsageError(
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
                 "so that gradient synchronisation is planned for this micro-step"
             )
-        if window.item_weighted is None:
-            window.item_weighted = item_weighted
-        elif window.item_weighted != item_weighted:
-            raise EngineUsageError(
-                "one window mixes mean losses and (sum, count) losses; use one kind per window"
-            )
+        _check_same_kind(window, item_weighted)
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
         self.strategy.backward(loss, share * self.world_size / self._weighting_batch())
+        self._count_micro_step(loss, units, samples, item_weighted, exact_counts=exact_counts)
+
+    def _count_micro_step(self, loss, units, samples: int, item_weighted: bool, *, exact_counts: bool) -> None:
+        window = self._window
+        _check_same_kind(window, item_weighted)
+        if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
+            units = 0
+        share = (1 if item_weighted else samples) if samples else 0
         window.micro_steps += 1
         window.samples += samples
         window.losses.append(loss.detach())
@@ -612,7 +619,31 @@ class Engine:
         return result
 
 
-def _check_loss(loss) -> None:
+def loss_and_units(output, samples: int):
+    """(loss, the units the window's mean divides by, item-weighted?): a mean loss
+    stands for its samples, a ``(sum, count)`` pair for its count."""
+    if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
+        output = output.loss
+    if isinstance(output, torch.Tensor):
+        return output, samples, False
+    if isinstance(output, (tuple, list)) and len(output) == 2:
+        loss_sum, count = output
+        if isinstance(loss_sum, torch.Tensor):
+            return loss_sum, count, True
+    raise EngineUsageError(
+        "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
+        f"(loss_sum, num_items); got {type(output).__name__}"
+    )
+
+
+def _check_same_kind(window: _Window, item_weighted: bool) -> None:
+    if window.item_weighted is None:
+        window.item_weighted = item_weighted
+    elif window.item_weighted != item_weighted:
+        raise EngineUsageError("one window mixes mean losses and (sum, count) losses; use one kind per window")
+
+
+def check_loss(loss) -> None:
     if not isinstance(loss, torch.Tensor):
         raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
     if loss.dim() != 0:

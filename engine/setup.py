@@ -19,7 +19,7 @@ from engine.config.schema import Config
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed", "pipeline", "pipeline_fsdp")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class HalfPrecision:
 
 
 @dataclass(frozen=True)
+class PipelineSetup:
+    """How the model is cut into stages and which schedule runs them (stages: ``mesh.pipeline``)."""
+
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero_bubble
+    split: str | tuple[str, ...] = "auto"  # auto | uniform | names of the modules starting stages 2, 3, ...
+
+
+@dataclass(frozen=True)
 class Setup:
     """Every decision a strategy is built from."""
 
@@ -53,6 +61,7 @@ class Setup:
     defer_reduction: bool | str  # False | True | "auto"
     shard_unit_size: int | None
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
+    pipeline: PipelineSetup = PipelineSetup()
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
@@ -73,7 +82,7 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
     """The setup of ``config`` on the process group ``dist_info`` describes."""
     zero = config.zero_optimization
     stage = zero.stage
-    mesh = MeshLayout(dist_info.world_size)
+    mesh = MeshLayout.from_config(config, dist_info.world_size)
     dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
     precision = HalfPrecision(dtype, config.fp16 if config.fp16.enabled else None)
     deepspeed = config.backend == "deepspeed"
@@ -88,6 +97,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         defer_reduction=zero.defer_reduction if not deepspeed or stage >= 2 else False,
         shard_unit_size=zero.shard_unit_size,
         memory_limit=config.auto_memory_limit,
+        pipeline=PipelineSetup(config.pipeline.schedule, config.pipeline.split if isinstance(config.pipeline.split, str)
+                               else tuple(config.pipeline.split)),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )
@@ -96,6 +107,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
+    if mesh.pipeline > 1:  # offload under a pipeline is refused by engine.config.checks
+        return "pipeline_fsdp" if config.zero_optimization.stage >= 2 else "pipeline"
     if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)
         return "fsdp"
     if mesh.world_size == 1:

@@ -75,3 +75,17 @@ def keeps_failed_windows(eng):
     return eng
 
 
+
+
+def summed_micro_batches(eng):
+    """Under a pipeline, micro-batch gradients summed instead of averaged (DeepSpeed #7773): every
+    micro-batch loss counted A times too much, so the gradient (and its norm) is A times too large."""
+    strategy = eng.strategy
+    run_schedule = strategy.run_schedule
+
+    def summing(inputs, micro_batches, loss_fn, *, train):
+        return run_schedule(inputs, micro_batches, lambda outputs, index: loss_fn(outputs, index) * micro_batches,
+                            train=train)
+
+    strategy.run_schedule = summing
+    return eng

@@ -394,10 +394,15 @@ COLOSSAL_SHAPES = [
             tensr=dict(size=1),
         )
      """, {}, [],
-     "{path}:2: parallel.pipeline: size 2: Microstep has no pipeline parallelism; it trains with data "
-     "parallelism over all ranks, sharded by ZeRO 0-3 (zero_optimization.stage; stage 3 also shards "
-     "the parameters). Set the pipeline size to 1 or remove it, or keep Colossal-AI for this model\n"
      "{path}:3: parallel.tensr: unknown key; did you mean tensor?"),
+    ("pipeline parallel", """
+        parallel = dict(pipeline=2, tensor=dict(size=1, mode=None))
+     """, {"pipeline.stages": 2}, [], None),
+    ("pipeline parallel written twice", """
+        parallel = dict(pipeline=2)
+        pipeline = dict(stages=4)
+     """, {}, [],
+     "{path}:1: parallel.pipeline: size 2 conflicts with pipeline.stages: 4; keep one"),
     ("unknown AMP mode", """
         fp16 = dict(mode='bf16')
      """, {}, [],

@@ -12,7 +12,9 @@ both report the same problems, all at once:
   imported) and a config the DeepSpeed backend accepts; ``backend: torch`` an offload
   request FSDP2 can carry out (``engine.config.offload``);
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
-  (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it.
+  (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
+* pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
+  batches whose micro-batches the plan does not fix).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def check_without_model(config: Config) -> list[str]:
     problems = check_sections(config.optimizer, config.scheduler)
     problems += _precision_problems(config)
     problems += _token_budget_problems(config)
+    problems += _pipeline_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -51,6 +54,37 @@ def _token_budget_problems(config: Config) -> list[str]:
     return [f"{key}: {problem}" for key, problem in token_budget_conflicts(
         config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
         config.auto_max)]
+
+
+def _pipeline_problems(config: Config) -> list[str]:
+    stages = config.pipeline.stages
+    if stages == 1:
+        return []
+    problems = []
+    if config.backend != "torch":
+        problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
+                        "set backend: torch")
+    if config.zero_optimization.stage == 1:
+        problems.append(f"zero_optimization.stage: 1 is not available under a pipeline of {stages} stages; use stage 0 "
+                        "(each stage whole on its data-parallel ranks), 2 or 3 (each stage sharded by FSDP2)")
+    if config.zero_optimization.stage == 3 and config.pipeline.schedule == "zero_bubble":
+        # measured: torch's V schedule then applies wrong weight gradients (its split backward
+        # and FSDP's resharding after forward), silently
+        problems.append("pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3 (torch's zero-bubble "
+                        "V schedule computes wrong weight gradients on stages resharded after their forward); use "
+                        "zero_optimization.stage 2, or another schedule")
+    if config.zero_optimization.stage >= 2 and torch_offload(config.zero_optimization).to_host:
+        problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages")
+    if config.train_micro_batch_size_per_gpu in ("auto", "explore"):
+        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
+                        f"under a pipeline of {stages} stages yet; give a number")
+    if config.micro_batch_tokens is not None:
+        problems.append(f"micro_batch_tokens: not available under a pipeline of {stages} stages (the schedule "
+                        "needs A micro-batches of one shape); give train_micro_batch_size_per_gpu")
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        problems.append(f"pipeline.stages: a pipeline of {stages} stages runs the plan's micro-batches; give "
+                        "train_batch_size or train_micro_batch_size_per_gpu besides gradient_accumulation_steps")
+    return problems
 
 
 def _precision_problems(config: Config) -> list[str]:

@@ -3,8 +3,8 @@
 * ``colossalai_imports()``: while a Python config runs without colossalai installed, its
   ``from colossalai... import ...`` lines get stand-ins (``AMP_TYPE`` is a real enum).
 * ``translate(raw, problems)``: ``fp16 = dict(mode=AMP_TYPE.X, ...)`` becomes our fp16
-  section; ``parallel`` is checked (every size 1) and dropped, since plain data
-  parallelism is what it then asks for. Returns the warnings to give once the config is
+  section; ``parallel`` is checked and dropped: ``pipeline=N`` becomes ``pipeline.stages: N``,
+  other sizes must be 1 (plain data parallelism). Returns the warnings to give once the config is
   valid.
 * ``COLOSSALAI_TOP_LEVEL_KEYS``: legacy keys kept unused in ``colossalai_extras``, each with
   what to do instead. ``clip_grad_norm`` and ``gradient_accumulation`` are aliases
@@ -245,7 +245,7 @@ _PARALLEL_KEYS = ("data", "pipeline", "tensor")
 
 
 def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
-    """Every size 1 (any data size) is plain data parallelism: accepted and dropped."""
+    """Any data size, a pipeline size (mapped), every other size 1: accepted and dropped."""
     parallel = raw.data.pop("parallel", None)
     if parallel is None:
         return
@@ -265,6 +265,8 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             problems.append(f"{where}: parallel.{kind}: expected a size (an integer >= 1) or "
                             f"dict(size=...), got {value!r}")
+        elif kind == "pipeline" and size > 1:
+            _map_pipeline(raw, size, where, problems)
         elif kind != "data" and size > 1:
             mode = value.get("mode") if isinstance(value, dict) else None
             problems.append(
@@ -273,6 +275,19 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
                 "by ZeRO 0-3 (zero_optimization.stage; stage 3 also shards the parameters). Set "
                 f"the {kind} size to 1 or remove it, or keep Colossal-AI for this model")
     raw.forget(("parallel",))
+
+
+def _map_pipeline(raw: RawConfig, size: int, where: str, problems: list[str]) -> None:
+    """``parallel.pipeline = N`` is our ``pipeline.stages: N`` (a pipeline section may say the same)."""
+    section = raw.data.setdefault("pipeline", {})
+    if not isinstance(section, dict):
+        return  # the schema reports the malformed section
+    if section.get("stages", size) != size:
+        problems.append(f"{where}: parallel.pipeline: size {size} conflicts with pipeline.stages: "
+                        f"{section['stages']}; keep one")
+        return
+    section["stages"] = size
+    raw.locations.setdefault(("pipeline", "stages"), where)
 
 
 def translate(raw: RawConfig, problems: list[str]) -> list[str]:

@@ -17,11 +17,16 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
     "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
     "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
     "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
-    "sparse_attention", "pipeline", "tensor_parallel", "hybrid_engine", "eigenvalue",
+    "sparse_attention", "tensor_parallel", "hybrid_engine", "eigenvalue",
     "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
     "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
     "disable_python_gc", "expert_parallel",
 })
+
+# DeepSpeed's pipeline keys besides ``stages`` and ``partition`` (which map): kept, not used.
+DEEPSPEED_PIPELINE_KEYS = frozenset({
+    "seed_layers", "activation_checkpoint_interval", "pipe_partitioned", "grad_partitioned",
+    "use_reentrant"})
 
 # Keys DeepSpeed accepts under zero_optimization besides the ones modelled below.
 DEEPSPEED_ZERO_KEYS = frozenset({
@@ -55,7 +60,7 @@ DEEPSPEED_CHECKPOINT_KEYS = frozenset({
 def deepspeed_only_settings(config) -> list[str]:
     """DeepSpeed keys the config holds (top level and inside sections), sorted."""
     names = list(config.deepspeed_extras)
-    for section in ("zero_optimization", "fp16", "bf16", "checkpoint"):
+    for section in ("zero_optimization", "fp16", "bf16", "checkpoint", "pipeline"):
         names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
     return sorted(names)
 

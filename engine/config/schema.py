@@ -25,8 +25,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS,
-                                     deepspeed_only_settings)
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TOP_LEVEL_KEYS,
+                                     DEEPSPEED_ZERO_KEYS, deepspeed_only_settings)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
 from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
@@ -184,6 +184,57 @@ class CheckpointConfig(_DeepSpeedSection):
         return self
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+# DeepSpeed's partition methods that mean one of our splits.
+_DEEPSPEED_PARTITIONS = {"parameters": "auto", "best": "auto", "uniform": "uniform"}
+
+
+def _split(value):
+    if value in ("auto", "uniform"):
+        return value
+    if isinstance(value, list) and value and all(isinstance(name, str) and name for name in value):
+        if len(set(value)) != len(value):
+            raise ValueError(f"a module name is given twice in {value!r}")
+        return value
+    raise ValueError(f"expected auto, uniform or a list of module names where a stage starts, got {value!r}")
+
+
+def _stages(value):
+    if value == "auto":  # DeepSpeed's default: the model's own count; without one, no pipeline
+        return 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"expected a number of stages (an integer >= 1), got {value!r}")
+
+
+class PipelineConfig(_DeepSpeedSection):
+    """Pipeline parallelism (``engine.strategies.pipeline``): the model split into ``stages``
+    consecutive parts on as many ranks, the accumulation steps run as the schedule's micro-batches."""
+
+    stages: Annotated[int, PlainValidator(_stages)] = 1
+    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
+    # auto: balanced by parameter count; uniform: by number of modules; or the names of the
+    # modules where stages 2, 3, ... start (as many names as stages - 1, or stages x 2 - 1
+    # for the schedules with two stages per rank).
+    split: Annotated[Union[str, list[str]], PlainValidator(_split)] = "auto"
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_PIPELINE_KEYS | {"partition"}
+
+    @model_validator(mode="after")
+    def _deepspeed_partition(self):
+        extra = self.model_extra or {}
+        if "partition" in extra:
+            partition = extra.pop("partition")
+            mapped = _DEEPSPEED_PARTITIONS.get(str(partition).lower())
+            if mapped is None:
+                raise ValueError(f"partition {partition!r} (DeepSpeed's partition method): Microstep splits by "
+                                 "'parameters' or 'uniform'; or give split: [module names]")
+            if "split" in self.model_fields_set and self.split != mapped:
+                raise ValueError(f"partition {partition!r} (DeepSpeed's name for split: {mapped}) conflicts with "
+                                 f"split: {self.split!r}; keep one")
+            self.split = mapped
+        return self
+
+
 class MonitorConfig(Section):
     """Training metrics and progress (``engine.monitor``); rank 0 writes, others stay quiet."""
 
@@ -216,6 +267,7 @@ class Config(BaseModel):
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # max global norm; 0 = off
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16

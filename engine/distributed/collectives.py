@@ -39,11 +39,12 @@ def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES):
         yield bucket
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
-    """Replace each tensor by its mean over ranks, one flat all-reduce per bucket."""
+def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None) -> None:
+    """Replace each tensor by its mean over the ``world_size`` ranks of ``group`` (None: all),
+    one flat all-reduce per bucket."""
     for bucket in buckets(tensors):
         flat = flatten(bucket)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat.div_(world_size)
         for tensor, reduced in zip(bucket, unflatten(flat, bucket)):
             tensor.copy_(reduced)

@@ -36,6 +36,11 @@ class MeshLayout:
                 f"tensor {self.tensor} × pipeline {self.pipeline} = {model} model-parallel ranks; launch a "
                 f"multiple of {model} processes, or change the tensor / pipeline sizes"])
 
+    @classmethod
+    def from_config(cls, config, world_size: int) -> MeshLayout:
+        """The mesh a loaded config asks for on ``world_size`` ranks."""
+        return cls(world_size, pipeline=config.pipeline.stages)
+
     @property
     def data(self) -> int:
         """Data-parallel ranks: W_dp = world / (tensor × pipeline)."""
@@ -48,6 +53,10 @@ class MeshLayout:
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline index, data index, tensor index) of ``rank``."""
         return rank // (self.data * self.tensor), rank // self.tensor % self.data, rank % self.tensor
+
+    def pipeline_rank(self, rank: int) -> int:
+        """This rank's pipeline index: the stage (or first of the stages) it holds."""
+        return self.coordinates(rank)[0]
 
     def data_rank(self, rank: int) -> int:
         """This rank's data-parallel index: the batch planner's rank."""

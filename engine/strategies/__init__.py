@@ -22,6 +22,10 @@ def make_strategy(setup: Setup, dist_info: DistInfo):
 
         if setup.stage > 0:
             log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
+    elif setup.strategy == "pipeline":
+        from engine.strategies.pipeline import PipelineParallel as chosen
+    elif setup.strategy == "pipeline_fsdp":
+        from engine.strategies.pipeline import ShardedPipelineParallel as chosen
     elif setup.strategy == "ddp":
         from engine.strategies.ddp import DataParallel as chosen
     elif setup.strategy == "zero1":

@@ -62,6 +62,10 @@ class Strategy(ABC):
     def forward(self, *args, **kwargs):
         return self.forward_module(*args, **kwargs)
 
+    def check_manual_loop(self) -> None:
+        """Raise EngineUsageError, naming what to call instead, where the manual loop
+        (``eng(x)`` / ``backward`` / ``step``) cannot run (a pipeline)."""
+
     def prepare_micro_step(self, closes_window: bool) -> None:
         """Called before a micro-step's forward: whether its backward closes the window."""
 

@@ -93,7 +93,7 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
     return [group for group in units if sum(map(_parameter_count, group)) < total]
 
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
+def repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
     """Swap, in place, the optimizer's parameters for the sharded ones of the same name."""
     if optimizer.state:
         raise ValueError(
@@ -133,7 +133,7 @@ class FullyShardedDataParallel(TorchStrategy):
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
                     offload_policy=self.offload_policy)
-        _repoint_optimizer(optimizer, names, module)
+        repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
         self.group = mesh.get_group()

@@ -44,17 +44,20 @@ def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
     _dcp(dcp.save, payload, directory)
 
 
-def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
+                        model_keys=None) -> None:
     """Inverse of :func:`save_training_state`, resharding to this run's layout: each
     rank reads the entries of the parameters its optimizer holds (its own shards under
     FSDP, its own parameters under ZeRO-1). Checks the model's names and shapes and the
-    optimizer's type and groups on every rank before anything is changed."""
+    optimizer's type and groups on every rank before anything is changed. ``model_keys``:
+    the whole model's state keys when ``module`` is a part of it (a pipeline stage), which
+    reads only its own; default: ``module``'s."""
     names = _param_names(module)
     problem, cause, model_state, templates, saved_groups = None, None, None, {}, None
     try:
         saved = FileSystemReader(directory).read_metadata().state_dict_metadata
         model_state = get_model_state_dict(module)
-        problem = _model_mismatch(model_state, saved, directory)
+        problem = _model_mismatch(model_state, saved, directory, model_keys)
         small = {"optimizer": {"type": None, "param_groups": None}}
         _dcp(dcp.load, small, directory, local=True)
         saved_type, (saved_groups,) = small["optimizer"]["type"], small["optimizer"]["param_groups"]
@@ -138,8 +141,9 @@ def _saved_optimizer_entries(saved) -> dict[str, list[str]]:
     return by_param
 
 
-def _model_mismatch(model_state: dict, saved, directory: str) -> str | None:
+def _model_mismatch(model_state: dict, saved, directory: str, model_keys=None) -> str | None:
     saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    elsewhere = set(model_keys or ()) - set(model_state)  # other parts' keys (pipeline stages)
     missing, shapes = [], []
     covered = set()
     for key, value in model_state.items():
@@ -155,7 +159,7 @@ def _model_mismatch(model_state: dict, saved, directory: str) -> str | None:
             if not found:
                 missing.append(key)
             covered |= found
-    unexpected = sorted(set(saved_model) - covered)
+    unexpected = sorted(set(saved_model) - covered - elsewhere)
     if not (missing or unexpected or shapes):
         return None
     parts = []

@@ -1,0 +1,172 @@
+"""Windows under a pipeline: the accumulation steps are the schedule's micro-batches.
+
+``train_batch((inputs, labels), loss_fn)`` hands this runner the rank's per-device batch (every
+stage of one replica gets the same one); ``loss_fn(outputs, labels)``, or one decorated with
+``@engine.loss_on_outputs`` (which also trains without a pipeline). The window split cuts it into the plan's A
+micro-batches, exactly as without a pipeline (a short last batch: A smaller ones); they run
+as one ``torch.distributed.pipelining`` schedule (``engine.strategies.pipeline``), the first
+stage called with each micro-batch's ``inputs`` and the last computing
+``loss_fn(outputs, labels)`` — a mean or ``(sum, count)``, as everywhere.
+
+Exactness. The last stage weights each micro-batch loss by its real share of the global
+batch, ``units · W_dp / G`` (units: its samples for a mean loss, 1 for a sum), as the engine
+weights a manual-loop backward; the schedule's own 1/A is off. It then sends every
+micro-batch's loss and counts to the other stages of its replica (one small broadcast), and
+each stage records them in the engine's window, so the boundary's correction G / U (U: the
+real samples or items over every data-parallel rank) is the same on every stage, and so are
+the counters, the reported loss, the scheduler and the monitor.
+
+Shapes. The schedule needs micro-batches of one shape; when the plan's micro-batches differ
+in size (a balanced plan, a short window) each is padded to the largest with copies of its
+own first rows, whose outputs are cut off before ``loss_fn`` sees them: they take no part in
+the loss or the gradient (models whose rows do not interact, i.e. without batch statistics).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batching.microbatch import batch_size
+from engine.engine import Engine, LossFn, WindowRunner, check_loss, loss_and_units
+from engine.errors import EngineUsageError
+from engine.losses import outputs_loss_of
+
+if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torch.distributed.pipelining)
+    from engine.strategies.pipeline import PipelineParallel
+
+
+class PipelineWindows(WindowRunner):
+    """Runs training and evaluation windows through the pipeline schedule."""
+
+    def __init__(self, strategy: PipelineParallel, accumulation: int):
+        strategy.check_accumulation(accumulation)
+        self.strategy = strategy
+
+    def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
+        inputs, _ = _inputs_and_labels(batch, "train_batch")
+        loss_fn = outputs_loss_of(loss_fn)
+        pieces = list(engine.window_split.split(batch, engine.plan).pieces)
+        sizes = [n for _, n in pieces]
+        engine.start_window()
+        weight = self.strategy.mesh.data / engine.window_split.weighting_batch(engine.plan)
+        records = _Records(len(pieces))
+
+        def weighted_loss(outputs, index):
+            k = int(index[0])
+            loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]), sizes[k])
+            check_loss(loss)
+            records.put(k, loss, sizes[k], count, item_weighted)
+            return loss * ((1 if item_weighted else sizes[k]) * weight)
+
+        if any(n != sizes[0] for n in sizes):
+            inputs = _equal_chunks([piece[0] for piece, _ in pieces])
+        with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+            self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
+        for output, samples in records.shared(self.strategy):
+            engine.record_micro_step(output, samples)
+
+    def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
+        _inputs_and_labels(batch, "eval_batch")
+        loss_fn = outputs_loss_of(loss_fn)
+        # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
+        pieces = list(engine.window_split.eval_pieces(batch, engine.plan))
+        # as many as the schedule runs: the last one repeated with 0 samples
+        pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
+        sizes = [n for _, n in pieces]
+        records = _Records(len(pieces))
+
+        def loss_only(outputs, index):
+            k = int(index[0])
+            if sizes[k]:
+                loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
+                                                            sizes[k])
+                records.put(k, loss, sizes[k], count, item_weighted)
+            return _zero_from(outputs)
+
+        module = engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces]), len(pieces), loss_only,
+                                           train=False)
+        finally:
+            module.train(was_training)
+        total = torch.zeros(2, dtype=torch.float64)
+        for output, samples in records.shared(self.strategy):
+            loss, units, item_weighted = loss_and_units(output, samples)
+            total[0] += loss.double() * (1 if item_weighted else samples)
+            total[1] += float(units)
+        total = self.strategy.all_reduce_sum(total.to(self.strategy.device))
+        return float(total[0] / total[1])
+
+
+class _Records:
+    """Each micro-batch's loss and counts on the last stage, shared with the other stages."""
+
+    def __init__(self, micro_batches: int):
+        # rows: loss, samples, count; plus one flag: (sum, count) losses
+        self.table = torch.zeros(3 * micro_batches + 1, dtype=torch.float64)
+        self.micro_batches = micro_batches
+
+    def put(self, k: int, loss: torch.Tensor, samples: int, count, item_weighted: bool) -> None:
+        n = self.micro_batches
+        self.table[k] = loss.detach().double().cpu()
+        self.table[n + k] = samples
+        self.table[2 * n + k] = float(count) if item_weighted else 0.0
+        self.table[3 * n] = float(item_weighted)
+
+    def shared(self, strategy: PipelineParallel) -> list[tuple[object, int]]:
+        """(loss as loss_fn returned it, samples) of every micro-batch, on every stage."""
+        table = strategy.from_last_stage(self.table.to(strategy.device)).cpu()
+        n = self.micro_batches
+        item_weighted = bool(table[3 * n])
+        rows = []
+        for k in range(n):
+            loss, samples = table[k], int(table[n + k])
+            rows.append(((loss, table[2 * n + k]) if item_weighted else loss, samples))
+        return rows
+
+
+def _inputs_and_labels(batch, method: str):
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch
+    raise EngineUsageError(
+        f"{method}(): under a pipeline a batch is a pair (inputs, labels): the first stage is called with "
+        "inputs (a tensor, or a tuple of tensors: several arguments), loss_fn(outputs, labels) runs on the last "
+        f"stage; got {type(batch).__name__}")
+
+
+def _rows(outputs, n: int):
+    """The first ``n`` rows of the outputs (the rest pads the micro-batch)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs if outputs.shape[0] == n else outputs[:n]
+    return type(outputs)(_rows(t, n) if isinstance(t, torch.Tensor) else t for t in outputs)
+
+
+def _zero_from(outputs) -> torch.Tensor:
+    """0, computed from the outputs (a schedule may back-propagate it: zero gradients)."""
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+    return sum(t.sum() * 0 for t in tensors if t.is_floating_point())
+
+
+def _equal_chunks(inputs: list):
+    """The micro-batches' inputs, each padded to the largest with copies of its own rows, one
+    after the other: equal chunks for the schedule."""
+    largest = max(batch_size(piece) for piece in inputs)
+    return _concat([_repeat_rows(piece, largest) for piece in inputs])
+
+
+def _repeat_rows(piece, size: int):
+    if isinstance(piece, torch.Tensor):
+        reps = -(-size // piece.shape[0])
+        return piece.repeat(reps, *([1] * (piece.dim() - 1)))[:size]
+    return type(piece)(_repeat_rows(t, size) for t in piece)
+
+
+def _concat(pieces: list):
+    if isinstance(pieces[0], torch.Tensor):
+        return torch.cat(pieces)
+    return type(pieces[0])(torch.cat(column) for column in zip(*pieces))

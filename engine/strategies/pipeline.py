@@ -1,0 +1,314 @@
+"""Pipeline parallelism: this rank holds one stage of the model (two for the interleaved and
+zero-bubble schedules) and runs windows as ``torch.distributed.pipelining`` schedules.
+
+Ranks: the mesh's ``pipeline`` dimension holds the stages of one model replica (its ranks
+pass activations and their gradients point to point); the ``data`` dimension holds replicas
+of the same stage, whose gradients are averaged once per window (ZeRO-0, as ``ddp``;
+:class:`ShardedPipelineParallel`: ZeRO-2/3, each stage sharded by FSDP2 over its replicas).
+
+Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
+mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
+over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline.runner``)
+weights each micro-batch loss by its real share of the global batch, as the engine does, and
+this strategy adds the fp16 loss scale. What spans every stage is computed over the pipeline
+group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's
+discards the window everywhere) and ``full_state_dict`` (the stages' pieces joined).
+
+A window's micro-batches must share one shape (the schedule sizes its receive buffers at its
+first step): a schedule is built per shape and micro-batch count and kept for reuse.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
+
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
+from engine.distributed.collectives import all_reduce_mean_, broadcast_, sum_of_squares
+from engine.errors import ConfigError, EngineUsageError
+from engine.pipeline.split import StageModule, cut, sequence_of
+from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.fsdp import repoint_optimizer
+from engine.strategies.torch_checkpoint import load_training_state
+
+log = logging.getLogger("engine")
+
+# schedule name -> (torch schedule, stages per rank)
+SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
+             "interleaved": (ScheduleInterleaved1F1B, 2), "zero_bubble": (ScheduleZBVZeroBubble, 2)}
+_RULES = {Schedule1F1B: "at least one micro-batch per pipeline rank",
+          ScheduleInterleaved1F1B: "a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋"}
+_KEPT_SCHEDULES = 4  # schedules kept for other shapes (each holds its stages' receive buffers)
+
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]
+
+
+class PipelineParallel(TorchStrategy):
+    name = "pipeline"
+
+    def __init__(self, setup, dist_info):
+        super().__init__(setup, dist_info)
+        if setup.stage == 1:  # engine.config.checks says so first; a Setup built by hand lands here
+            raise EngineUsageError("pipeline: ZeRO stage 1 is not available under a pipeline; use "
+                                   "zero_optimization.stage 0, 2 or 3")
+        mesh = self.mesh = setup.mesh
+        self.schedule_class, self.stages_per_rank = SCHEDULES[setup.pipeline.schedule]
+        self.num_stages = mesh.pipeline * self.stages_per_rank
+        self.position = mesh.pipeline_rank(self.rank)
+        device_mesh = self.device_mesh = mesh.device_mesh(self.device.type)
+        self.pipeline_group = device_mesh["pipeline"].get_group()
+        self.data_group = device_mesh["data"].get_group()
+        self.stage_indices = self._stage_indices()
+        holder_of_last = self._position_of(self.num_stages - 1)
+        self.last_stage_rank = dist.get_global_rank(self.pipeline_group, holder_of_last)
+        self.holds_first_stage = 0 in self.stage_indices
+        self.holds_last_stage = self.num_stages - 1 in self.stage_indices
+        self._schedules: dict[tuple, object] = {}
+        self._step_options = _step_options(self.schedule_class)
+        self._loss: LossFn | None = None
+
+    def _stage_indices(self) -> list[int]:
+        p, count = self.position, self.mesh.pipeline
+        if self.stages_per_rank == 1:
+            return [p]
+        if self.schedule_class is ScheduleZBVZeroBubble:  # a V: down the ranks, then back up
+            return [p, 2 * count - 1 - p]
+        return [p, p + count]  # interleaved: loops over the ranks
+
+    def _position_of(self, stage: int) -> int:
+        count = self.mesh.pipeline
+        if self.stages_per_rank == 1 or stage < count:
+            return stage
+        return 2 * count - 1 - stage if self.schedule_class is ScheduleZBVZeroBubble else stage - count
+
+    # -- the model -------------------------------------------------------------------------
+    def setup(self, module, optimizer):
+        # Every rank starts from rank 0's model, as under DDP.
+        tensors = [t.data for t in (*module.parameters(), *module.buffers())]
+        broadcast_(tensors, src=0)
+        self._key_order = list(module.state_dict())
+        pieces = cut(sequence_of(module), self.num_stages, self.settings.pipeline.split)
+        if self.rank == 0:
+            log.info("pipeline: %d stage(s), %s schedule: %s", self.num_stages, self.settings.pipeline.schedule,
+                     "; ".join(f"stage {i + 1}: {piece[0][0]}..{piece[-1][0]} "
+                               f"({sum(p.numel() for _, m in piece for p in m.parameters())} parameters)"
+                               for i, piece in enumerate(pieces)))
+        mine = [part for index in sorted(self.stage_indices) for part in pieces[index]]
+        # What the user sees (eng.module): this rank's parts under the model's own names.
+        self.module = StageModule(mine).to(self.device)
+        zero_bubble = self.schedule_class is ScheduleZBVZeroBubble
+        self.stage_modules = [StageModule(pieces[index], self.precision.autocast, own_outputs=zero_bubble)
+                              for index in self.stage_indices]
+        held = {id(p) for p in self.module.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in held]
+        _release_others(module, self.module)
+        self.optimizer = optimizer
+        self.forward_module = self.module
+        self.shard_stages()
+
+    def shard_stages(self) -> None:
+        """ZeRO 0: every data-parallel rank holds its stages whole."""
+
+    def forward(self, *args, **kwargs):
+        self.check_manual_loop()
+
+    def check_manual_loop(self):
+        raise EngineUsageError(
+            f"under a pipeline of {self.mesh.pipeline} stages the accumulation steps are the pipeline's "
+            "micro-batches: train with eng.train_batch((inputs, labels), loss_fn) and evaluate with "
+            "eng.eval_batch((inputs, labels), loss_fn), where loss_fn(outputs, labels) runs on the last stage; "
+            "eng(x) / eng.backward() / eng.step() work with pipeline.stages: 1 only")
+
+    def backward(self, loss, weight):
+        self.check_manual_loop()
+
+    # -- how many micro-batches a schedule runs -------------------------------------------------
+    def runs_micro_batches(self, count: int) -> bool:
+        """Whether torch's schedule runs ``count`` micro-batches: 1F1B at least one per rank,
+        interleaved 1F1B a multiple of its rounds (⌊count / ranks⌋)."""
+        ranks = self.mesh.pipeline
+        if self.schedule_class is Schedule1F1B:
+            return count >= ranks
+        if self.schedule_class is ScheduleInterleaved1F1B:
+            return count % max(1, count // ranks) == 0
+        return count >= 1
+
+    def fitting_micro_batches(self, count: int) -> int:
+        """The fewest micro-batches, at least ``count``, the schedule runs."""
+        while not self.runs_micro_batches(count):
+            count += 1
+        return count
+
+    def check_accumulation(self, accumulation: int) -> None:
+        """A ConfigError naming the valid numbers when the schedule cannot run ``accumulation``
+        micro-batches per window."""
+        if self.runs_micro_batches(accumulation):
+            return
+        below = next((n for n in range(accumulation - 1, 0, -1) if self.runs_micro_batches(n)), None)
+        above = self.fitting_micro_batches(accumulation)
+        nearest = f"{below} or {above}" if below else str(above)
+        raise ConfigError([
+            f"gradient_accumulation_steps: {accumulation} micro-batches per window cannot run as a "
+            f"pipeline.schedule {self.settings.pipeline.schedule} over {self.mesh.pipeline} pipeline ranks "
+            f"({_RULES[self.schedule_class]}); nearest: {nearest} (change train_micro_batch_size_per_gpu or "
+            "train_batch_size), or schedule gpipe"])
+
+    # -- running a window --------------------------------------------------------------------
+    def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool) -> None:
+        """Run ``micro_batches`` micro-batches through the stages: ``inputs`` (a tensor or a tuple
+        of tensors, ``micro_batches`` equal chunks along dimension 0; used on the first stage only).
+        On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
+        index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
+        times the fp16 loss scale; evaluation: a zero computed from the outputs)."""
+        shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
+        schedule = self._schedule((shapes, micro_batches))
+        self._loss = loss_fn
+        target = torch.arange(micro_batches, device=self.device)
+        args = _as_tuple(inputs) if self.holds_first_stage else ()
+        try:
+            if train:
+                schedule.step(*args, target=target, **self._step_options)
+            elif self.schedule_class is ScheduleZBVZeroBubble or not hasattr(schedule, "eval"):
+                # torch's zero-bubble V schedule runs its backward actions in eval() too, and fails
+                # where two stages meet on one rank (and older schedules have no eval()):
+                # evaluate with a backward of zero losses instead.
+                with torch.enable_grad():
+                    schedule.step(*args, target=target, **self._step_options)
+                self.zero_grad()
+            else:
+                schedule.eval(*args, target=target)
+        finally:
+            self._loss = None
+
+    def _scaled_loss(self, output, target):
+        return self._loss(output, target) * self.precision.loss_scale
+
+    def _schedule(self, key):
+        schedule = self._schedules.pop(key, None)
+        if schedule is None:
+            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
+                      for module, index in zip(self.stage_modules, self.stage_indices)]
+            first = stages[0] if self.stages_per_rank == 1 else stages
+            schedule = self.schedule_class(first, n_microbatches=key[1], loss_fn=self._scaled_loss, scale_grads=False)
+            if len(self._schedules) >= _KEPT_SCHEDULES:
+                self._schedules.pop(next(iter(self._schedules)))
+        self._schedules[key] = schedule  # most recently used last
+        return schedule
+
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``tensor`` on every stage of this replica (in place)."""
+        dist.broadcast(tensor, src=self.last_stage_rank, group=self.pipeline_group)
+        return tensor
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce_sum(self, tensor):
+        """Over the data-parallel ranks: every stage holds its replica's window statistics."""
+        if self.mesh.data > 1:
+            dist.all_reduce(tensor, group=self.data_group)
+        return tensor
+
+    # all_reduce_max stays over every rank: an overflow on any stage discards the window everywhere.
+
+    def reduce_gradients(self):
+        if self.mesh.data == 1:
+            return
+        grads = []
+        for p in self.module.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # unused on this rank: its share is zero
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        all_reduce_mean_(grads, self.mesh.data, group=self.data_group)
+
+    def global_grad_norm(self, grads):
+        squares = sum_of_squares(grads, self.device)
+        dist.all_reduce(squares, group=self.pipeline_group)  # each stage holds its own piece
+        return squares.sqrt()
+
+    # -- checkpoints: a DCP checkpoint keyed by the model's own names (each stage writes and
+    # reads its own entries), so it loads on any data-parallel size, and on any pipeline size.
+    def load_training_state(self, directory):
+        load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order)
+
+    def _stage_state(self) -> dict:
+        """This rank's stages' state, whole."""
+        return self.module.state_dict()
+
+    def full_state_dict(self):
+        pieces: list = [None] * self.mesh.pipeline
+        dist.all_gather_object(pieces, cpu_state_dict(self._stage_state()), group=self.pipeline_group)
+        whole = {key: value for piece in pieces for key, value in piece.items()}
+        return {key: whole[key] for key in self._key_order if key in whole}
+
+
+class ShardedPipelineParallel(PipelineParallel):
+    """ZeRO 2 / 3 on the data-parallel dimension: each stage is sharded by FSDP2 over its
+    data-parallel replicas. torch's schedules let a stage's gradients accumulate unsharded over
+    the window's micro-batches and reduce-scatter them (a mean over the replicas) after the
+    last one; stage 3 frees the gathered parameters after every forward, stage 2 keeps them."""
+
+    name = "pipeline_fsdp"
+
+    def shard_stages(self):
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        mesh = self.device_mesh["data"]
+        gloo = dist.get_backend(mesh.get_group()) == "gloo"
+        for stage in self.stage_modules:
+            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
+            if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
+                all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
+                stage.set_custom_all_gather(all_gather)
+                stage.set_custom_reduce_scatter(reduce_scatter)
+        repoint_optimizer(self.optimizer, names, self.module)
+
+    def reduce_gradients(self):
+        """The schedule reduce-scattered them after the window's last backward."""
+
+    def local_gradients(self):
+        return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
+
+    def global_grad_norm(self, grads):
+        squares = sum_of_squares(grads, self.device)
+        dist.all_reduce(squares)  # every rank holds a disjoint piece: a shard of a stage
+        return squares.sqrt()
+
+    def held_tensors(self):
+        return super().held_tensors() + list(fsdp_held_tensors(self.stage_modules))
+
+    def discard_window(self):
+        for stage in self.stage_modules:
+            drop_unreduced_gradients(stage, [stage])
+        self.zero_grad()
+
+    def _stage_state(self):
+        return {key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in self.module.state_dict().items()}
+
+
+def _release_others(model: torch.nn.Module, mine: torch.nn.Module) -> None:
+    """Free the storage of the parameters and buffers of the stages other ranks hold: each rank
+    keeps its own stages only (the model passed to ``initialize`` belongs to the engine)."""
+    kept = {id(t) for t in (*mine.parameters(), *mine.buffers())}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in kept:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
+def _as_tuple(inputs) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _step_options(schedule_class) -> dict:
+    """``return_outputs=False`` where the schedule accepts it (the last stage need not merge
+    the outputs of a training window)."""
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule_class.step).parameters else {}
