@@ -15,11 +15,13 @@ import torch
 
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload, torch_offload
-from engine.config.schema import Config
+from engine.config.schema import Config, half_precision
+from engine.config.torch_features import CheckpointingRequest, CompileRequest, torch_features
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,22 @@ class ProcessGroupRequest:
 
 @dataclass(frozen=True)
 class HalfPrecision:
-    """The forward's half precision and, for fp16, the loss scaler's settings."""
+    """The half precision of the forward and backward and, for fp16, the loss scaler's settings.
+
+    Two ways (docs/config.md): by default (``autocast`` false) the parameters are gathered and
+    computed in ``dtype`` from fp32 masters, their gradients reduced in fp32 and accumulated over
+    the window in ``grad_accum_dtype``; with ``torch_autocast`` the fp32 parameters stay as they
+    are and autocast casts each op's inputs."""
 
     dtype: torch.dtype | None = None  # None: full precision
     loss_scaling: Any = None  # the fp16 section (initial_scale_power, loss_scale_window, ...), or None
+    autocast: bool = False
+    grad_accum_dtype: torch.dtype = torch.float32
+
+    @property
+    def low_precision_parameters(self) -> bool:
+        """Parameters computed in ``dtype`` (from fp32 masters), not autocast."""
+        return self.dtype is not None and not self.autocast
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class Setup:
     defer_reduction: bool | str  # False | True | "auto"
     shard_unit_size: int | None
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
+    checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
+    compile: CompileRequest | None = None  # torch.compile of the model's blocks
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
@@ -74,9 +90,11 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
     zero = config.zero_optimization
     stage = zero.stage
     mesh = MeshLayout(dist_info.world_size)
-    dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
-    precision = HalfPrecision(dtype, config.fp16 if config.fp16.enabled else None)
     deepspeed = config.backend == "deepspeed"
+    features = torch_features(config.deepspeed_extras, half_precision(config))
+    half = features.autocast or half_precision(config)
+    precision = HalfPrecision(_DTYPES.get(half), config.fp16 if half == "fp16" else None,
+                              autocast=features.autocast is not None, grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = torch_offload(zero)
     return Setup(
         backend=config.backend,
@@ -88,6 +106,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         defer_reduction=zero.defer_reduction if not deepspeed or stage >= 2 else False,
         shard_unit_size=zero.shard_unit_size,
         memory_limit=config.auto_memory_limit,
+        checkpointing=features.checkpointing,
+        compile=features.compile,
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )

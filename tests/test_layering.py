@@ -15,7 +15,7 @@ PACKAGE = REPO / "engine"
 LAYERS = {
     0: ["engine.errors", "engine.state.rng", "engine.distributed", "engine.distributed.agent_store", "engine.distributed.process_group",
         "engine.distributed.mesh",
-        "engine.config", "engine.config.raw", "engine.config.colossalai", "engine.config.offload",
+        "engine.config", "engine.config.raw", "engine.config.colossalai", "engine.config.offload", "engine.config.torch_features",
         "engine.config.loaders", "engine.config.deepspeed", "engine.config.schema",
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.distributed.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
@@ -26,7 +26,8 @@ LAYERS = {
         "engine.setup", "engine.state.checkpoint"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",
-        "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.deepspeed"],
+        "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.compute_copy",
+        "engine.strategies.low_precision", "engine.strategies.deepspeed"],
     3: ["engine.engine"],
     4: ["engine.state.autosave", "engine.autotune.tuner", "engine.monitor",
         "engine.autotune.report"],

@@ -24,8 +24,9 @@ import torch
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
-from engine.config.schema import Config, locate
+from engine.config.schema import Config, half_precision, locate
 from engine.config.offload import torch_offload
+from engine.config.torch_features import torch_features
 from engine.optim import check_sections
 
 
@@ -40,6 +41,7 @@ def check_without_model(config: Config) -> list[str]:
         problems += deepspeed_backend_problems(config)
     else:
         problems += torch_offload(config.zero_optimization).problems
+        problems += torch_features(config.deepspeed_extras, half_precision(config)).problems
     return locate(config, problems)
 
 

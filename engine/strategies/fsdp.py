@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
@@ -112,19 +112,23 @@ class FullyShardedDataParallel(TorchStrategy):
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
         names = {id(p): name for name, p in module.named_parameters()}
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        everything = sum(p.numel() * p.element_size() for p in module.parameters())
+        half = self.settings.precision
+        gathered_size = half.dtype.itemsize if half.low_precision_parameters else None
+        everything = sum(p.numel() * (gathered_size or p.element_size()) for p in module.parameters())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
+        inner, root = self._mixed_precision_policies()
         self.inner_units = []
         for group in shard_units(module, self.settings.shard_unit_size):
-            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy)
+            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy,
+                        mp_policy=inner)
             self.inner_units.append(group[0])  # the modules of one group share their FSDP state
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
-                    offload_policy=self.offload_policy)
+                    offload_policy=self.offload_policy, mp_policy=root)
         _repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
@@ -136,6 +140,19 @@ class FullyShardedDataParallel(TorchStrategy):
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
                                           memory_limit=self.settings.memory_limit)
+
+    def _mixed_precision_policies(self) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+        """(inner units', root's) policy. Low-precision parameters: gathered and computed in
+        the half precision, gradients reduced in fp32 (and so, when a window defers, accumulated
+        in fp32: FSDP2 accumulates unreduced gradients in the reduce dtype) unless
+        ``data_types.grad_accum_dtype`` asks for the half precision. The root returns fp32
+        outputs, so that the loss is computed in fp32 as autocast would."""
+        half = self.settings.precision
+        if not half.low_precision_parameters:
+            return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+        inner = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype)
+        return inner, MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype,
+                                           output_dtype=torch.float32)
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
