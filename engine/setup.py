@@ -92,9 +92,9 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
     mesh = MeshLayout(dist_info.world_size)
     deepspeed = config.backend == "deepspeed"
     features = torch_features(config.deepspeed_extras, half_precision(config))
-    half = features.autocast or half_precision(config)
+    half = half_precision(config) if deepspeed else features.autocast or half_precision(config)
     precision = HalfPrecision(_DTYPES.get(half), config.fp16 if half == "fp16" else None,
-                              autocast=features.autocast is not None, grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
+                              autocast=not deepspeed and features.autocast is not None, grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = torch_offload(zero)
     return Setup(
         backend=config.backend,

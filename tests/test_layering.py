@@ -22,7 +22,7 @@ LAYERS = {
         "engine.hooks"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
-        "engine.precision", "engine.distributed.rank_consistency", "engine.state.preemption", "engine.config.checks",
+        "engine.precision", "engine.model_transforms", "engine.distributed.rank_consistency", "engine.state.preemption", "engine.config.checks",
         "engine.setup", "engine.state.checkpoint"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",

@@ -165,8 +165,18 @@ def torch_features(extras: dict, half: str | None) -> TorchFeatures:
         problems.append("data_types.grad_accum_dtype: under torch_autocast gradients accumulate in the fp32 "
                         "parameters' own gradients; remove grad_accum_dtype or torch_autocast")
         grad_accum = "fp32"
-    return TorchFeatures(autocast, grad_accum, _checkpointing(extras, problems, notes),
-                         _compile(extras, problems, notes), tuple(problems), tuple(notes))
+    checkpointing, compile, transform_problems, transform_notes = model_transforms_requested(extras)
+    return TorchFeatures(autocast, grad_accum, checkpointing, compile, tuple(problems) + transform_problems,
+                         tuple(notes) + transform_notes)
+
+
+def model_transforms_requested(extras: dict):
+    """(checkpointing, compile, problems, notes): the ``activation_checkpointing`` and
+    ``compile`` sections as read (both backends apply them)."""
+    problems: list[str] = []
+    notes: list[str] = []
+    checkpointing, compile = _checkpointing(extras, problems, notes), _compile(extras, problems, notes)
+    return checkpointing, compile, tuple(problems), tuple(notes)
 
 
 def without_our_keys(extras: dict) -> dict:

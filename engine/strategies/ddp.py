@@ -21,6 +21,7 @@ class DataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
+        self.transform(self.module)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         # Gradients as views of DDP's buckets: one copy of the gradient instead of two.

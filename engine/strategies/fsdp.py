@@ -39,31 +39,13 @@ from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
 from engine.distributed.collectives import broadcast_, check_peers
+from engine.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
 def _parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def _layers(container: torch.nn.Module):
-    """A container's entries, with nested containers opened up."""
-    for child in container.children():
-        if isinstance(child, _CONTAINERS):
-            yield from _layers(child)
-        else:
-            yield child
-
-
-def _outermost_containers(module: torch.nn.Module):
-    if isinstance(module, _CONTAINERS):
-        yield module
-        return
-    for child in module.children():
-        yield from _outermost_containers(child)
 
 
 def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.Module]]:
@@ -72,9 +54,9 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
     parameters join whichever group is open. A group holding the whole model is left to the
     root unit."""
     units = []
-    for container in _outermost_containers(module):
+    for container in outermost_containers(module):
         group, size = [], 0
-        for layer in _layers(container):
+        for layer in container_layers(container):
             group.append(layer)
             size += _parameter_count(layer)
             if size >= unit_size:
@@ -110,6 +92,7 @@ class FullyShardedDataParallel(TorchStrategy):
     def setup(self, module, optimizer):
         module = module.to(self.device)
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
+        self.transform(module)  # blocks checkpointed / compiled before they are sharded
         names = {id(p): name for name, p in module.named_parameters()}
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         half = self.settings.precision

@@ -32,6 +32,7 @@ class LowPrecisionReplicas(TorchStrategy):
             broadcast_([*self.module.parameters(), *self.module.buffers()], src=0)
         half = self.settings.precision
         self.compute_copy = ComputeCopy(self.module, half.dtype, half.grad_accum_dtype)
+        self.transform(self.compute_copy.model)
         self.forward_module = self.compute_copy.module
         self.optimizer = optimizer
 
