@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine
+from bench.model_transforms import lm, lm_loss, tokens
 from engine.batching.microbatch import split_batch
 from tests.broken import ignores_window_total, intact
 from tests.reference import (
@@ -256,3 +257,23 @@ def assert_precision_results(results: dict, backend: str) -> None:
             clip = PRECISION_CASES[loss][2]
             assert [norm > clip for norm in result["norms"]] == [False, True, False], (case, result["norms"])
         assert per_rank[0]["norms"] == per_rank[1]["norms"], case  # one norm, the same on every rank
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+CHECKPOINTING = {"activation_checkpointing": {"enabled": True}}
+
+
+def checkpointing_case(rank, world, stage, precision, backend="torch"):
+    """Two windows with and without checkpointing: the largest parameter difference."""
+    model, batch = lm(layers=2, width=32), tokens(8, 16)
+    share = batch[4 * rank:4 * rank + 4]
+    runs = {}
+    for name, features in {"without": {}, "with": CHECKPOINTING}.items():
+        config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2,
+                  "zero_optimization": {"stage": stage}, **precision, **features}
+        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+        for _ in range(2):
+            eng.train_batch(share, lm_loss)
+        runs[name] = eng.full_state_dict()
+        eng.close()
+    return max_param_diff(runs["with"], runs["without"])
