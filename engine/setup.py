@@ -16,7 +16,7 @@ import torch
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload, torch_offload
 from engine.config.schema import Config, half_precision
-from engine.config.torch_features import CheckpointingRequest, CompileRequest, torch_features
+from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap, torch_features, torch_overlap
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
@@ -69,6 +69,7 @@ class Setup:
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
+    overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
@@ -108,6 +109,7 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         memory_limit=config.auto_memory_limit,
         checkpointing=features.checkpointing,
         compile=features.compile,
+        overlap=torch_overlap(zero.model_extra or {}),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )

@@ -9,6 +9,10 @@
 | ``activation_checkpointing`` | ``enabled``, ``blocks`` (``auto`` or class names), ``every`` | ``partition_activations``, ``cpu_checkpointing``, ... |
 | ``compile`` | ``enabled``, ``mode``, ``dynamic``, ``backend``, ``fullgraph`` | ``deepcompile``, ``offload_activation``, ... |
 
+And under ``zero_optimization`` the sizes that map onto torch's overlap knobs (``torch_overlap``):
+``reduce_bucket_size`` (DDP's bucket), ``allgather_bucket_size`` (ZeRO-1's parameter broadcast),
+``stage3_prefetch_bucket_size`` / ``prefetch_bucket_size`` (FSDP2's explicit prefetch).
+
 A config-layer leaf: reads plain dicts, imports nothing of the engine.
 """
 from __future__ import annotations
@@ -190,3 +194,36 @@ def without_our_keys(extras: dict) -> dict:
             else:
                 del cleaned[name]
     return cleaned
+
+
+# -- overlap knobs under zero_optimization -------------------------------------------------------
+OVERLAP_KEYS = frozenset({"reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                          "prefetch_bucket_size"})
+FP32_BYTES = 4  # DeepSpeed counts elements; the torch backend's buckets hold fp32 gradients and masters
+
+
+@dataclass(frozen=True)
+class TorchOverlap:
+    """DeepSpeed's bucket sizes as the torch backend uses them (None: torch's default)."""
+
+    reduce_bucket_bytes: int | None = None  # DDP's gradient buckets and the boundary all-reduce's
+    allgather_bucket_bytes: int | None = None  # ZeRO-1's broadcast of updated parameters
+    prefetch_parameters: int | None = None  # ZeRO-2/3: parameters of the next units gathered ahead
+    problems: tuple[str, ...] = ()
+
+
+def torch_overlap(zero_extras: dict) -> TorchOverlap:
+    """Read DeepSpeed's size keys from ``zero_extras`` (``ZeroConfig.model_extra``), in elements."""
+    problems, sizes = [], {}
+    for key in sorted(OVERLAP_KEYS & set(zero_extras)):
+        value = zero_extras[key]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 5e8, as DeepSpeed configs write it
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and "prefetch" not in key):
+            problems.append(f"zero_optimization.{key}: expected a number of elements "
+                            f"({'>= 0' if 'prefetch' in key else '> 0'}), got {value!r}")
+            continue
+        sizes[key] = value
+    reduce, gather = sizes.get("reduce_bucket_size"), sizes.get("allgather_bucket_size")
+    prefetch = sizes.get("stage3_prefetch_bucket_size", sizes.get("prefetch_bucket_size"))
+    return TorchOverlap(reduce and reduce * FP32_BYTES, gather and gather * FP32_BYTES, prefetch, tuple(problems))

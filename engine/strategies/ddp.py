@@ -25,7 +25,11 @@ class DataParallel(TorchStrategy):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
-        self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
+        # zero_optimization.reduce_bucket_size: DDP's bucket (all-reduced as soon as the backward fills it)
+        bucket = self.settings.overlap.reduce_bucket_bytes
+        buckets = {} if bucket is None else {"bucket_cap_mb": bucket / 2**20}
+        self.forward_module = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                                      **buckets)
         self.optimizer = optimizer
         self._backward_syncs = False
         self._defer_reduction = False
@@ -50,4 +54,4 @@ class DataParallel(TorchStrategy):
                 if p.grad is None:  # unused on this rank: its share is zero
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-        all_reduce_mean_(grads, self.world_size)
+        all_reduce_mean_(grads, self.world_size, self.settings.overlap.reduce_bucket_bytes)

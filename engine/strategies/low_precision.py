@@ -46,7 +46,7 @@ class LowPrecisionReplicas(TorchStrategy):
                 if p.grad is None:  # unused on this rank: its share is zero
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-        all_reduce_mean_(grads, self.world_size)
+        all_reduce_mean_(grads, self.world_size, self.settings.overlap.reduce_bucket_bytes)
 
     def optimizer_step(self):
         super().optimizer_step()
@@ -78,5 +78,5 @@ class LowPrecisionShardedOptimizer(LowPrecisionReplicas):
 
     def optimizer_step(self):
         self.optimizer.step()
-        broadcast_from_owners(self.params_by_owner)
+        broadcast_from_owners(self.params_by_owner, self.settings.overlap.allgather_bucket_bytes)
         self.compute_copy.refresh()

@@ -37,10 +37,11 @@ def keep_owned(optimizer: torch.optim.Optimizer, module: torch.nn.Module, rank: 
     return [[p for p, r in zip(params, owners) if r == owner] for owner in range(world_size)]
 
 
-def broadcast_from_owners(params_by_owner: list[list[torch.nn.Parameter]]) -> None:
-    """After the owners' step: every rank's parameters equal their owner's."""
+def broadcast_from_owners(params_by_owner: list[list[torch.nn.Parameter]], bucket_bytes: int | None) -> None:
+    """After the owners' step: every rank's parameters equal their owner's (broadcast in
+    buckets of ``zero_optimization.allgather_bucket_size``, as DeepSpeed gathers its partitions)."""
     for owner, params in enumerate(params_by_owner):
-        broadcast_(params, src=owner)
+        broadcast_(params, src=owner, bucket_bytes=bucket_bytes)
 
 
 class ShardedOptimizerDataParallel(DataParallel):
@@ -52,4 +53,4 @@ class ShardedOptimizerDataParallel(DataParallel):
 
     def optimizer_step(self):
         self.optimizer.step()
-        broadcast_from_owners(self.params_by_owner)
+        broadcast_from_owners(self.params_by_owner, self.settings.overlap.allgather_bucket_bytes)
