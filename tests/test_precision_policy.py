@@ -16,7 +16,7 @@ from engine.config.checks import check_without_model
 from engine.config.deepspeed import deepspeed_config
 from engine.config.schema import load_config
 from tests.dist_utils import run_scenarios
-from tests.reference import mlp, regression_batches
+from tests.reference import max_param_diff, mlp, regression_batches, state
 
 
 def test_fp32_accumulation_stays_flat_as_the_window_grows_and_bf16_accumulation_does_not():
@@ -127,3 +127,28 @@ def test_deepspeed_backend_gets_its_sections_without_microsteps_keys():
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["compile"] == {"deepcompile": False}
     assert ds["activation_checkpointing"] == {"partition_activations": False}
+
+
+def test_a_checkpoint_of_bf16_training_resumes_into_the_compute_copy(tmp_path):
+    """The fp32 masters are saved; after a load the half-precision copy computes with them."""
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}}
+    batches = [tuple(t.float() for t in b) for b in regression_batches(3, 8, dtype=torch.float32)]
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    def started():
+        return engine.initialize(mlp(dtype=torch.float32), config,
+                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+
+    through = started()
+    for batch in batches:
+        through.train_batch(batch, loss_fn)
+    first = started()
+    first.train_batch(batches[0], loss_fn)
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed = started()
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for batch in batches[1:]:
+        resumed.train_batch(batch, loss_fn)
+    assert max_param_diff(state(resumed.module), state(through.module)) == 0
