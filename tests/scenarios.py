@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import engine
 from bench.model_transforms import lm, lm_loss, tokens
@@ -277,3 +278,22 @@ def checkpointing_case(rank, world, stage, precision, backend="torch"):
         runs[name] = eng.full_state_dict()
         eng.close()
     return max_param_diff(runs["with"], runs["without"])
+
+
+def compiled_case(rank, world, stage, precision, backend="torch", checkpointing=True):
+    """Two windows compiled (aot_eager: dynamo's capture and AOT autograd, no code generation)
+    and eager, both checkpointed unless told: (largest parameter difference, calls captured)."""
+    model, batch = lm(layers=2, width=32), tokens(8, 16)
+    share = batch[4 * rank:4 * rank + 4]
+    runs = {}
+    torch._dynamo.reset()  # the previous scenario's graphs would serve this one: capture anew
+    counters.clear()
+    for name, features in {"eager": {}, "compiled": {"compile": {"enabled": True, "backend": "aot_eager"}}}.items():
+        config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+                  "activation_checkpointing": {"enabled": checkpointing}, **precision, **features}
+        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+        for _ in range(2):
+            eng.train_batch(share, lm_loss)
+        runs[name] = eng.full_state_dict()
+        eng.close()
+    return max_param_diff(runs["compiled"], runs["eager"]), counters["stats"]["calls_captured"]

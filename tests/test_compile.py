@@ -15,6 +15,7 @@ import engine
 from bench.model_transforms import lm, lm_loss, tokens
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, state
+from tests.scenarios import compiled_case
 
 
 def train(model, lengths, **features):
@@ -35,23 +36,6 @@ def test_compiled_blocks_equal_eager_and_variable_lengths_compile_twice():
     compiled = train(model, lengths, compile={"enabled": True})
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert max_param_diff(compiled, train(model, lengths)) < 1e-5  # measured 3e-8
-
-
-def compiled_case(rank, world, stage, precision):
-    model, batch = lm(layers=2, width=32), tokens(8, 16)
-    share = batch[4 * rank:4 * rank + 4]
-    runs = {}
-    torch._dynamo.reset()  # the previous scenario's graphs would serve this one: capture anew
-    counters.clear()
-    for name, features in {"eager": {}, "compiled": {"compile": {"enabled": True, "backend": "aot_eager"}}}.items():
-        config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
-                  "activation_checkpointing": {"enabled": True}, **precision, **features}
-        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-        for _ in range(2):
-            eng.train_batch(share, lm_loss)
-        runs[name] = eng.full_state_dict()
-        eng.close()
-    return max_param_diff(runs["compiled"], runs["eager"]), counters["stats"]["calls_captured"]
 
 
 @pytest.mark.distributed
