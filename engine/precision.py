@@ -1,8 +1,8 @@
 """Mixed precision for the torch backend: low-precision parameters (or autocast) for the
 forward and backward, a dynamic loss scaler for fp16. Master weights and optimizer state stay
 in the parameters' own dtype (fp32). How the low-precision parameters are held is the
-strategy's: FSDP2's ``MixedPrecisionPolicy`` at ZeRO-2/3, ``engine.strategies.compute_copy``
-below.
+strategy's: FSDP2's ``MixedPrecisionPolicy`` at ZeRO-2/3, a half-precision copy of the model
+otherwise (``engine.strategies.compute_copy``).
 
 The scaler multiplies every micro-step's loss by the current scale; unscaling, the
 overflow check and the scale update happen once per window, at the boundary, so an

@@ -16,7 +16,8 @@ import torch
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload, torch_offload
 from engine.config.schema import Config, half_precision
-from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap, torch_features, torch_overlap
+from engine.config.torch_features import (CheckpointingRequest, CompileRequest, TorchOverlap, torch_features,
+                                          torch_overlap)
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
@@ -95,7 +96,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
     features = torch_features(config.deepspeed_extras, half_precision(config))
     half = half_precision(config) if deepspeed else features.autocast or half_precision(config)
     precision = HalfPrecision(_DTYPES.get(half), config.fp16 if half == "fp16" else None,
-                              autocast=not deepspeed and features.autocast is not None, grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
+                              autocast=not deepspeed and features.autocast is not None,
+                              grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = torch_offload(zero)
     return Setup(
         backend=config.backend,
