@@ -54,8 +54,8 @@ def lm_loss(model, batch):
 
 def saved_activation_bytes(run, model: torch.nn.Module, batch, loss_fn=lm_loss) -> int:
     """Bytes one forward of ``run`` (the engine, or ``model`` itself) keeps for its backward: what
-    autograd packs, plus the inputs of ``model``'s blocks (a checkpointed block keeps those,
-    outside autograd's saved tensors), storages counted once."""
+    autograd packs, plus the inputs of ``model``'s blocks (which the non-reentrant checkpoint
+    saves through autograd too: counted once, by storage), without the parameters."""
     storages: dict[int, int] = {}
 
     def keep(module, args):

@@ -48,6 +48,18 @@ def test_checkpointing_drops_the_activation_bytes_saved_for_backward():
     with_checkpointing = saved_activation_bytes(checkpointed, checkpointed, batch)
     # what is left: each block's input, the embeddings, the final norm and the logits
     assert with_checkpointing < 0.25 * without, (with_checkpointing, without)
+    # autograd's saved-tensor hooks alone (what engine.memory.PeakMeter counts on CPU) see the
+    # blocks' inputs too: the non-reentrant checkpoint saves them through autograd
+    seen = {}
+
+    def pack(tensor):
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    parameters = {p.untyped_storage().data_ptr() for p in checkpointed.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        lm_loss(checkpointed, batch)
+    assert sum(n for pointer, n in seen.items() if pointer not in parameters) == with_checkpointing
 
 
 # -- which blocks ------------------------------------------------------------------------------------
