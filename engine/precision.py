@@ -1,5 +1,8 @@
-"""Mixed precision for the torch backend: autocast for the forward, a dynamic loss scaler
-for fp16. Master weights and optimizer state stay in the parameters' own dtype (fp32).
+"""Mixed precision for the torch backend: low-precision parameters (or autocast) for the
+forward and backward, a dynamic loss scaler for fp16. Master weights and optimizer state stay
+in the parameters' own dtype (fp32). How the low-precision parameters are held is the
+strategy's: FSDP2's ``MixedPrecisionPolicy`` at ZeRO-2/3, a half-precision copy of the model
+otherwise (``engine.strategies.compute_copy``).
 
 The scaler multiplies every micro-step's loss by the current scale; unscaling, the
 overflow check and the scale update happen once per window, at the boundary, so an
@@ -93,6 +96,7 @@ class Precision:
 
     def __init__(self, half, device_type: str):
         self.dtype = half.dtype
+        self.uses_autocast = half.autocast
         self.device_type = device_type
         self.scaler = None
         if half.loss_scaling is not None:
@@ -101,7 +105,9 @@ class Precision:
                                      fp16.min_loss_scale, fp16.loss_scale)
 
     def autocast(self):
-        if self.dtype is None:
+        """Autocast when the config asks for it (``torch_autocast``); otherwise the parameters
+        themselves are in the low precision and nothing is cast per op."""
+        if self.dtype is None or not self.uses_autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 

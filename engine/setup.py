@@ -15,11 +15,14 @@ import torch
 
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload, torch_offload
-from engine.config.schema import Config
+from engine.config.schema import Config, half_precision
+from engine.config.torch_features import (CheckpointingRequest, CompileRequest, TorchOverlap, torch_features,
+                                          torch_overlap)
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed", "pipeline", "pipeline_fsdp")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,22 @@ class ProcessGroupRequest:
 
 @dataclass(frozen=True)
 class HalfPrecision:
-    """The forward's half precision and, for fp16, the loss scaler's settings."""
+    """The half precision of the forward and backward and, for fp16, the loss scaler's settings.
+
+    Two ways (docs/config.md): by default (``autocast`` false) the parameters are gathered and
+    computed in ``dtype`` from fp32 masters, their gradients reduced in fp32 and accumulated over
+    the window in ``grad_accum_dtype``; with ``torch_autocast`` the fp32 parameters stay as they
+    are and autocast casts each op's inputs."""
 
     dtype: torch.dtype | None = None  # None: full precision
     loss_scaling: Any = None  # the fp16 section (initial_scale_power, loss_scale_window, ...), or None
+    autocast: bool = False
+    grad_accum_dtype: torch.dtype = torch.float32
+
+    @property
+    def low_precision_parameters(self) -> bool:
+        """Parameters computed in ``dtype`` (from fp32 masters), not autocast."""
+        return self.dtype is not None and not self.autocast
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,9 @@ class Setup:
     shard_unit_size: int | None
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
     pipeline: PipelineSetup = PipelineSetup()
+    checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
+    compile: CompileRequest | None = None  # torch.compile of the model's blocks
+    overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
@@ -83,9 +101,15 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
     zero = config.zero_optimization
     stage = zero.stage
     mesh = MeshLayout.from_config(config, dist_info.world_size)
-    dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
-    precision = HalfPrecision(dtype, config.fp16 if config.fp16.enabled else None)
     deepspeed = config.backend == "deepspeed"
+    features = torch_features(config.deepspeed_extras, half_precision(config))
+    half = half_precision(config) if deepspeed else features.autocast or half_precision(config)
+    # A pipeline stage computes under autocast over its fp32 parameters: torch's schedules
+    # send and receive activations in the parameters' dtype, and the policy's half-precision
+    # copy is not built per stage.
+    precision = HalfPrecision(_DTYPES.get(half), config.fp16 if half == "fp16" else None,
+                              autocast=not deepspeed and (features.autocast is not None or mesh.pipeline > 1),
+                              grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = torch_offload(zero)
     return Setup(
         backend=config.backend,
@@ -99,6 +123,9 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         memory_limit=config.auto_memory_limit,
         pipeline=PipelineSetup(config.pipeline.schedule, config.pipeline.split if isinstance(config.pipeline.split, str)
                                else tuple(config.pipeline.split)),
+        checkpointing=features.checkpointing,
+        compile=features.compile,
+        overlap=torch_overlap(zero.model_extra or {}),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )

@@ -11,8 +11,10 @@ import re
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import engine
+from bench.model_transforms import lm, lm_loss, tokens
 from engine.batching.microbatch import split_batch
 from tests.broken import ignores_window_total, intact
 from tests.reference import (
@@ -164,11 +166,16 @@ F32 = torch.float32
 # norm as the right one.
 PRECISION_CASES = {"mean": (mse, mse, 1.0), "tokens": (token_loss_sum, token_loss_mean, 0.29)}
 # Allowed distance to the float64 reference. Measured (2 ranks, every stage alike): torch bf16
-# 2.3e-4, torch fp16 3.8e-5, DeepSpeed bf16 (bf16 parameters) 1.9e-3. A short window weighted
-# as a full one, and token losses weighted by samples (tests.broken.ignores_window_total),
-# miss every one of them: measured 1.9e-2 with mean losses, 7.8e-3 to 8.1e-3 with token losses.
-TOLERANCE = {("torch", "bf16"): 1e-3, ("torch", "fp16"): 2e-4, ("deepspeed", "bf16"): 4e-3,
+# parameters 3.0e-4, torch fp16 parameters 3.4e-5, torch bf16 autocast 2.3e-4, DeepSpeed bf16
+# (bf16 parameters) 1.9e-3. A short window weighted as a full one, and token losses weighted by
+# samples (tests.broken.ignores_window_total), miss every one of them: measured 1.9e-2 with mean
+# losses, 7.8e-3 to 8.1e-3 with token losses.
+TOLERANCE = {("torch", "bf16"): 1e-3, ("torch", "fp16"): 2e-4, ("torch", "bf16 autocast"): 1e-3,
+             ("deepspeed", "bf16"): 4e-3,
              ("deepspeed", "fp16"): 1e-3}  # measured 1.8e-4 and 2.3e-4 (fp16 parameters), where it runs
+# How each precision is written in a config.
+HALF_PRECISION = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}},
+                  "bf16 autocast": {"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}}
 
 
 def share(batch, rank, world):
@@ -195,8 +202,8 @@ def precision_batches(loss):
 
 
 def precision_case(rank, world, backend, stage, precision, loss, defer=False, breaks=intact):
-    """An fp32 model trained in ``precision`` (torch: autocast with fp32 master weights and,
-    for fp16, the loss scaler; DeepSpeed: its bf16 mode) on three windows with clipping, the
+    """An fp32 model trained in ``precision`` (torch: half-precision parameters, or autocast,
+    with fp32 master weights and, for fp16, the loss scaler; DeepSpeed: its bf16 mode) on three windows with clipping, the
     last one short, against the float64 full-batch reference of the same initial weights."""
     loss_fn, reference_loss, clip = PRECISION_CASES[loss]
     model, batches = precision_batches(loss)
@@ -205,11 +212,11 @@ def precision_case(rank, world, backend, stage, precision, loss, defer=False, br
     zero = {"stage": stage, **({"defer_reduction": defer} if stage >= 2 else {})}
     if backend == "deepspeed" and stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    half = {"enabled": True}
+    half = copy.deepcopy(HALF_PRECISION[precision])
     if backend == "deepspeed" and precision == "fp16":  # fp16 gradients: a scale that fits them from the start
-        half["initial_scale_power"] = 8
+        half["fp16"]["initial_scale_power"] = 8
     config = {"backend": backend, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-              "zero_optimization": zero, "gradient_clipping": clip, precision: half}
+              "zero_optimization": zero, "gradient_clipping": clip, **half}
     eng = breaks(engine.initialize(copy.deepcopy(model), config, optimizer=sgd))
     norms = []
     for batch in batches:
@@ -251,3 +258,42 @@ def assert_precision_results(results: dict, backend: str) -> None:
             clip = PRECISION_CASES[loss][2]
             assert [norm > clip for norm in result["norms"]] == [False, True, False], (case, result["norms"])
         assert per_rank[0]["norms"] == per_rank[1]["norms"], case  # one norm, the same on every rank
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+CHECKPOINTING = {"activation_checkpointing": {"enabled": True}}
+
+
+def checkpointing_case(rank, world, stage, precision, backend="torch"):
+    """Two windows with and without checkpointing: the largest parameter difference."""
+    model, batch = lm(layers=2, width=32), tokens(8, 16)
+    share = batch[4 * rank:4 * rank + 4]
+    runs = {}
+    for name, features in {"without": {}, "with": CHECKPOINTING}.items():
+        config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2,
+                  "zero_optimization": {"stage": stage}, **precision, **features}
+        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+        for _ in range(2):
+            eng.train_batch(share, lm_loss)
+        runs[name] = eng.full_state_dict()
+        eng.close()
+    return max_param_diff(runs["with"], runs["without"])
+
+
+def compiled_case(rank, world, stage, precision, backend="torch", checkpointing=True):
+    """Two windows compiled (aot_eager: dynamo's capture and AOT autograd, no code generation)
+    and eager, both checkpointed unless told: (largest parameter difference, calls captured)."""
+    model, batch = lm(layers=2, width=32), tokens(8, 16)
+    share = batch[4 * rank:4 * rank + 4]
+    runs = {}
+    torch._dynamo.reset()  # the previous scenario's graphs would serve this one: capture anew
+    counters.clear()
+    for name, features in {"eager": {}, "compiled": {"compile": {"enabled": True, "backend": "aot_eager"}}}.items():
+        config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+                  "activation_checkpointing": {"enabled": checkpointing}, **precision, **features}
+        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+        for _ in range(2):
+            eng.train_batch(share, lm_loss)
+        runs[name] = eng.full_state_dict()
+        eng.close()
+    return max_param_diff(runs["compiled"], runs["eager"]), counters["stats"]["calls_captured"]

@@ -303,6 +303,7 @@ print("RESULT " + json.dumps(offload_on_one_gpu(sys.argv[1])))
 """
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA device: on a CPU-only machine every tensor is on the host with or without "
                            "offload, so where offload puts them cannot be told apart there")

@@ -111,7 +111,7 @@ def data_share(batch, eng):
 
 
 def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, split="strict", zero=0,
-          shorter_sequences=False, stages=2, breaks=intact):
+          shorter_sequences=False, stages=2, breaks=intact, **extra):
     """Three windows (the last a short one when ``short``; the second of shorter sequences when
     ``shorter_sequences``: another shape, another schedule) against the reference."""
     data_ranks = world // stages
@@ -129,7 +129,7 @@ def train(rank, world, *, schedule="1f1b", loss="mean", clip=0.0, short=False, s
         batches[-1] = tuple(t[:global_batch - 1] for t in batches[-1])
     expected, reference_losses = reference_run(model, batches, reference_loss, clip)
     settings = config(global_batch, micro, schedule, gradient_clipping=clip, batch_split=split,
-                      zero_optimization={"stage": zero})
+                      zero_optimization={"stage": zero}, **extra)
     settings["pipeline"]["stages"] = stages
     eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     losses = [eng.train_batch(data_share(batch, eng), loss_fn) for batch in batches]
@@ -181,6 +181,8 @@ def test_two_stages_every_schedule_is_exact():
                                                                             loss="blocks")
     scenarios["interleaved tokens, windows of two lengths"] = functools.partial(
         train, schedule="interleaved", loss="tokens", shorter_sequences=True)
+    scenarios["1f1b, blocks checkpointed"] = functools.partial(
+        train, loss="blocks", activation_checkpointing={"enabled": True, "blocks": "auto"})
     scenarios["summed (DeepSpeed #7773)"] = functools.partial(train, breaks=summed_micro_batches)
     results = run_scenarios(scenarios, world_size=2, timeout=280)
     broken = results.pop("summed (DeepSpeed #7773)")
@@ -371,7 +373,7 @@ def train_with_checkpoints(rank, world, directory, windows, zero, stages=2):
     model, batches = mlp(), regression_batches(4, 8)
     expected, _ = reference_run(model, batches[:windows], reference_mse, 0.05)
     settings = config(8, 2, "interleaved", gradient_clipping=0.05, checkpoint={"dir": directory, "every_steps": 2},
-                      zero_optimization={"stage": zero})
+                      zero_optimization={"stage": zero}, **extra)
     settings["pipeline"]["stages"] = stages
     eng = engine.initialize(copy.deepcopy(model), settings, optimizer=sgd)
     resumed = eng.global_steps

@@ -1,4 +1,5 @@
-"""Mixed precision: fp16 dynamic loss scaling per window, bf16 autocast with fp32 masters."""
+"""Mixed precision: fp16 dynamic loss scaling per window, bf16 with fp32 masters (half-precision
+parameters by default, autocast with torch_autocast; tests/test_precision_policy.py)."""
 
 import copy
 import functools
@@ -95,7 +96,7 @@ BF16_TOLERANCE = 2e-3  # measured 5.2e-4 after 3 steps; a gradient 10% too large
 
 
 @pytest.mark.parametrize("variant, exact", [(broken.intact, True), (broken.gradient_ten_percent_too_large, False)])
-def test_bf16_autocast_keeps_fp32_master_weights(variant, exact):
+def test_bf16_keeps_fp32_master_weights(variant, exact):
     model, batches = fp32_mlp(), fp32_batches(3, 8)
     eng = variant(engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "gradient_accumulation_steps": 4,
                                                            "bf16": {"enabled": True}}, optimizer=sgd))
@@ -138,9 +139,12 @@ def test_fp16_overflow_on_one_rank_skips_the_window_everywhere():
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_bf16_and_fp16_on_every_stage_with_clipping_tokens_and_a_short_window():
-    """Torch backend: autocast (bf16, or fp16 with the loss scaler) and fp32 master weights.
+    """Torch backend: half-precision parameters (bf16, or fp16 with the loss scaler) or bf16
+    autocast, and fp32 master weights.
     backend deepspeed's bf16 is in tests/test_deepspeed.py (its fp16 is refused on CPU)."""
-    results = run_scenarios(precision_scenarios("torch", ("bf16", "fp16"), (0, 1, 2, 3)), world_size=2, timeout=200)
+    scenarios = precision_scenarios("torch", ("bf16", "fp16"), (0, 1, 2, 3))
+    scenarios.update(precision_scenarios("torch", ("bf16 autocast",), (0, 3)))
+    results = run_scenarios(scenarios, world_size=2, timeout=200)
     assert_precision_results(results, "torch")
     for result in results[("fp16", "tokens", 3, False)]:
         assert result["dtype"] == "torch.float32"

@@ -26,8 +26,9 @@ import torch
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
-from engine.config.schema import Config, locate
+from engine.config.schema import Config, half_precision, locate
 from engine.config.offload import torch_offload
+from engine.config.torch_features import model_transforms_requested, torch_features, torch_overlap
 from engine.optim import check_sections
 
 
@@ -41,8 +42,11 @@ def check_without_model(config: Config) -> list[str]:
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
         problems += deepspeed_backend_problems(config)
+        problems += model_transforms_requested(config.deepspeed_extras)[2]
     else:
         problems += torch_offload(config.zero_optimization).problems
+        problems += torch_features(config.deepspeed_extras, half_precision(config)).problems
+        problems += torch_overlap(config.zero_optimization.model_extra or {}).problems
     return locate(config, problems)
 
 

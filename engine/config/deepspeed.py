@@ -8,6 +8,8 @@ import json
 
 import torch
 
+from engine.config.torch_features import without_our_keys
+
 # Top-level DeepSpeed keys Microstep itself does not use: kept for the DeepSpeed backend.
 DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
@@ -118,7 +120,7 @@ def deepspeed_config(config, world_size: int) -> dict:
     if zero["stage"] == 3:
         # Otherwise ZeRO-3 patches torch.nn.functional.linear for the whole process.
         zero.setdefault("memory_efficient_linear", False)
-    ds = json.loads(json.dumps(config.deepspeed_extras))  # a deep copy: DeepSpeed may edit it
+    ds = json.loads(json.dumps(without_our_keys(config.deepspeed_extras)))  # a deep copy: DeepSpeed may edit it
     ds.update({
         "train_batch_size": world_size,
         "train_micro_batch_size_per_gpu": 1,

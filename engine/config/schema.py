@@ -30,6 +30,7 @@ from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELI
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
 from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
+from engine.config.torch_features import OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, torch_features
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
@@ -301,6 +302,11 @@ class Config(BaseModel):
         return self.model_dump()
 
 
+def half_precision(config: Config) -> Optional[str]:
+    """"fp16", "bf16" or None: the half precision the config's fp16 / bf16 section enables."""
+    return "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else None
+
+
 def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     """Load and validate a config.
 
@@ -337,8 +343,10 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     unused = deepspeed_only_settings(config)
     if config.backend == "torch":
         unused = [name for name in unused
-                  if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS and name not in caller_reads]
+                  if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
+                  and name not in TORCH_FEATURE_SECTIONS]
         notes += [f"{config.source}: {note}" for note in torch_offload(config.zero_optimization).notes]
+        notes += [f"{config.source}: {note}" for note in torch_features(config.deepspeed_extras, half_precision(config)).notes]
     if config.backend == "torch" and unused:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")

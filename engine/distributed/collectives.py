@@ -39,10 +39,10 @@ def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES):
         yield bucket
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None) -> None:
+def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None, bucket_bytes: int | None = None) -> None:
     """Replace each tensor by its mean over the ``world_size`` ranks of ``group`` (None: all),
-    one flat all-reduce per bucket."""
-    for bucket in buckets(tensors):
+    one flat all-reduce per bucket (of at most ``bucket_bytes``; None: ``BUCKET_BYTES``)."""
+    for bucket in buckets(tensors, bucket_bytes or BUCKET_BYTES):
         flat = flatten(bucket)
         dist.all_reduce(flat, group=group)
         flat.div_(world_size)
@@ -51,9 +51,10 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None) -
 
 
 @torch.no_grad()
-def broadcast_(tensors: list[torch.Tensor], src: int) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket."""
-    for bucket in buckets(tensors):
+def broadcast_(tensors: list[torch.Tensor], src: int, bucket_bytes: int | None = None) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket (of at most
+    ``bucket_bytes``; None: ``BUCKET_BYTES``)."""
+    for bucket in buckets(tensors, bucket_bytes or BUCKET_BYTES):
         flat = flatten(bucket)
         dist.broadcast(flat, src=src)
         if dist.get_rank() != src:

@@ -15,13 +15,16 @@ __all__ = ["make_strategy"]
 def make_strategy(setup: Setup, dist_info: DistInfo):
     """The strategy ``setup.strategy`` names (imported lazily: ``import engine`` never imports
     DeepSpeed or FSDP)."""
+    if setup.strategy == "single" and setup.stage > 0:
+        log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
     if setup.strategy == "deepspeed":
         from engine.strategies.deepspeed import DeepSpeedStrategy as chosen
+    elif setup.strategy in ("single", "ddp") and setup.precision.low_precision_parameters:
+        from engine.strategies.low_precision import LowPrecisionReplicas as chosen
+    elif setup.strategy == "zero1" and setup.precision.low_precision_parameters:
+        from engine.strategies.low_precision import LowPrecisionShardedOptimizer as chosen
     elif setup.strategy == "single":
         from engine.strategies.single import SingleProcess as chosen
-
-        if setup.stage > 0:
-            log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
     elif setup.strategy == "pipeline":
         from engine.strategies.pipeline import PipelineParallel as chosen
     elif setup.strategy == "pipeline_fsdp":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from engine.adapters import torch_internals
 from engine.distributed.collectives import broadcast_, failure_vote, sum_of_squares
 from engine.distributed.process_group import DistInfo
+from engine.model_transforms import transform_model
 from engine.precision import Precision, scale_
 from engine.setup import Setup
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
@@ -173,6 +174,10 @@ class TorchStrategy(Strategy):
     @property
     def loss_scaler(self):
         return self.precision.scaler
+
+    def transform(self, module: torch.nn.Module) -> None:
+        """Checkpoint and compile ``module``'s blocks as the setup asks, before it is wrapped or sharded."""
+        transform_model(module, self.settings.checkpointing, self.settings.compile)
 
     def forward(self, *args, **kwargs):
         with self.precision.autocast():

@@ -34,6 +34,7 @@ class DataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
+        self.transform(self.module)
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
@@ -44,8 +45,11 @@ class DataParallel(TorchStrategy):
     def _wrap(self, find_unused_parameters: bool) -> DistributedDataParallel:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
+        # zero_optimization.reduce_bucket_size: DDP's bucket (all-reduced as soon as the backward fills it)
+        bucket = self.settings.overlap.reduce_bucket_bytes
+        buckets = {} if bucket is None else {"bucket_cap_mb": bucket / 2**20}
         return DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                       find_unused_parameters=find_unused_parameters)
+                                       find_unused_parameters=find_unused_parameters, **buckets)
 
     def prepare_micro_step(self, closes_window):
         syncs = closes_window and not self._defer_reduction and not self._probing_usage
@@ -66,17 +70,6 @@ class DataParallel(TorchStrategy):
         users = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
         dist.all_reduce(users)
         grads = []
-        for p, count in zip(params, users.tolist()):
-            if count == 0:  # unused on every rank: no gradient, as in one process
-                continue
-            if p.grad is None:  # unused on this rank only: its share is zero
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        all_reduce_mean_(grads, self.world_size)
-        if self._probing_usage:
-            self._probing_usage = False
-            unused = sum(count < self.world_size for count in users.tolist())
-            if unused:
-                log.info("%d parameter(s) got no gradient on some rank in the first window: DDP finds unused "
-                         "parameters in every backward from now on", unused)
-                self.forward_module = self._wrap(find_unused_parameters=True)
+        self.transform(self.module)
+        # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
+        self.forward_module = self._wrap(find_unused_parameters=False)

@@ -39,6 +39,7 @@ from engine.adapters import deepspeed_internals as internals
 from engine.adapters.torch_internals import foreach_mul_
 from engine.distributed.collectives import sum_of_squares
 from engine.errors import CheckpointError, ConfigError
+from engine.model_transforms import transform_model
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 
@@ -96,6 +97,8 @@ class DeepSpeedStrategy(Strategy):
                 "at ZeRO stage 0 (it fails in the first boundary's backward) and keeps fp32 master copies at "
                 "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
         gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        # Microstep's activation_checkpointing / compile keys: the blocks, before DeepSpeed wraps them.
+        transform_model(module, self.settings.checkpointing, self.settings.compile)
         ds_config = json.loads(json.dumps(self.settings.deepspeed))  # a deep copy: DeepSpeed may edit it
         try:
             # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets

@@ -39,38 +39,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
 )
 from engine.distributed.collectives import broadcast_, check_peers
+from engine.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
 def _parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def _layers(container: torch.nn.Module):
-    """A container's entries, with nested containers opened up."""
-    for child in container.children():
-        if isinstance(child, _CONTAINERS):
-            yield from _layers(child)
-        else:
-            yield child
-
-
-def _outermost_containers(module: torch.nn.Module):
-    if isinstance(module, _CONTAINERS):
-        yield module
-        return
-    for child in module.children():
-        yield from _outermost_containers(child)
 
 
 def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.Module]]:
@@ -79,9 +61,9 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
     parameters join whichever group is open. A group holding the whole model is left to the
     root unit."""
     units = []
-    for container in _outermost_containers(module):
+    for container in outermost_containers(module):
         group, size = [], 0
-        for layer in _layers(container):
+        for layer in container_layers(container):
             group.append(layer)
             size += _parameter_count(layer)
             if size >= unit_size:
@@ -91,6 +73,29 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
             units.append(group)
     total = _parameter_count(module)
     return [group for group in units if sum(map(_parameter_count, group)) < total]
+
+
+def _ahead(sizes: list[int], budget: int) -> int:
+    """How many of the units of ``sizes`` (in the order they run) fit in ``budget`` parameters
+    (one at least, when the budget is not 0)."""
+    count, total = 0, 0
+    for size in sizes:
+        if count and total + size > budget or not budget:
+            break
+        count, total = count + 1, total + size
+    return count
+
+
+def _prefetch(units: list[FSDPModule], sizes: list[int], budget: int) -> None:
+    """``zero_optimization.stage3_prefetch_bucket_size``: each unit starts the all-gather of the
+    next units (up to ``budget`` parameters) in the forward, and of the previous ones in the
+    backward, before it computes — more overlap, more gathered memory. 0: none explicitly
+    (FSDP2's default order-based prefetching remains)."""
+    for i, unit in enumerate(units):
+        following = units[i + 1:i + 1 + _ahead(sizes[i + 1:], budget)]
+        preceding = units[:i][::-1][:_ahead(sizes[:i][::-1], budget)]
+        unit.set_modules_to_forward_prefetch(following)
+        unit.set_modules_to_backward_prefetch(preceding)
 
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
@@ -118,21 +123,29 @@ class FullyShardedDataParallel(TorchStrategy):
     def setup(self, module, optimizer):
         module = module.to(self.device)
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
+        self.transform(module)  # blocks checkpointed / compiled before they are sharded
         names = {id(p): name for name, p in module.named_parameters()}
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        everything = sum(p.numel() * p.element_size() for p in module.parameters())
+        half = self.settings.precision
+        gathered_size = half.dtype.itemsize if half.low_precision_parameters else None
+        everything = sum(p.numel() * (gathered_size or p.element_size()) for p in module.parameters())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
-        self.inner_units = []
+        inner, root = self._mixed_precision_policies()
+        self.inner_units, unit_sizes = [], []
         for group in shard_units(module, self.settings.shard_unit_size):
-            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy)
+            unit_sizes.append(sum(map(_parameter_count, group)))
+            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy,
+                        mp_policy=inner)
             self.inner_units.append(group[0])  # the modules of one group share their FSDP state
+        if self.settings.overlap.prefetch_parameters is not None:
+            _prefetch(self.inner_units, unit_sizes, self.settings.overlap.prefetch_parameters)
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
-                    offload_policy=self.offload_policy)
+                    offload_policy=self.offload_policy, mp_policy=root)
         repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
@@ -147,6 +160,19 @@ class FullyShardedDataParallel(TorchStrategy):
         if self.rests_gathered:
             self._gather()
             state_dict_as_held(self._units())
+
+    def _mixed_precision_policies(self) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+        """(inner units', root's) policy. Low-precision parameters: gathered and computed in
+        the half precision, gradients reduced in fp32 (and so, when a window defers, accumulated
+        in fp32: FSDP2 accumulates unreduced gradients in the reduce dtype) unless
+        ``data_types.grad_accum_dtype`` asks for the half precision. The root returns fp32
+        outputs, so that the loss is computed in fp32 as autocast would."""
+        half = self.settings.precision
+        if not half.low_precision_parameters:
+            return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+        inner = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype)
+        return inner, MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype,
+                                           output_dtype=torch.float32)
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]

@@ -95,6 +95,7 @@ class PipelineParallel(TorchStrategy):
         # Every rank starts from rank 0's model, as under DDP.
         tensors = [t.data for t in (*module.parameters(), *module.buffers())]
         broadcast_(tensors, src=0)
+        self.transform(module)  # checkpoint / compile the blocks before the model is cut
         self._key_order = list(module.state_dict())
         pieces = cut(sequence_of(module), self.num_stages, self.settings.pipeline.split)
         if self.rank == 0:

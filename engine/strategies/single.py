@@ -10,5 +10,6 @@ class SingleProcess(TorchStrategy):
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
+        self.transform(self.module)
         self.forward_module = self.module
         self.optimizer = optimizer

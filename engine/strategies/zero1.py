@@ -25,19 +25,32 @@ def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
     return owners
 
 
+def keep_owned(optimizer: torch.optim.Optimizer, module: torch.nn.Module, rank: int,
+               world_size: int) -> list[list[torch.nn.Parameter]]:
+    """Narrow ``optimizer``'s groups, in place, to the parameters ``rank`` owns; every rank's
+    parameters, by owner."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    owners = partition(params, world_size)
+    owner_of = {id(p): r for p, r in zip(params, owners)}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if owner_of.get(id(p)) == rank]
+    return [[p for p, r in zip(params, owners) if r == owner] for owner in range(world_size)]
+
+
+def broadcast_from_owners(params_by_owner: list[list[torch.nn.Parameter]], bucket_bytes: int | None) -> None:
+    """After the owners' step: every rank's parameters equal their owner's (broadcast in
+    buckets of ``zero_optimization.allgather_bucket_size``, as DeepSpeed gathers its partitions)."""
+    for owner, params in enumerate(params_by_owner):
+        broadcast_(params, src=owner, bucket_bytes=bucket_bytes)
+
+
 class ShardedOptimizerDataParallel(DataParallel):
     name = "zero1"
 
     def setup(self, module, optimizer):
         super().setup(module, optimizer)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        owners = partition(params, self.world_size)
-        owner_of = {id(p): r for p, r in zip(params, owners)}
-        self.params_by_owner = [[p for p, r in zip(params, owners) if r == rank] for rank in range(self.world_size)]
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if owner_of.get(id(p)) == self.rank]
+        self.params_by_owner = keep_owned(optimizer, self.module, self.rank, self.world_size)
 
     def optimizer_step(self):
         self.optimizer.step()
-        for owner, params in enumerate(self.params_by_owner):
-            broadcast_(params, src=owner)
+        broadcast_from_owners(self.params_by_owner, self.settings.overlap.allgather_bucket_bytes)

@@ -1,0 +1,113 @@
+"""What a strategy does to the model's repeated blocks before it wraps or shards them:
+activation checkpointing and ``torch.compile``, each block on its own (as torchtitan does), so
+that sharding units, checkpoint regions and compiled graphs line up.
+
+Blocks (``activation_checkpointing.blocks``): ``auto`` takes a Hugging Face model's
+``_no_split_modules`` classes when it names some, else the layers of the model's outermost
+``ModuleList`` / ``Sequential`` (its transformer blocks: what ZeRO-3 shards one unit at a
+time); or a list of class names. Both transforms leave the module tree and parameter names as
+they are (no wrapper module): both replace a block's ``forward`` on the instance, so state
+dicts and checkpoints do not change, and the hooks FSDP2 or DDP add run around them.
+
+Checkpointing: ``torch.utils.checkpoint`` (non-reentrant) saves only a block's inputs and
+recomputes the rest during the backward; RNG state is restored for the recomputation, so
+dropout draws the same masks and gradients equal the run without it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+
+from engine.errors import ConfigError
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+def container_layers(container: torch.nn.Module):
+    """A container's entries, with nested containers opened up."""
+    for child in container.children():
+        if isinstance(child, _CONTAINERS):
+            yield from container_layers(child)
+        else:
+            yield child
+
+
+def outermost_containers(module: torch.nn.Module):
+    """The ``ModuleList`` / ``Sequential`` modules not inside another one (``module`` itself if it is one)."""
+    if isinstance(module, _CONTAINERS):
+        yield module
+        return
+    for child in module.children():
+        yield from outermost_containers(child)
+
+
+def _named_classes(module: torch.nn.Module, names) -> list[torch.nn.Module]:
+    """The outermost modules whose class is named in ``names`` (not those inside a match)."""
+    found = []
+
+    def visit(node):
+        if type(node).__name__ in names:
+            found.append(node)
+            return
+        for child in node.children():
+            visit(child)
+
+    visit(module)
+    return found
+
+
+def repeated_blocks(module: torch.nn.Module, blocks="auto") -> list[torch.nn.Module]:
+    """The blocks ``activation_checkpointing.blocks`` names in ``module``, in forward order."""
+    if blocks == "auto":
+        no_split = getattr(module, "_no_split_modules", None)
+        if no_split:
+            return _named_classes(module, set(no_split))
+        return [layer for container in outermost_containers(module) for layer in container_layers(container)
+                if any(p.requires_grad for p in layer.parameters())]
+    found = _named_classes(module, set(blocks))
+    if not found:
+        classes = sorted({type(m).__name__ for m in module.modules()} - {type(module).__name__})
+        raise ConfigError(f"activation_checkpointing.blocks: the model has no module of class "
+                          f"{', '.join(blocks)}; its classes are {', '.join(classes)} (or write blocks: auto)")
+    return found
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
+                                                 **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(blocks: list[torch.nn.Module], every: int = 1) -> list[torch.nn.Module]:
+    """Checkpoint every ``every``-th of ``blocks`` (the first included); the checkpointed ones."""
+    chosen = blocks[::every]
+    for block in chosen:
+        block.forward = _checkpointed(block.forward)
+    return chosen
+
+
+def apply_compile(blocks: list[torch.nn.Module], request) -> None:
+    """``torch.compile`` each block (the whole model when it has none) in place (``request``: an ``engine.config.torch_features.CompileRequest``)."""
+    for block in blocks:
+        # The forward, not the module call: hooks a sharding framework adds stay outside the graph.
+        block.forward = torch.compile(block.forward, mode=request.mode, dynamic=request.dynamic,
+                                      backend=request.backend, fullgraph=request.fullgraph)
+
+
+def transform_model(module: torch.nn.Module, checkpointing, compile) -> None:
+    """Checkpoint, then compile, ``module``'s blocks as the setup asks (each may be None: off).
+    A compiled block that is also checkpointed compiles its checkpointed forward."""
+    if checkpointing is None and compile is None:
+        return
+    if checkpointing is not None:
+        blocks = repeated_blocks(module, checkpointing.blocks)
+        if not blocks:
+            raise ConfigError("activation_checkpointing.blocks: auto found no repeated blocks (no ModuleList or "
+                              "Sequential of layers with parameters, no _no_split_modules); name the blocks' "
+                              "classes: blocks: [MyBlock]")
+        apply_activation_checkpointing(blocks, checkpointing.every)
+    if compile is not None:
+        apply_compile(repeated_blocks(module, "auto") or [module], compile)
