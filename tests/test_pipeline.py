@@ -373,7 +373,7 @@ def train_with_checkpoints(rank, world, directory, windows, zero, stages=2):
     model, batches = mlp(), regression_batches(4, 8)
     expected, _ = reference_run(model, batches[:windows], reference_mse, 0.05)
     settings = config(8, 2, "interleaved", gradient_clipping=0.05, checkpoint={"dir": directory, "every_steps": 2},
-                      zero_optimization={"stage": zero}, **extra)
+                      zero_optimization={"stage": zero})
     settings["pipeline"]["stages"] = stages
     eng = engine.initialize(copy.deepcopy(model), settings, optimizer=sgd)
     resumed = eng.global_steps

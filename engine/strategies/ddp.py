@@ -70,6 +70,17 @@ class DataParallel(TorchStrategy):
         users = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
         dist.all_reduce(users)
         grads = []
-        self.transform(self.module)
-        # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
-        self.forward_module = self._wrap(find_unused_parameters=False)
+        for p, count in zip(params, users.tolist()):
+            if count == 0:  # unused on every rank: no gradient, as in one process
+                continue
+            if p.grad is None:  # unused on this rank only: its share is zero
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        all_reduce_mean_(grads, self.world_size, bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        if self._probing_usage:
+            self._probing_usage = False
+            unused = sum(count < self.world_size for count in users.tolist())
+            if unused:
+                log.info("%d parameter(s) got no gradient on some rank in the first window: DDP finds unused "
+                         "parameters in every backward from now on", unused)
+                self.forward_module = self._wrap(find_unused_parameters=True)
