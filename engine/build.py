@@ -34,7 +34,7 @@ _BATCH_STATISTICS_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)
 def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None,
                lr_scheduler: Any = None, loss_fn: LossFn | None = None,
                overrides=None, lengths: LengthsFn | None = None, manual_sizes: str = "plan",
-               grad_norm_every_step: bool = False) -> Engine:
+               grad_norm_every_step: bool = False, tensor_plan=None) -> Engine:
     """Build an :class:`Engine` for ``model`` from ``config`` (a path, a dict or a Config).
 
     ``optimizer``: an optimizer instance built on ``model.parameters()``, a factory
@@ -50,6 +50,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     the inputs.
     ``grad_norm_every_step``: compute the gradient norm at every boundary
     (``eng.last_window.step.grad_norm``), even without clipping or a monitor that asks for it.
+    ``tensor_plan``: how layers are split under ``tensor_parallel.size`` > 1, replacing the
+    config's ``tensor_parallel.plan``: ``{module pattern: style}``, a style being a name
+    (``colwise``, ``rowwise``, ``colwise_rep``) or a ``torch.distributed.tensor.parallel.ParallelStyle``
+    (see engine.strategies.parallelize).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
@@ -70,9 +74,11 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     dist_info = init_distributed(group.timeout_seconds, group.backend, group_for_one_process=group.group_for_one_process,
                                  agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
-    setup = resolve_setup(config, dist_info)
+    setup = resolve_setup(config, dist_info, tensor_plan)
     strategy = make_strategy(setup, dist_info)
-    plan = plan_from_config(config, setup.mesh.data, setup.mesh.data_rank(dist_info.rank))
+    mesh = setup.mesh
+    plan = plan_from_config(config, mesh.data, mesh.data_rank(dist_info.rank),
+                            mesh=None if mesh.is_data_parallel_only else mesh.describe())
     check_same_settings(config, plan)
     # auto / explore may grow the accumulation later, token budgets choose it per window:
     # check as if it were > 1

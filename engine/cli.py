@@ -13,6 +13,7 @@ from engine.batching.plan import plan_from_config
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
+from engine.setup import mesh_layout
 
 USAGE_ERROR = 2
 
@@ -27,7 +28,12 @@ def add_override_argument(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    plan = plan_from_config(config, args.world_size, args.rank)
+    mesh = mesh_layout(config, args.world_size)
+    described = None if mesh.is_data_parallel_only else mesh.describe()
+    in_world = isinstance(args.rank, int) and 0 <= args.rank < args.world_size  # else the planner says what is wrong
+    plan = plan_from_config(config, mesh.data, mesh.data_rank(args.rank) if in_world else args.rank, mesh=described)
+    if described:
+        print(f"mesh: {described} (the plan's world size is the {mesh.data} data-parallel rank(s))")
     print(plan.describe())
     return 0
 
@@ -157,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="show how a config splits the global batch")
     plan.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
-    plan.add_argument("--world-size", type=int, required=True, help="number of data-parallel ranks")
-    plan.add_argument("--rank", type=int, default=0, help="rank whose plan to build (default 0)")
+    plan.add_argument("--world-size", type=int, required=True, help="number of processes (data-parallel ranks: world / tensor_parallel.size)")
+    plan.add_argument("--rank", type=int, default=0, help="rank whose plan to build (default 0); under a tensor mesh, its data-parallel index counts")
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)
 

@@ -514,7 +514,8 @@ class Engine:
             )
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
-        self.strategy.backward(loss, share * self.world_size / self._weighting_batch())
+        # W: the data-parallel ranks, over which the strategy averages gradients
+        self.strategy.backward(loss, share * self.plan.world_size / self._weighting_batch())
         window.micro_steps += 1
         window.samples += samples
         window.losses.append(loss.detach())

@@ -19,7 +19,7 @@ from engine.config.schema import Config
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_fsdp", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class HalfPrecision:
 
 
 @dataclass(frozen=True)
+class TensorParallelSetup:
+    """How layers are split over the mesh's tensor dimension (``engine.strategies.parallelize``)."""
+
+    plan: Any = "auto"  # "auto", or {module pattern: style name or a ParallelStyle}
+    check_batches: int = 0  # optimizer steps whose inputs are compared inside each tensor group
+
+
+@dataclass(frozen=True)
 class Setup:
     """Every decision a strategy is built from."""
 
@@ -53,6 +61,7 @@ class Setup:
     defer_reduction: bool | str  # False | True | "auto"
     shard_unit_size: int | None
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
+    tensor_parallel: TensorParallelSetup = TensorParallelSetup()
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
@@ -69,11 +78,17 @@ def process_group_request(config: Config) -> ProcessGroupRequest:
                                group_for_one_process=config.backend == "deepspeed" or _fsdp_even_alone(config))
 
 
-def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
-    """The setup of ``config`` on the process group ``dist_info`` describes."""
+def mesh_layout(config: Config, world_size: int) -> MeshLayout:
+    """The mesh ``config`` asks for on ``world_size`` processes (ConfigError if they do not divide)."""
+    return MeshLayout(world_size, tensor=config.tensor_parallel.size)
+
+
+def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setup:
+    """The setup of ``config`` on the process group ``dist_info`` describes; ``tensor_plan``
+    (``engine.initialize``'s) replaces the config's ``tensor_parallel.plan``."""
     zero = config.zero_optimization
     stage = zero.stage
-    mesh = MeshLayout(dist_info.world_size)
+    mesh = mesh_layout(config, dist_info.world_size)
     dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
     precision = HalfPrecision(dtype, config.fp16 if config.fp16.enabled else None)
     deepspeed = config.backend == "deepspeed"
@@ -88,6 +103,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         defer_reduction=zero.defer_reduction if not deepspeed or stage >= 2 else False,
         shard_unit_size=zero.shard_unit_size,
         memory_limit=config.auto_memory_limit,
+        tensor_parallel=TensorParallelSetup(tensor_plan if tensor_plan is not None else config.tensor_parallel.plan,
+                                            config.tensor_parallel.check_batches),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )
@@ -98,4 +115,6 @@ def _strategy_name(config: Config, mesh: MeshLayout) -> str:
         return "deepspeed"
     if mesh.world_size == 1 and not _fsdp_even_alone(config):
         return "single"
+    if mesh.tensor > 1:  # ZeRO 1 is refused by engine.config.checks
+        return "tensor" if config.zero_optimization.stage == 0 else "tensor_fsdp"
     return ("ddp", "zero1", "fsdp", "fsdp")[config.zero_optimization.stage]

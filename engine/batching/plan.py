@@ -466,9 +466,20 @@ def data_defined_plan(world_size, gradient_accumulation_steps, rank=0, notes=())
                      tuple(notes))
 
 
-def plan_from_config(config, world_size: int, rank: int = 0) -> BatchPlan:
-    """The plan for `config` (an ``engine.Config``) on `world_size` ranks: a config giving
-    only ``gradient_accumulation_steps`` gets a ``data_defined_plan``."""
+def plan_from_config(config, world_size: int, rank: int = 0, *, mesh: str | None = None) -> BatchPlan:
+    """The plan for `config` (an ``engine.Config``) on `world_size` data-parallel ranks: a
+    config giving only ``gradient_accumulation_steps`` gets a ``data_defined_plan``. ``mesh``:
+    the device mesh in words, when it has more dimensions than data, named in every error."""
+    try:
+        return _plan_from_config(config, world_size, rank)
+    except BatchConfigError as error:
+        if mesh is None:
+            raise
+        raise BatchConfigError(f"{error} (the batch planner's world is the {world_size} data-parallel rank(s) of "
+                               f"the mesh {mesh})") from None
+
+
+def _plan_from_config(config, world_size: int, rank: int) -> BatchPlan:
     if (config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None
             and config.gradient_accumulation_steps is not None):
         notes = ["batch_split has no effect: the data defines the batches"] if config.batch_split == "balanced" else []

@@ -265,6 +265,8 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             problems.append(f"{where}: parallel.{kind}: expected a size (an integer >= 1) or "
                             f"dict(size=...), got {value!r}")
+        elif kind == "tensor" and size > 1:
+            _read_tensor(raw, value, size, where, problems)
         elif kind != "data" and size > 1:
             mode = value.get("mode") if isinstance(value, dict) else None
             problems.append(
@@ -273,6 +275,29 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
                 "by ZeRO 0-3 (zero_optimization.stage; stage 3 also shards the parameters). Set "
                 f"the {kind} size to 1 or remove it, or keep Colossal-AI for this model")
     raw.forget(("parallel",))
+
+
+_TENSOR_MODES = (None, "1d")
+
+
+def _read_tensor(raw: RawConfig, value, size: int, where: str, problems: list[str]) -> None:
+    """``parallel.tensor`` of size > 1 in mode 1d (Megatron's column / row split) is
+    ``tensor_parallel.size``; Colossal-AI's 2d / 2.5d / 3d splits have no counterpart."""
+    mode = value.get("mode") if isinstance(value, dict) else None
+    if mode not in _TENSOR_MODES:
+        problems.append(f"{where}: parallel.tensor: mode {mode!r}: Microstep's tensor parallelism is 1-D "
+                        "(PyTorch's column / row split, Colossal-AI's mode '1d'); set mode='1d', or keep "
+                        "Colossal-AI for its 2d / 2.5d / 3d modes")
+        return
+    section = raw.data.setdefault("tensor_parallel", {})
+    if not isinstance(section, dict):
+        return  # reported as a type error by the schema
+    if section.get("size", size) != size:
+        problems.append(f"{where}: parallel.tensor: size {size} conflicts with tensor_parallel.size: "
+                        f"{section['size']!r}; keep one")
+        return
+    section["size"] = size
+    raw.locations.setdefault(("tensor_parallel", "size"), where)
 
 
 def translate(raw: RawConfig, problems: list[str]) -> list[str]:

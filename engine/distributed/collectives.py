@@ -39,22 +39,24 @@ def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES):
         yield bucket
 
 
-def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
-    """Replace each tensor by its mean over ranks, one flat all-reduce per bucket."""
+def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None) -> None:
+    """Replace each tensor by its mean over the ``world_size`` ranks of ``group`` (default:
+    all), one flat all-reduce per bucket."""
     for bucket in buckets(tensors):
         flat = flatten(bucket)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat.div_(world_size)
         for tensor, reduced in zip(bucket, unflatten(flat, bucket)):
             tensor.copy_(reduced)
 
 
 @torch.no_grad()
-def broadcast_(tensors: list[torch.Tensor], src: int) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket."""
+def broadcast_(tensors: list[torch.Tensor], src: int, group=None) -> None:
+    """Overwrite ``tensors`` with (global) rank ``src``'s values, one flat broadcast per bucket
+    over ``group`` (default: all ranks)."""
     for bucket in buckets(tensors):
         flat = flatten(bucket)
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=src, group=group)
         if dist.get_rank() != src:
             for tensor, value in zip(bucket, unflatten(flat, bucket)):
                 tensor.copy_(value)

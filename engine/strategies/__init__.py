@@ -24,6 +24,10 @@ def make_strategy(setup: Setup, dist_info: DistInfo):
             log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
     elif setup.strategy == "ddp":
         from engine.strategies.ddp import DataParallel as chosen
+    elif setup.strategy == "tensor":
+        from engine.strategies.tensor_parallel import TensorParallel as chosen
+    elif setup.strategy == "tensor_fsdp":
+        from engine.strategies.tensor_parallel import TensorFullySharded as chosen
     elif setup.strategy == "zero1":
         from engine.strategies.zero1 import ShardedOptimizerDataParallel as chosen
     else:

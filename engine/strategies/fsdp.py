@@ -39,7 +39,7 @@ from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients,
 )
 from engine.distributed.collectives import broadcast_, check_peers
-from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.deferral import ReductionDeferral
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
@@ -86,18 +86,6 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
     return [group for group in units if sum(map(_parameter_count, group)) < total]
 
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
-    """Swap, in place, the optimizer's parameters for the sharded ones of the same name."""
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer already holds state, which cannot follow its parameters into shards; "
-            "pass a fresh optimizer (restore training state with eng.load_checkpoint)"
-        )
-    sharded = dict(module.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-
-
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
 
@@ -113,7 +101,7 @@ class FullyShardedDataParallel(TorchStrategy):
         names = {id(p): name for name, p in module.named_parameters()}
         trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         everything = sum(p.numel() * p.element_size() for p in module.parameters())
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = self.sharding_mesh(module)
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
@@ -125,7 +113,7 @@ class FullyShardedDataParallel(TorchStrategy):
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
                     offload_policy=self.offload_policy)
-        _repoint_optimizer(optimizer, names, module)
+        repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
         self.group = mesh.get_group()
@@ -136,6 +124,11 @@ class FullyShardedDataParallel(TorchStrategy):
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
                                           memory_limit=self.settings.memory_limit)
+
+    def sharding_mesh(self, module: torch.nn.Module):
+        """The mesh the shards are spread over: every rank (a mesh with a tensor dimension
+        splits ``module`` first and shards over its data dimension)."""
+        return init_device_mesh(self.device.type, (self.world_size,))
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
