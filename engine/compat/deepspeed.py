@@ -243,7 +243,12 @@ class DeepSpeedEngine:
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        """The data-parallel ranks (world / tensor size), as the batch arithmetic counts them."""
+        return self.engine.plan.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.engine.plan.world_size
 
     @property
     def global_steps(self) -> int:
