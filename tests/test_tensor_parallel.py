@@ -25,7 +25,10 @@ from tests.dist_utils import run_scenarios
 from tests.reference import (
     max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state, token_batches,
 )
-from tests.tp_models import PLAN, TinyTransformer, lm_loss_mean, lm_loss_sum
+from tests.oom_models import tripwire_mlp
+from tests.test_token_budget import loss_sum_and_count, padded_batch
+from tests.test_token_engine import token_mean
+from tests.tp_models import PLAN, TinyTransformer, TinyTransformerLM, lm_loss_mean, lm_loss_sum
 
 TOL = 1e-10
 MISSED = 1e-4
@@ -181,6 +184,42 @@ def deepspeed_facade(rank, world, stage):
             "accumulation": eng.gradient_accumulation_steps()}
 
 
+def automatic_micro_size(rank, world, stage, where):
+    """train_micro_batch_size_per_gpu: auto; the second tensor group (its two ranks alike) runs
+    out of memory above 2 rows: every rank shrinks together and the result stays exact."""
+    batches = regression_batches(3, 16)
+    expected = reference_train(tripwire_mlp(), batches, mse, sgd)
+    model = tripwire_mlp(max_micro=2, ranks=(world - 2, world - 1), where=where)
+    cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": stage},
+           "tensor_parallel": {"size": 2}}
+    eng = engine.initialize(model, cfg, optimizer=sgd)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
+    changes = eng.micro_batch_tuner.changes
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "micro": eng.plan.micro_batch_sizes,
+            "failed_ranks": changes[0]["ranks"] if changes else None}
+
+
+def token_budget_and_monitor(rank, world, stage, directory):
+    """micro_batch_tokens (micro-batches formed by padded tokens) with the monitor on: exact,
+    and the monitor's loss, samples and tokens count every data rank once."""
+    lengths = [[6, 2, 1, 5, 3, 6, 2, 4], [1, 6, 2, 2, 5, 3, 6, 1]]
+    batches = [padded_batch(row, 6, seed=i) for i, row in enumerate(lengths)]
+    model = TinyTransformerLM()
+    expected = reference_train(model, batches, token_mean, sgd)
+    cfg = {"train_batch_size": 8, "micro_batch_tokens": 12, "zero_optimization": {"stage": stage},
+           "tensor_parallel": {"size": 2, "plan": PLAN},
+           "monitor": {"enabled": True, "progress": False, "jsonl": f"{directory}/metrics.jsonl"}}
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), loss_sum_and_count)
+    history = eng.monitor.history
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+            "losses": [r["loss"] for r in history], "samples": [r["samples"] for r in history],
+            "tokens": [r.get("real_tokens") for r in history],
+            "expected_losses": [token_mean(model, batches[0]).item()]}
+
+
 def scenarios(world, directory):
     found = {}
     for stage in (0, 3):
@@ -192,6 +231,9 @@ def scenarios(world, directory):
     found["different batches"] = functools.partial(different_batches, stage=3 if world == 4 else 0)
     found["batches()"] = functools.partial(batches_helper, stage=0)
     found["facade"] = functools.partial(deepspeed_facade, stage=0)
+    for stage, where in ((0, "forward"), (3, "backward")):
+        found[("auto", stage)] = functools.partial(automatic_micro_size, stage=stage, where=where)
+    found["tokens + monitor"] = functools.partial(token_budget_and_monitor, stage=3, directory=directory)
     if world == 4:  # tensor 2 × data 2 → tensor 4 × data 1 and tensor 1 × data 4
         found["resume tensor 4"] = functools.partial(resumed_on_another_mesh, stage=3, directory=f"{directory}/a",
                                                      tensor_after=4, stage_after=0)
@@ -231,6 +273,16 @@ def check(results, world):
         assert result["diff"] < TOL and result["steps"] == 2
     for result in results["facade"]:
         assert result == {"world_size": data, "train_batch_size": 8, "accumulation": 4 // data}
+    for stage in (0, 3):
+        for result in results[("auto", stage)]:
+            assert result["diff"] < TOL and result["failed_ranks"] == [world - 2, world - 1], result
+            assert result["micro"] == (2,) * (8 // data), result
+    for result in results["tokens + monitor"]:
+        assert result["diff"] < TOL, result["diff"]
+    recorded = results["tokens + monitor"][0]  # rank 0 records
+    assert recorded["samples"] == [8, 8]
+    assert recorded["losses"][0] == pytest.approx(recorded["expected_losses"][0], rel=1e-12)
+    assert recorded["tokens"] == [sum([6, 2, 1, 5, 3, 6, 2, 4]), sum([1, 6, 2, 2, 5, 3, 6, 1])]
     for name in [key for key in results if isinstance(key, str) and key.startswith("resume")]:
         for result in results[name]:
             assert result["diff"] < TOL and result["steps"] == 3, (name, result)

@@ -75,3 +75,11 @@ def lm_loss_sum(model, batch):
 def lm_loss_mean(model, batch):
     loss, count = lm_loss_sum(model, batch)
     return loss / count
+
+
+class TinyTransformerLM(TinyTransformer):
+    """TinyTransformer called as a Hugging Face causal LM is: ``model(input_ids=..., attention_mask=...)``
+    (causal, so right padding never reaches a real token)."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(input_ids)

@@ -27,8 +27,6 @@ the host; the gathered parameters live on the device while a unit computes.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -177,8 +175,11 @@ class FullyShardedDataParallel(TorchStrategy):
     def enable_failure_guard(self):
         # Every all-gather and reduce-scatter first checks the peers' flags, so gradients can
         # still be reduced after every micro-step (ZeRO memory) under an automatic micro size.
-        self._set_comms(functools.partial(check_peers, rank=self.rank, world_size=self.world_size,
-                                          device=self.device))
+        self._set_comms(self.check_peers_before)
+
+    def check_peers_before(self, group) -> None:
+        """The failure guard before a collective on ``group``: the peers' flags, on that group."""
+        check_peers(group, rank=self.rank, world_size=self.world_size, device=self.device)
 
     def _set_comms(self, guard) -> None:
         for unit in self._units():

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.distributed.collectives import all_reduce_mean_, broadcast_, failure_vote, sum_of_squares
+from engine.distributed.collectives import all_reduce_mean_, broadcast_, check_peers, failure_vote, sum_of_squares
 from engine.errors import EngineUsageError
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.fsdp import FullyShardedDataParallel
@@ -86,6 +86,7 @@ class TensorMesh:
         self.layout = setup.mesh
         self._batch_checks_left = setup.tensor_parallel.check_batches
         self._steps_done = 0
+        self._guarded = False  # the automatic micro size's failure guard is on
 
     def split_model(self, module: torch.nn.Module):
         """Split ``module``'s planned layers over the tensor dimension; returns the data mesh."""
@@ -103,6 +104,8 @@ class TensorMesh:
         return super().forward(*args, **kwargs)
 
     def _check_same_inputs(self, args, kwargs) -> None:
+        if self._guarded:
+            self.check_peers_before(None)
         mine = input_fingerprint(args, kwargs, self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine)  # every rank learns every group's verdict: all raise together
@@ -133,8 +136,19 @@ class TensorMesh:
             dist.all_reduce(tensor, group=self.data_group)
         return tensor
 
+    # -- surviving a failed micro-step (automatic micro size) ---------------------------------
+    # Guards and votes run on the whole world, whatever group the guarded collective uses: a
+    # failed rank's one vote must answer every peer's check. The ranks of a tensor group fail
+    # together (the same layers on the same batch); one failing alone inside a split layer
+    # leaves its group's DTensor collective waiting until the process-group timeout.
+    def enable_failure_guard(self):
+        self._guarded = True
+        super().enable_failure_guard()
+
+    def check_peers_before(self, group) -> None:
+        check_peers(None, rank=self.rank, world_size=self.world_size, device=self.device)
+
     def agree_on_failures(self, failure):
-        # Every rank of the world: a tensor peer's failure stops its whole group.
         return failure_vote(failure, self.rank, self.world_size, self.device, None)
 
     def local_gradients(self):
