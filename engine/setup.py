@@ -19,7 +19,7 @@ from engine.config.schema import Config
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_fsdp", "deepspeed")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_zero1", "tensor_fsdp", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,6 @@ def _strategy_name(config: Config, mesh: MeshLayout) -> str:
         return "deepspeed"
     if mesh.world_size == 1 and not _fsdp_even_alone(config):
         return "single"
-    if mesh.tensor > 1:  # ZeRO 1 is refused by engine.config.checks
-        return "tensor" if config.zero_optimization.stage == 0 else "tensor_fsdp"
+    if mesh.tensor > 1:
+        return ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[config.zero_optimization.stage]
     return ("ddp", "zero1", "fsdp", "fsdp")[config.zero_optimization.stage]

@@ -222,6 +222,9 @@ def token_budget_and_monitor(rank, world, stage, directory):
 
 def scenarios(world, directory):
     found = {}
+    for stage in (1, 2):
+        found[("clipped mean", stage)] = functools.partial(clipped_mean, stage=stage)
+        found[("balanced tokens", stage)] = functools.partial(balanced_tokens, stage=stage)
     for stage in (0, 3):
         found[("clipped mean", stage)] = functools.partial(clipped_mean, stage=stage)
         found[("balanced tokens", stage)] = functools.partial(balanced_tokens, stage=stage)
@@ -236,7 +239,7 @@ def scenarios(world, directory):
     found["tokens + monitor"] = functools.partial(token_budget_and_monitor, stage=3, directory=directory)
     if world == 4:  # tensor 2 × data 2 → tensor 4 × data 1 and tensor 1 × data 4
         found["resume tensor 4"] = functools.partial(resumed_on_another_mesh, stage=3, directory=f"{directory}/a",
-                                                     tensor_after=4, stage_after=0)
+                                                     tensor_after=4, stage_after=1)
         found["resume data 4"] = functools.partial(resumed_on_another_mesh, stage=0, directory=f"{directory}/b",
                                                    tensor_after=1, stage_after=3)
     else:  # tensor 2 → tensor 1 × data 2
@@ -247,17 +250,19 @@ def scenarios(world, directory):
 
 def check(results, world):
     data = world // 2
-    for stage in (0, 3):
+    for stage in (0, 1, 2, 3):
         for rank, result in enumerate(results[("clipped mean", stage)]):
             assert result["diff"] < TOL, (stage, rank, result["diff"])
             assert result["norms"] == pytest.approx(result["expected_norms"], rel=1e-10)
             assert all(norm > 0.5 for norm in result["expected_norms"])  # clipping acted
             assert result["keys"] == result["model_keys"]  # the model's own names, whole
             assert (result["plan_world"], result["plan_rank"]) == (data, rank // 2)
-            assert result["strategy"] == ("TensorParallel" if stage == 0 else "TensorFullySharded")
+            assert result["strategy"] == ("TensorParallel", "TensorParallelZero1", "TensorFullySharded",
+                                          "TensorFullySharded")[stage]
         for result in results[("balanced tokens", stage)]:
             assert result["diff"] < TOL and result["samples"] == 21
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-12)
+    for stage in (0, 3):
         for result in results[("short windows", stage)]:
             assert result["diff"] < TOL and result["samples"] == 8 + 4 + 6
         for result in results[("fp16 overflow", stage)]:
@@ -393,7 +398,7 @@ def test_a_layer_that_cannot_be_split_is_named():
 
 # -- config --------------------------------------------------------------------------------------
 def test_deepspeed_autotp_size_is_read_as_the_tensor_size():
-    loaded = load_config({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": False}})
+    loaded = load_config({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}})
     assert loaded.tensor_parallel.size == 2 and loaded.tensor_parallel.plan == "auto"
     with pytest.raises(ConfigError, match="autotp_size: 4 conflicts with tensor_parallel.size: 2"):
         load_config({"tensor_parallel": {"autotp_size": 4, "size": 2}})
@@ -404,8 +409,8 @@ def test_deepspeed_autotp_size_is_read_as_the_tensor_size():
 def test_tensor_parallel_refusals_name_the_fix():
     from engine.config.checks import check_without_model
 
-    problems = check_without_model(load_config({"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1}}))
-    assert any("zero_optimization.stage: 1 with tensor_parallel.size 2" in p for p in problems)
+    problems = check_without_model(load_config({"tensor_parallel": {"size": 2}, "backend": "deepspeed"}))
+    assert any("tensor_parallel.size: 2: tensor parallelism runs on backend: torch" in p for p in problems)
     with pytest.raises(ConfigError, match=r"tensor_parallel.plan: expected 'auto' or a mapping"):
         load_config({"tensor_parallel": {"plan": "megatron"}})
 

@@ -40,16 +40,8 @@ def check_without_model(config: Config) -> list[str]:
         problems += deepspeed_backend_problems(config)
     else:
         problems += torch_offload(config.zero_optimization).problems
-        problems += _tensor_parallel_problems(config)
     return locate(config, problems)
 
-
-def _tensor_parallel_problems(config: Config) -> list[str]:
-    if config.tensor_parallel.size > 1 and config.zero_optimization.stage == 1:
-        return [f"zero_optimization.stage: 1 with tensor_parallel.size {config.tensor_parallel.size}: under tensor "
-                "parallelism the data dimension runs ZeRO 0 (replicated optimizer state), 2 or 3 (FSDP2 over the "
-                "data ranks); choose one of those"]
-    return []
 
 
 def _token_budget_problems(config: Config) -> list[str]:

@@ -6,6 +6,8 @@ The planned layers are split over the ``tensor`` dimension by PyTorch's own DTen
 
 * ZeRO 0 (:class:`TensorParallel`): every data rank holds its tensor shard of the whole
   model; the gradients are averaged over the data group once per window.
+* ZeRO 1 (:class:`TensorParallelZero1`): the same, with the optimizer state of each
+  parameter on one data rank, which broadcasts the updated parameter.
 * ZeRO 2 / 3 (:class:`TensorFullySharded`): FSDP2 shards each tensor shard again over the
   data group (``fully_shard(mesh=mesh["data"])``, torchtitan's 2-D composition), with
   ``engine.strategies.fsdp``'s memory profile per stage.
@@ -32,6 +34,7 @@ from engine.errors import EngineUsageError
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.fsdp import FullyShardedDataParallel
 from engine.strategies.parallelize import apply_tensor_parallel, resolve_plan
+from engine.strategies.zero1 import partition
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,6 +200,33 @@ class TensorParallel(TensorMesh, TorchStrategy):
                     p.grad = torch.zeros_like(p)
                 grads.append(local(p.grad))
         all_reduce_mean_(grads, self.layout.data, self.data_group)
+
+
+class TensorParallelZero1(TensorParallel):
+    """ZeRO 1 on the data dimension: :class:`TensorParallel`'s gradients; each parameter's
+    optimizer state lives on one data rank of its tensor column (``engine.strategies.zero1``'s
+    partition, by global sizes, so every tensor rank makes the same choice), which broadcasts
+    its updated piece to the column after the step."""
+
+    name = "tensor_zero1"
+
+    def setup(self, module, optimizer):
+        super().setup(module, optimizer)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        owners = partition(params, self.layout.data)
+        owner_of = {id(p): r for p, r in zip(params, owners)}
+        mine = self.layout.data_rank(self.rank)
+        self.params_by_owner = [(dist.get_global_rank(self.data_group, owner),
+                                 [p for p, r in zip(params, owners) if r == owner])
+                                for owner in range(self.layout.data)]
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if owner_of.get(id(p)) == mine]
+
+    @torch.no_grad()
+    def optimizer_step(self):
+        self.optimizer.step()
+        for source, params in self.params_by_owner:
+            broadcast_([local(p) for p in params], src=source, group=self.data_group)
 
 
 class TensorFullySharded(TensorMesh, FullyShardedDataParallel):
