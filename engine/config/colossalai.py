@@ -3,9 +3,9 @@
 * ``colossalai_imports()``: while a Python config runs without colossalai installed, its
   ``from colossalai... import ...`` lines get stand-ins (``AMP_TYPE`` is a real enum).
 * ``translate(raw, problems)``: ``fp16 = dict(mode=AMP_TYPE.X, ...)`` becomes our fp16
-  section; ``parallel`` is checked (every size 1) and dropped, since plain data
-  parallelism is what it then asks for. Returns the warnings to give once the config is
-  valid.
+  section; ``parallel`` is checked (pipeline size 1; a tensor size above 1 only in mode
+  1d, read as ``tensor_parallel.size``) and dropped. Returns the warnings to give once the
+  config is valid.
 * ``COLOSSALAI_TOP_LEVEL_KEYS``: legacy keys kept unused in ``colossalai_extras``, each with
   what to do instead. ``clip_grad_norm`` and ``gradient_accumulation`` are aliases
   (``engine.config.schema.ALIASES``).
@@ -245,7 +245,8 @@ _PARALLEL_KEYS = ("data", "pipeline", "tensor")
 
 
 def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
-    """Every size 1 (any data size) is plain data parallelism: accepted and dropped."""
+    """Sizes 1 (any data size) are plain data parallelism; a 1-D tensor size is tensor
+    parallelism (``tensor_parallel.size``). Accepted and dropped."""
     parallel = raw.data.pop("parallel", None)
     if parallel is None:
         return
