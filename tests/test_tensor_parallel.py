@@ -184,6 +184,14 @@ def deepspeed_facade(rank, world, stage):
             "accumulation": eng.gradient_accumulation_steps()}
 
 
+def colossal_facade(rank, world):
+    """Colossal-AI's gpc answers per parallel mode under parallel = dict(tensor=dict(size=2, mode='1d'))."""
+    from engine.compat import colossalai
+
+    colossalai.launch_from_torch(config={"parallel": {"tensor": {"size": 2, "mode": "1d"}}}, verbose=False)
+    return {mode: colossalai.gpc.get_world_size(mode) for mode in ("data", "tensor", "global", "pipeline")}
+
+
 def automatic_micro_size(rank, world, stage, where):
     """train_micro_batch_size_per_gpu: auto; the second tensor group (its two ranks alike) runs
     out of memory above 2 rows: every rank shrinks together and the result stays exact."""
@@ -234,6 +242,7 @@ def scenarios(world, directory):
     found["different batches"] = functools.partial(different_batches, stage=3 if world == 4 else 0)
     found["batches()"] = functools.partial(batches_helper, stage=0)
     found["facade"] = functools.partial(deepspeed_facade, stage=0)
+    found["colossal facade"] = colossal_facade
     for stage, where in ((0, "forward"), (3, "backward")):
         found[("auto", stage)] = functools.partial(automatic_micro_size, stage=stage, where=where)
     found["tokens + monitor"] = functools.partial(token_budget_and_monitor, stage=3, directory=directory)
@@ -278,6 +287,8 @@ def check(results, world):
         assert result["diff"] < TOL and result["steps"] == 2
     for result in results["facade"]:
         assert result == {"world_size": data, "train_batch_size": 8, "accumulation": 4 // data}
+    for result in results["colossal facade"]:
+        assert result == {"data": data, "tensor": 2, "global": world, "pipeline": 1}
     for stage in (0, 3):
         for result in results[("auto", stage)]:
             assert result["diff"] < TOL and result["failed_ranks"] == [world - 2, world - 1], result

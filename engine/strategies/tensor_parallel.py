@@ -57,7 +57,7 @@ def copies(tensor: torch.Tensor, world_size: int) -> int:
 def input_fingerprint(args, kwargs, device) -> torch.Tensor:
     """Four numbers that differ, but for a negligible chance, between inputs that differ:
     the number of tensors and, position-weighted, their sizes, sums and index-weighted sums."""
-    tensors = [t for t in _tensors((args, kwargs))]
+    tensors = list(_tensors((args, kwargs)))
     values = torch.zeros(4, dtype=torch.float64, device=device)
     values[0] = len(tensors)
     for position, tensor in enumerate(tensors, start=1):
@@ -66,7 +66,7 @@ def input_fingerprint(args, kwargs, device) -> torch.Tensor:
         values[1] += position * flat.numel()
         values[2] += position * flat.sum()
         values[3] += position * (flat @ weights)
-    return values
+    return values.nan_to_num_(nan=-1.0)  # equal inputs holding NaN (or +inf and -inf) compare equal
 
 
 def _tensors(tree):
