@@ -143,6 +143,7 @@ def summarize(config: Config) -> str:
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",
              f"zero stage {config.zero_optimization.stage}",
+             *([f"tensor parallel {config.tensor_parallel.size}"] if config.tensor_parallel.size > 1 else []),
              f"backend {config.backend}", precision]
     return ", ".join(parts)
 

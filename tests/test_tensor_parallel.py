@@ -449,3 +449,5 @@ def test_plan_command_shows_the_mesh(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mesh: world 4 = pipeline 1 × data 2 × tensor 2" in out
     assert "world size:         2" in out and "accumulation steps: 2" in out
+    assert main(["validate", str(path)]) == 0
+    assert "zero stage 0, tensor parallel 2, backend torch" in capsys.readouterr().out
