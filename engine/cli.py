@@ -164,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="show how a config splits the global batch")
     plan.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
-    plan.add_argument("--world-size", type=int, required=True, help="number of processes (data-parallel ranks: world / tensor_parallel.size)")
-    plan.add_argument("--rank", type=int, default=0, help="rank whose plan to build (default 0); under a tensor mesh, its data-parallel index counts")
+    plan.add_argument("--world-size", type=int, required=True,
+                      help="number of processes (data-parallel ranks: world / tensor_parallel.size)")
+    plan.add_argument("--rank", type=int, default=0,
+                      help="rank whose plan to build (default 0); under a tensor mesh, its data-parallel index counts")
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)
 
