@@ -88,13 +88,16 @@ def balanced_tokens(rank, world, stage):
             "expected_loss0": lm_loss_mean(model, batches[0]).item(), "samples": eng.global_samples}
 
 
-def short_windows(rank, world, stage):
-    """A manual-loop window closed early by flush, then a short last batch in train_batch."""
+def short_windows(rank, world, stage, defer=False):
+    """A manual-loop window closed early by flush, then a short last batch in train_batch
+    (``defer``: zero_optimization.defer_reduction, one reduction per window)."""
     model, batches = TinyTransformer(), lm_batches(3, 8)
     flushed = {k: v[:4] for k, v in batches[1].items()}
     short = {k: v[:6] for k, v in batches[2].items()}
     expected = reference_train(model, [batches[0], flushed, short], lm_loss_mean, sgd)
-    eng = engine.initialize(copy.deepcopy(model), config(stage, 2, global_batch=8, micro=2), optimizer=sgd)
+    cfg = config(stage, 2, global_batch=8, micro=2)
+    cfg["zero_optimization"]["defer_reduction"] = defer
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
     data = eng.plan.world_size
     for micro_batch in split_batch(rank_slice(batches[0], eng.plan), eng.plan.micro_batch_sizes):
         eng.backward(lm_loss_sum(eng, micro_batch))
@@ -239,6 +242,7 @@ def scenarios(world, directory):
         found[("short windows", stage)] = functools.partial(short_windows, stage=stage)
         found[("fp16 overflow", stage)] = functools.partial(fp16_overflow, stage=stage)
         found[("broken", stage)] = functools.partial(clipped_mean, stage=stage, broken=True)
+    found["short windows, deferred"] = functools.partial(short_windows, stage=3, defer=True)
     found["different batches"] = functools.partial(different_batches, stage=3 if world == 4 else 0)
     found["batches()"] = functools.partial(batches_helper, stage=0)
     found["facade"] = functools.partial(deepspeed_facade, stage=0)
@@ -279,6 +283,8 @@ def check(results, world):
             assert result["diff"] < 2e-4, result["diff"]
         for result in results[("broken", stage)]:
             assert result["diff"] > MISSED, (stage, result["diff"])
+    for result in results["short windows, deferred"]:
+        assert result["diff"] < TOL and result["samples"] == 8 + 4 + 6
     for result in results["different batches"]:
         assert result["error"] is not None and "different inputs" in result["error"], result
         assert "ranks 0..1 (data index 0)" in result["error"] and "eng.plan.rank" in result["error"]
@@ -403,6 +409,11 @@ def test_a_layer_that_cannot_be_split_is_named():
         resolve_plan(TinyTransformer(), {"layers.*.ffn": "colwise"}, 2)
     with pytest.raises(ConfigError, match=r"unknown style 'columnwise'"):
         resolve_plan(TinyTransformer(), {"head": "columnwise"}, 2)
+    tied = TinyTransformer()
+    tied.head.weight = tied.embed.weight
+    with pytest.raises(ConfigError, match=r"embed.weight and head.weight are one tied parameter; splitting "
+                                          r"embed or head would untie it"):
+        resolve_plan(tied, PLAN, 2)
     with pytest.raises(ConfigError, match=r"auto found no plan for Attention"):
         resolve_plan(TinyTransformer().layers[0].attn, "auto", 2)
 

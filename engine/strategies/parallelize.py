@@ -21,8 +21,9 @@ nothing but element-wise activations between them, by a Linear split rowwise. La
 the plan (norms, biases of rowwise layers, ...) are replicated on every rank of the group.
 
 Every planned layer is checked before anything is split: the split dimension divides by the
-tensor size and, for a layer of an attention module with ``head_dim``, whole heads land on
-each rank; a layer that cannot be split is named in the error.
+tensor size; for a layer of an attention module with ``head_dim``, whole heads land on each
+rank; no planned layer holds a parameter tied to another module's (splitting would untie
+it). A layer that cannot be split is named in the error.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
                 problems.append(f"tensor_parallel.plan: {problem}")
             else:
                 resolved[name] = _style(style, modules[name])
+    problems += _tied_problems(module, resolved)
     if problems:
         raise ConfigError(problems)
     return resolved
@@ -120,6 +122,22 @@ def apply_tensor_parallel(module: torch.nn.Module, tensor_mesh, plan: dict[str, 
     """Split ``module``'s planned layers over ``tensor_mesh`` in place (their parameters become
     DTensors; rank 0 of the group provides the values)."""
     parallelize_module(module, tensor_mesh, plan)
+
+
+def _tied_problems(module: torch.nn.Module, resolved: dict) -> list[str]:
+    """A parameter shared by several modules (tied embeddings) cannot be split by one of them:
+    splitting gives the planned module a new parameter and silently unties the others."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    problems = []
+    for shared in (group for group in names.values() if len(group) > 1):
+        owners = [name.rpartition(".")[0] for name in shared]
+        if any(owner in resolved for owner in owners):
+            problems.append(f"tensor_parallel.plan: {' and '.join(shared)} are one tied parameter; splitting "
+                            f"{' or '.join(o for o in owners if o in resolved)} would untie it. Leave "
+                            f"{' and '.join(owners)} out of the plan, or untie the weights")
+    return problems
 
 
 def _matches(pattern: str, name: str) -> bool:
