@@ -22,6 +22,10 @@ issues (the tensor group's). Memory: the bytes of parameters, optimizer state (a
 gathered copies) the fullest rank keeps between optimizer steps (``engine.memory``'s count
 of distinct storages).
 
+Time per step is wall-clock (the slowest rank, median over rounds, variants interleaved); as
+this machine is often shared, CPU time per step (mean over ranks) is measured as well: what
+each variant itself computes, without waiting for a core.
+
 Results: bench/results/tensor_parallel_w<W>.json (rank 0 prints a table).
 """
 
@@ -34,6 +38,8 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 import functools
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -148,7 +154,9 @@ class SentBytes:
         tensor_group = lambda args, kwargs: TENSOR  # noqa: E731 - DTensor's collectives here are the tensor group's
         self._patch(dist, "all_reduce", "data", 2.0, group_size)
         self._patch(dist, "all_to_all_single", "data", 1.0, lambda a, k: dist.get_world_size(k.get("group")))
-        self._patch(dist, "all_gather_into_tensor", "data", 1.0, group_size)
+        for name in ("all_gather_into_tensor", "all_gather_single"):  # FSDP2's, by torch version
+            if hasattr(dist, name):
+                self._patch(dist, name, "data", 1.0, group_size)
         self._patch(funcol, "all_reduce", "tensor", 2.0, tensor_group)
         self._patch(funcol, "all_gather_tensor", "tensor", TENSOR, tensor_group)  # its input is one piece
         self._patch(funcol, "reduce_scatter_tensor", "tensor", 1.0, tensor_group)
@@ -157,6 +165,24 @@ class SentBytes:
     def __exit__(self, *exc):
         for module, name, original in reversed(self._patched):
             setattr(module, name, original)
+
+
+def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
+    """Median over rounds of the CPU seconds per step, averaged over ranks (variants rotating as
+    in ``interleaved``): on a machine shared with other work, what the variant itself computes,
+    without the time spent waiting for a core."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            dist.barrier()
+            start = time.process_time()
+            for _ in range(steps):
+                runs[name]()
+            spent = torch.tensor((time.process_time() - start) / steps)
+            dist.all_reduce(spent)
+            samples[name].append(float(spent) / dist.get_world_size())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(run) -> dict:
@@ -192,23 +218,30 @@ def main(argv=None):
         "hand TP + DP, ZeRO 0, second copy (noise floor)": ("hand TP + DP, ZeRO 0", lambda m: hand_tp_zero0(m, data)),
         "engine tensor 2, stage 0": ("hand TP + DP, ZeRO 0", lambda m: engine_step(m, data, 0)),
         "hand TP + FSDP2, ZeRO 3": (None, lambda m: hand_tp_zero3(m, data)),
+        "hand TP + FSDP2, ZeRO 3, second copy (noise floor)": ("hand TP + FSDP2, ZeRO 3",
+                                                               lambda m: hand_tp_zero3(m, data)),
         "engine tensor 2, stage 3": ("hand TP + FSDP2, ZeRO 3", lambda m: engine_step(m, data, 3)),
     }
     runs = {name: build(copy.deepcopy(model)) for name, (_, build) in rows.items()}
     counted = {name: measure(run) for name, run in runs.items()}  # also the runs' warm-up
     times = interleaved(runs, args.rounds, args.steps, warmup=1, distributed=True)
+    cpu = cpu_interleaved(runs, args.rounds, args.steps)
     if info.rank != 0:
         return
     mesh = f"tensor {TENSOR} x data {data_ranks}"
     print(f"mesh: {mesh}")
-    print(f"{'variant':50s} {'ms/step':>8s} {'vs':>6s} {'sent MB data':>12s} {'tensor':>8s} {'held MB':>8s}")
+    print(f"{'variant':52s} {'ms/step':>8s} {'vs':>6s} {'cpu ms':>7s} {'vs':>6s} {'sent MB data':>12s} {'tensor':>7s} "
+          f"{'held MB':>8s}")
     result = {}
     for name, (baseline, _) in rows.items():
         ratio = times[name] / times[baseline] if baseline else None
-        result[name] = {"ms_per_step": times[name] * 1e3, "baseline": baseline, "ratio": ratio, **counted[name]}
+        cpu_ratio = cpu[name] / cpu[baseline] if baseline else None
+        result[name] = {"ms_per_step": times[name] * 1e3, "baseline": baseline, "ratio": ratio,
+                        "cpu_ms_per_step": cpu[name] * 1e3, "cpu_ratio": cpu_ratio, **counted[name]}
         c = counted[name]
-        print(f"{name:50s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s} "
-              f"{c['sent_mb_data']:12.1f} {c['sent_mb_tensor']:8.1f} {c['held_mb']:8.1f}")
+        print(f"{name:52s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s} "
+              f"{cpu[name] * 1e3:7.1f} {'' if cpu_ratio is None else f'{cpu_ratio:6.3f}':>6s} "
+              f"{c['sent_mb_data']:12.1f} {c['sent_mb_tensor']:7.1f} {c['held_mb']:8.1f}")
     save(f"tensor_parallel_w{info.world_size}", {
         "workload": f"MLP 4.2M params, {mesh}, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW fp32, "
                     f"gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
