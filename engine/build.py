@@ -75,6 +75,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                  agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
     setup = resolve_setup(config, dist_info, tensor_plan)
+    if setup.mesh.tensor == 1 and setup.tensor_parallel.plan != "auto":
+        log.warning("a tensor-parallel plan was given (tensor_plan= or tensor_parallel.plan) but tensor_parallel.size "
+                    "is 1: nothing is split; set tensor_parallel.size to split the model")
     strategy = make_strategy(setup, dist_info)
     mesh = setup.mesh
     plan = plan_from_config(config, mesh.data, mesh.data_rank(dist_info.rank),

@@ -462,3 +462,9 @@ def test_plan_command_shows_the_mesh(tmp_path, capsys):
     assert "world size:         2" in out and "accumulation steps: 2" in out
     assert main(["validate", str(path)]) == 0
     assert "zero stage 0, tensor parallel 2, backend torch" in capsys.readouterr().out
+
+
+def test_a_plan_without_a_tensor_size_is_not_silently_ignored(caplog):
+    with caplog.at_level("WARNING", logger="engine"):
+        engine.initialize(mlp(), {"train_batch_size": 4}, optimizer=sgd, tensor_plan={"0": "colwise"})
+    assert "tensor_parallel.size is 1: nothing is split" in caplog.text
