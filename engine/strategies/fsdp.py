@@ -84,6 +84,11 @@ def shard_units(module: torch.nn.Module, unit_size: int) -> list[list[torch.nn.M
     return [group for group in units if sum(map(_parameter_count, group)) < total]
 
 
+def _local_bytes(param: torch.Tensor) -> int:
+    piece = param.to_local() if hasattr(param, "to_local") else param
+    return piece.numel() * piece.element_size()
+
+
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
 
@@ -97,9 +102,10 @@ class FullyShardedDataParallel(TorchStrategy):
         module = module.to(self.device)
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
         names = {id(p): name for name, p in module.named_parameters()}
-        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        everything = sum(p.numel() * p.element_size() for p in module.parameters())
         mesh = self.sharding_mesh(module)
+        # This rank's bytes (a tensor split holds a piece of each split layer).
+        trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
+        everything = sum(_local_bytes(p) for p in module.parameters())
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
