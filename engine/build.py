@@ -35,7 +35,7 @@ _BATCH_STATISTICS_LAYERS = (torch.nn.modules.batchnorm._BatchNorm,)
 def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None,
                lr_scheduler: Any = None, loss_fn: LossFn | None = None,
                overrides=None, lengths: LengthsFn | None = None, manual_sizes: str = "plan",
-               grad_norm_every_step: bool = False) -> Engine:
+               grad_norm_every_step: bool = False, tensor_plan=None) -> Engine:
     """Build an :class:`Engine` for ``model`` from ``config`` (a path, a dict or a Config).
 
     ``optimizer``: an optimizer instance built on ``model.parameters()``, a factory
@@ -51,6 +51,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     the inputs.
     ``grad_norm_every_step``: compute the gradient norm at every boundary
     (``eng.last_window.step.grad_norm``), even without clipping or a monitor that asks for it.
+    ``tensor_plan``: how layers are split under ``tensor_parallel.size`` > 1, replacing the
+    config's ``tensor_parallel.plan``: ``{module pattern: style}``, a style being a name
+    (``colwise``, ``rowwise``, ``colwise_rep``) or a ``torch.distributed.tensor.parallel.ParallelStyle``
+    (see engine.strategies.parallelize).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"engine.initialize needs a torch.nn.Module; got {type(model).__name__}")
@@ -71,7 +75,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     dist_info = init_distributed(group.timeout_seconds, group.backend, group_for_one_process=group.group_for_one_process,
                                  agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
-    setup = resolve_setup(config, dist_info)
+    setup = resolve_setup(config, dist_info, tensor_plan)
+    if setup.mesh.tensor == 1 and setup.tensor_parallel.plan != "auto":
+        log.warning("a tensor-parallel plan was given (tensor_plan= or tensor_parallel.plan) but tensor_parallel.size "
+                    "is 1: nothing is split; set tensor_parallel.size to split the model")
     strategy = make_strategy(setup, dist_info)
     plan = plan_for_mesh(config, setup.mesh, dist_info.rank)
     check_same_settings(config, plan)

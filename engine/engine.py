@@ -523,7 +523,8 @@ class Engine:
         _check_same_kind(window, item_weighted)
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
-        self.strategy.backward(loss, share * self.world_size / self._weighting_batch())
+        # W: the data-parallel ranks, over which the strategy averages gradients
+        self.strategy.backward(loss, share * self.plan.world_size / self._weighting_batch())
         self._count_micro_step(loss, units, samples, item_weighted, exact_counts=exact_counts)
 
     def _count_micro_step(self, loss, units, samples: int, item_weighted: bool, *, exact_counts: bool) -> None:

@@ -83,8 +83,13 @@ class PeakMeter:
         saved: dict[int, int] = {}
 
         def pack(tensor):
-            storage = tensor.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
+            # A DTensor saved by a tensor-parallel layer holds this rank's piece only.
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            try:
+                storage = local.untyped_storage()
+                saved[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a wrapper without a storage of its own (an async collective's result)
+                saved[id(local)] = local.numel() * local.element_size()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -99,5 +104,6 @@ class PeakMeter:
         return self._cpu_peak
 
     def _gradients_to_come(self) -> int:
-        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.strategy.module.parameters()]
-        return sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        # .grad is read on the parameter itself (a DTensor's local piece is not a leaf)
+        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                   for p in self.strategy.module.parameters() if p.requires_grad and p.grad is None)

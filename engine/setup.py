@@ -21,7 +21,8 @@ from engine.config.torch_features import (CheckpointingRequest, CompileRequest, 
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "deepspeed", "pipeline", "pipeline_fsdp")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_zero1", "tensor_fsdp", "deepspeed", "pipeline",
+              "pipeline_fsdp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,6 +65,14 @@ class PipelineSetup:
 
 
 @dataclass(frozen=True)
+class TensorParallelSetup:
+    """How layers are split over the mesh's tensor dimension (``engine.strategies.parallelize``)."""
+
+    plan: Any = "auto"  # "auto", or {module pattern: style name or a ParallelStyle}
+    check_batches: int = 0  # optimizer steps whose inputs are compared inside each tensor group
+
+
+@dataclass(frozen=True)
 class Setup:
     """Every decision a strategy is built from."""
 
@@ -77,6 +86,7 @@ class Setup:
     shard_unit_size: int | None
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
     pipeline: PipelineSetup = PipelineSetup()
+    tensor_parallel: TensorParallelSetup = TensorParallelSetup()
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
     overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
@@ -96,19 +106,21 @@ def process_group_request(config: Config) -> ProcessGroupRequest:
                                group_for_one_process=config.backend == "deepspeed" or _fsdp_even_alone(config))
 
 
-def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
-    """The setup of ``config`` on the process group ``dist_info`` describes."""
+def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setup:
+    """The setup of ``config`` on the process group ``dist_info`` describes; ``tensor_plan``
+    (``engine.initialize``'s) replaces the config's ``tensor_parallel.plan``."""
     zero = config.zero_optimization
     stage = zero.stage
     mesh = MeshLayout.from_config(config, dist_info.world_size)
     deepspeed = config.backend == "deepspeed"
     features = torch_features(config.deepspeed_extras, half_precision(config))
     half = half_precision(config) if deepspeed else features.autocast or half_precision(config)
-    # A pipeline stage computes under autocast over its fp32 parameters: torch's schedules
-    # send and receive activations in the parameters' dtype, and the policy's half-precision
-    # copy is not built per stage.
+    # Under a pipeline or a tensor mesh, half precision is autocast over fp32 parameters: the
+    # policy's half-precision copy (ZeRO 0/1) and per-stage FSDP2 policies are not built there
+    # yet (torch's schedules send activations in the parameters' dtype).
     precision = HalfPrecision(_DTYPES.get(half), config.fp16 if half == "fp16" else None,
-                              autocast=not deepspeed and (features.autocast is not None or mesh.pipeline > 1),
+                              autocast=not deepspeed and (features.autocast is not None
+                                                          or not mesh.is_data_parallel_only),
                               grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = torch_offload(zero)
     return Setup(
@@ -126,6 +138,8 @@ def resolve_setup(config: Config, dist_info: DistInfo) -> Setup:
         checkpointing=features.checkpointing,
         compile=features.compile,
         overlap=torch_overlap(zero.model_extra or {}),
+        tensor_parallel=TensorParallelSetup(tensor_plan if tensor_plan is not None else config.tensor_parallel.plan,
+                                            config.tensor_parallel.check_batches),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )
@@ -136,6 +150,8 @@ def _strategy_name(config: Config, mesh: MeshLayout) -> str:
         return "deepspeed"
     if mesh.pipeline > 1:  # offload under a pipeline is refused by engine.config.checks
         return "pipeline_fsdp" if config.zero_optimization.stage >= 2 else "pipeline"
+    if mesh.tensor > 1:  # offload under a tensor mesh is refused by engine.config.checks
+        return ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[config.zero_optimization.stage]
     if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)
         return "fsdp"
     if mesh.world_size == 1:

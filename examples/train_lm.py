@@ -263,13 +263,14 @@ def main(argv=None) -> dict:
         else:
             split = (f"{eng.plan.train_micro_batch_size_per_gpu} per micro-batch x "
                      f"{eng.plan.gradient_accumulation_steps} accumulation steps")
-        print(f"global batch {eng.plan.train_batch_size} lines = {eng.world_size} process(es) x {split}; "
-              f"{steps} steps\n", end="", flush=True)
+        print(f"global batch {eng.plan.train_batch_size} lines = {eng.plan.world_size} data-parallel rank(s) x "
+              f"{split}; {steps} steps\n", end="", flush=True)
 
     data = DistributedBatches(Lines(train_lines, tokenizer, block_size), eng.plan,
                               shuffle=True, seed=seed, drop_last=True, collate_fn=collate)
     held_out = Lines(held_out_lines, tokenizer, block_size)
-    eval_batch = collate([held_out[i] for i in range(eng.rank, len(held_out), eng.world_size)])
+    # this data-parallel rank's share (the ranks of a tensor group evaluate the same lines)
+    eval_batch = collate([held_out[i] for i in range(eng.plan.rank, len(held_out), eng.plan.world_size)])
 
     def evaluate(step: int) -> None:
         loss = eng.eval_batch(eval_batch)

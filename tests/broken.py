@@ -89,3 +89,32 @@ def summed_micro_batches(eng):
 
     strategy.run_schedule = summing
     return eng
+
+
+
+def _colwise_without_input_reduction():
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class ColwiseWithoutInputReduction(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            distribute_module(module, device_mesh, self._partition_linear_fn)  # parameters only
+
+            def forward(x):  # local pieces: the input's gradient is never reduced
+                bias = module.bias.to_local() if module.bias is not None else None
+                return torch.nn.functional.linear(x, module.weight.to_local(), bias)
+
+            module.forward = forward
+            return module
+
+    return ColwiseWithoutInputReduction()
+
+
+def unreduced_replicated_gradients(plan: dict) -> dict:
+    """A tensor-parallel plan whose column-split layers do not all-reduce their input's
+    gradient over the tensor group (Megatron's "f" operator left out): the gradient reaching
+    the replicated layers before them (the norms) is each rank's partial sum, so those
+    replicated parameters get unreduced gradients and drift apart. Pass it as
+    ``engine.initialize(..., tensor_plan=...)`` (built in the rank: styles do not pickle)."""
+    return {pattern: _colwise_without_input_reduction() if style == "colwise" else style
+            for pattern, style in plan.items()}

@@ -384,10 +384,17 @@ COLOSSAL_SHAPES = [
      ["cudnn_benchmark (set torch.backends.cudnn.benchmark in the script)", "zero (for ZeRO"], None),
     ("tensor parallel", """
         parallel = dict(pipeline=1, tensor=dict(mode='1d', size=2))
+     """, {"tensor_parallel.size": 2, "tensor_parallel.plan": "auto"}, [], None),
+    ("tensor parallel 2d", """
+        parallel = dict(tensor=dict(mode='2d', size=4))
      """, {}, [],
-     "{path}:1: parallel.tensor: size 2 (mode '1d'): Microstep has no tensor parallelism; it trains "
-     "with data parallelism over all ranks, sharded by ZeRO 0-3 (zero_optimization.stage; stage 3 "
-     "also shards the parameters). Set the tensor size to 1 or remove it, or keep Colossal-AI for this model"),
+     "{path}:1: parallel.tensor: mode '2d': Microstep's tensor parallelism is 1-D (PyTorch's column / row "
+     "split, Colossal-AI's mode '1d'); set mode='1d', or keep Colossal-AI for its 2d / 2.5d / 3d modes"),
+    ("tensor parallel twice", """
+        parallel = dict(tensor=dict(mode='1d', size=4))
+        tensor_parallel = dict(size=2)
+     """, {}, [],
+     "{path}:1: parallel.tensor: size 4 conflicts with tensor_parallel.size: 2; keep one"),
     ("pipeline parallel and a typo", """
         parallel = dict(
             pipeline=dict(size=2),

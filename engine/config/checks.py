@@ -38,6 +38,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _precision_problems(config)
     problems += _token_budget_problems(config)
     problems += _pipeline_problems(config)
+    problems += _tensor_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -48,6 +49,20 @@ def check_without_model(config: Config) -> list[str]:
         problems += torch_features(config.deepspeed_extras, half_precision(config)).problems
         problems += torch_overlap(config.zero_optimization.model_extra or {}).problems
     return locate(config, problems)
+
+
+def _tensor_problems(config: Config) -> list[str]:
+    size = config.tensor_parallel.size
+    if size == 1:
+        return []
+    problems = []
+    if config.pipeline.stages > 1:
+        problems.append(f"tensor_parallel.size: {size} with pipeline.stages: {config.pipeline.stages}: tensor and "
+                        "pipeline parallelism do not compose yet; use one of them (set the other to 1)")
+    if config.backend == "torch" and torch_offload(config.zero_optimization).to_host:
+        problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size}; remove "
+                        "offload_param / offload_optimizer, or set tensor_parallel.size: 1")
+    return problems
 
 
 def _token_budget_problems(config: Config) -> list[str]:

@@ -4,8 +4,8 @@
   ``from colossalai... import ...`` lines get stand-ins (``AMP_TYPE`` is a real enum).
 * ``translate(raw, problems)``: ``fp16 = dict(mode=AMP_TYPE.X, ...)`` becomes our fp16
   section; ``parallel`` is checked and dropped: ``pipeline=N`` becomes ``pipeline.stages: N``,
-  other sizes must be 1 (plain data parallelism). Returns the warnings to give once the config is
-  valid.
+  a 1-D ``tensor`` size ``tensor_parallel.size``, other sizes must be 1. Returns the warnings to
+  give once the config is valid.
 * ``COLOSSALAI_TOP_LEVEL_KEYS``: legacy keys kept unused in ``colossalai_extras``, each with
   what to do instead. ``clip_grad_norm`` and ``gradient_accumulation`` are aliases
   (``engine.config.schema.ALIASES``).
@@ -245,7 +245,8 @@ _PARALLEL_KEYS = ("data", "pipeline", "tensor")
 
 
 def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
-    """Any data size, a pipeline size (mapped), every other size 1: accepted and dropped."""
+    """Any data size, a pipeline size, a 1-D tensor size (mapped), every other size 1:
+    accepted and dropped."""
     parallel = raw.data.pop("parallel", None)
     if parallel is None:
         return
@@ -267,6 +268,8 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
                             f"dict(size=...), got {value!r}")
         elif kind == "pipeline" and size > 1:
             _map_pipeline(raw, size, where, problems)
+        elif kind == "tensor" and size > 1:
+            _read_tensor(raw, value, size, where, problems)
         elif kind != "data" and size > 1:
             mode = value.get("mode") if isinstance(value, dict) else None
             problems.append(
@@ -288,6 +291,29 @@ def _map_pipeline(raw: RawConfig, size: int, where: str, problems: list[str]) ->
         return
     section["stages"] = size
     raw.locations.setdefault(("pipeline", "stages"), where)
+
+
+_TENSOR_MODES = (None, "1d")
+
+
+def _read_tensor(raw: RawConfig, value, size: int, where: str, problems: list[str]) -> None:
+    """``parallel.tensor`` of size > 1 in mode 1d (Megatron's column / row split) is
+    ``tensor_parallel.size``; Colossal-AI's 2d / 2.5d / 3d splits have no counterpart."""
+    mode = value.get("mode") if isinstance(value, dict) else None
+    if mode not in _TENSOR_MODES:
+        problems.append(f"{where}: parallel.tensor: mode {mode!r}: Microstep's tensor parallelism is 1-D "
+                        "(PyTorch's column / row split, Colossal-AI's mode '1d'); set mode='1d', or keep "
+                        "Colossal-AI for its 2d / 2.5d / 3d modes")
+        return
+    section = raw.data.setdefault("tensor_parallel", {})
+    if not isinstance(section, dict):
+        return  # reported as a type error by the schema
+    if section.get("size", size) != size:
+        problems.append(f"{where}: parallel.tensor: size {size} conflicts with tensor_parallel.size: "
+                        f"{section['size']!r}; keep one")
+        return
+    section["size"] = size
+    raw.locations.setdefault(("tensor_parallel", "size"), where)
 
 
 def translate(raw: RawConfig, problems: list[str]) -> list[str]:

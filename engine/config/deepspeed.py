@@ -19,7 +19,7 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
     "data_types", "amp", "autotuning", "elasticity", "aio", "memory_breakdown",
     "dump_state", "sparse_gradients", "torch_autocast", "compile", "dataloader_drop_last",
     "disable_allgather", "gradient_allreduce_op", "data_efficiency", "curriculum_learning",
-    "sparse_attention", "tensor_parallel", "hybrid_engine", "eigenvalue",
+    "sparse_attention", "hybrid_engine", "eigenvalue",
     "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
     "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
     "disable_python_gc", "expert_parallel",
@@ -52,6 +52,12 @@ DEEPSPEED_ZERO_KEYS = frozenset({
     "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
 })
 
+# DeepSpeed's keys of its tensor_parallel section besides autotp_size (read as tensor_parallel.size).
+DEEPSPEED_TENSOR_PARALLEL_KEYS = frozenset({
+    "dtype", "tp_overlap_comm", "tensor_parallel", "injection_policy_tuple", "keep_module_on_host",
+    "replace_with_kernel_inject", "partition_config", "preset_model", "tp_size", "tp_grain_size", "mpu", "tp_group",
+})
+
 # DeepSpeed's own keys of the checkpoint section, handed to the DeepSpeed backend.
 DEEPSPEED_CHECKPOINT_KEYS = frozenset({
     "tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
@@ -62,9 +68,22 @@ DEEPSPEED_CHECKPOINT_KEYS = frozenset({
 def deepspeed_only_settings(config) -> list[str]:
     """DeepSpeed keys the config holds (top level and inside sections), sorted."""
     names = list(config.deepspeed_extras)
-    for section in ("zero_optimization", "fp16", "bf16", "checkpoint", "pipeline"):
+    for section in ("zero_optimization", "fp16", "bf16", "checkpoint", "pipeline", "tensor_parallel"):
         names += [f"{section}.{key}" for key in (getattr(config, section).model_extra or {})]
     return sorted(names)
+
+
+def read_autotp_size(section: dict, where: str) -> str | None:
+    """DeepSpeed's ``tensor_parallel.autotp_size`` as ``tensor_parallel.size``, in place; a
+    problem when both are given and differ."""
+    if "autotp_size" not in section:
+        return None
+    autotp = section.pop("autotp_size")
+    if "size" in section and section["size"] != autotp:
+        return (f"{where}: tensor_parallel.autotp_size: {autotp!r} conflicts with tensor_parallel.size: "
+                f"{section['size']!r} (autotp_size is DeepSpeed's name for size; keep one)")
+    section["size"] = autotp
+    return None
 
 
 def deepspeed_backend_problems(config) -> list[str]:
@@ -102,6 +121,11 @@ def deepspeed_backend_problems(config) -> list[str]:
             "zero_optimization.defer_reduction: true: DeepSpeed's ZeRO-2 reduces inside every backward, where "
             "one rank's out-of-memory cannot be agreed on without a hang; deferring holds full-size gradients "
             "until the window's end instead. Or use backend: torch, whose ZeRO-2 keeps its memory under auto")
+    if config.tensor_parallel.size > 1:
+        problems.append(
+            f"tensor_parallel.size: {config.tensor_parallel.size}: tensor parallelism runs on backend: torch "
+            "(DTensor composed with FSDP2); backend deepspeed trains data-parallel only here. Set backend: "
+            "torch, or the size to 1")
     return problems
 
 

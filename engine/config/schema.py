@@ -25,8 +25,9 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TOP_LEVEL_KEYS,
-                                     DEEPSPEED_ZERO_KEYS, deepspeed_only_settings)
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
+                                     DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
+                                     read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
 from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
@@ -249,6 +250,29 @@ class MonitorConfig(Section):
     total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
 
 
+def _tensor_plan(value):
+    if value == "auto":
+        return value
+    if isinstance(value, dict) and value and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return value
+    raise ValueError("expected 'auto' or a mapping {module pattern: style}, e.g. "
+                     f"{{'layers.*.mlp.up': colwise, 'layers.*.mlp.down': rowwise}}, got {value!r}")
+
+
+class TensorParallelConfig(_DeepSpeedSection):
+    """Tensor parallelism (``engine.strategies.parallelize``): ``size`` ranks split each layer
+    the plan names; the data-parallel ranks are world / (tensor × pipeline)."""
+
+    size: PositiveInt = 1
+    # auto: the model's own plan (a Hugging Face base_model_tp_plan), else Linear pairs of an MLP;
+    # or {module name pattern ('*' matches one name): colwise | rowwise | colwise_rep}
+    plan: Annotated[Union[Literal["auto"], dict[str, str]], PlainValidator(_tensor_plan)] = "auto"
+    # The first N optimizer steps check that every rank of a tensor group got the same inputs
+    # (a fingerprint, one small all-reduce per forward); 0 turns the check off.
+    check_batches: Annotated[int, Field(ge=0)] = 2
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_TENSOR_PARALLEL_KEYS
+
+
 class Config(BaseModel):
     """A validated Microstep config. Build it with ``load_config``."""
 
@@ -269,6 +293,7 @@ class Config(BaseModel):
     gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # max global norm; 0 = off
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
@@ -330,6 +355,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     problems: list[str] = []
     _resolve_aliases(raw, problems)
     notes = translate(raw, problems)
+    _read_autotp_size(raw, problems)
     _collect_pass_through_keys(raw)
     _apply_overrides(raw, overrides, problems)
     _drop_unknown_keys(raw, Config, (), raw.data, problems)
@@ -379,6 +405,16 @@ def _resolve_aliases(raw: RawConfig, problems: list[str]) -> None:
             continue
         data[canonical] = value
         raw.move((alias,), (canonical,))
+
+
+def _read_autotp_size(raw: RawConfig, problems: list[str]) -> None:
+    section = raw.data.get("tensor_parallel")
+    if isinstance(section, dict):  # else reported as a type error by the schema
+        problem = read_autotp_size(section, raw.where(("tensor_parallel", "autotp_size")))
+        if problem:
+            problems.append(problem)
+        else:
+            raw.move(("tensor_parallel", "autotp_size"), ("tensor_parallel", "size"))
 
 
 def _pass_through_section(key: str) -> Optional[str]:

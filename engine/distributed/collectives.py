@@ -51,12 +51,12 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None, b
 
 
 @torch.no_grad()
-def broadcast_(tensors: list[torch.Tensor], src: int, bucket_bytes: int | None = None) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values, one flat broadcast per bucket (of at most
-    ``bucket_bytes``; None: ``BUCKET_BYTES``)."""
+def broadcast_(tensors: list[torch.Tensor], src: int, group=None, bucket_bytes: int | None = None) -> None:
+    """Overwrite ``tensors`` with (global) rank ``src``'s values, one flat broadcast per bucket
+    (of at most ``bucket_bytes``; None: ``BUCKET_BYTES``) over ``group`` (default: all ranks)."""
     for bucket in buckets(tensors, bucket_bytes or BUCKET_BYTES):
         flat = flatten(bucket)
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=src, group=group)
         if dist.get_rank() != src:
             for tensor, value in zip(bucket, unflatten(flat, bucket)):
                 tensor.copy_(value)

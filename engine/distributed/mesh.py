@@ -39,7 +39,7 @@ class MeshLayout:
     @classmethod
     def from_config(cls, config, world_size: int) -> MeshLayout:
         """The mesh a loaded config asks for on ``world_size`` ranks."""
-        return cls(world_size, pipeline=config.pipeline.stages)
+        return cls(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages)
 
     @property
     def data(self) -> int:

@@ -31,6 +31,12 @@ def make_strategy(setup: Setup, dist_info: DistInfo):
         from engine.strategies.pipeline import ShardedPipelineParallel as chosen
     elif setup.strategy == "ddp":
         from engine.strategies.ddp import DataParallel as chosen
+    elif setup.strategy == "tensor":
+        from engine.strategies.tensor_parallel import TensorParallel as chosen
+    elif setup.strategy == "tensor_zero1":
+        from engine.strategies.tensor_parallel import TensorParallelZero1 as chosen
+    elif setup.strategy == "tensor_fsdp":
+        from engine.strategies.tensor_parallel import TensorFullySharded as chosen
     elif setup.strategy == "zero1":
         from engine.strategies.zero1 import ShardedOptimizerDataParallel as chosen
     else:

@@ -42,6 +42,18 @@ def cpu_state_dict(state: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
+def repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
+    """Swap, in place, the optimizer's parameters for the sharded ones of the same name."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already holds state, which cannot follow its parameters into shards; "
+            "pass a fresh optimizer (restore training state with eng.load_checkpoint)"
+        )
+    sharded = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+
+
 class Strategy(ABC):
     """One way of holding a model. Subclasses: one file each in ``engine/strategies``."""
 

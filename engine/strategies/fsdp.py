@@ -47,7 +47,7 @@ from engine.adapters.torch_internals import (
 )
 from engine.distributed.collectives import broadcast_, check_peers
 from engine.model_transforms import container_layers, outermost_containers
-from engine.strategies.base import TorchStrategy, cpu_state_dict
+from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.deferral import ReductionDeferral
 
 
@@ -98,16 +98,10 @@ def _prefetch(units: list[FSDPModule], sizes: list[int], budget: int) -> None:
         unit.set_modules_to_backward_prefetch(preceding)
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: torch.nn.Module) -> None:
-    """Swap, in place, the optimizer's parameters for the sharded ones of the same name."""
-    if optimizer.state:
-        raise ValueError(
-            "the optimizer already holds state, which cannot follow its parameters into shards; "
-            "pass a fresh optimizer (restore training state with eng.load_checkpoint)"
-        )
-    sharded = dict(module.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+def _local_bytes(param: torch.Tensor, element_size: int | None = None) -> int:
+    """Bytes of this rank's piece of ``param`` (elements of ``element_size`` bytes; None: its own)."""
+    piece = param.to_local() if hasattr(param, "to_local") else param
+    return piece.numel() * (element_size or piece.element_size())
 
 
 class FullyShardedDataParallel(TorchStrategy):
@@ -125,11 +119,12 @@ class FullyShardedDataParallel(TorchStrategy):
         broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
         self.transform(module)  # blocks checkpointed / compiled before they are sharded
         names = {id(p): name for name, p in module.named_parameters()}
-        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        mesh = self.sharding_mesh(module)
         half = self.settings.precision
         gathered_size = half.dtype.itemsize if half.low_precision_parameters else None
-        everything = sum(p.numel() * (gathered_size or p.element_size()) for p in module.parameters())
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # This rank's bytes (a tensor split holds a piece of each split layer).
+        trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
+        everything = sum(_local_bytes(p, gathered_size) for p in module.parameters())
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
@@ -173,6 +168,11 @@ class FullyShardedDataParallel(TorchStrategy):
         inner = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype)
         return inner, MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype,
                                            output_dtype=torch.float32)
+
+    def sharding_mesh(self, module: torch.nn.Module):
+        """The mesh the shards are spread over: every rank (a mesh with a tensor dimension
+        splits ``module`` first and shards over its data dimension)."""
+        return init_device_mesh(self.device.type, (self.world_size,))
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
@@ -272,8 +272,11 @@ class FullyShardedDataParallel(TorchStrategy):
     def enable_failure_guard(self):
         # Every all-gather and reduce-scatter first checks the peers' flags, so gradients can
         # still be reduced after every micro-step (ZeRO memory) under an automatic micro size.
-        self._set_comms(functools.partial(check_peers, rank=self.rank, world_size=self.world_size,
-                                          device=self.device))
+        self._set_comms(self.check_peers_before)
+
+    def check_peers_before(self, group) -> None:
+        """The failure guard before a collective on ``group``: the peers' flags, on that group."""
+        check_peers(group, rank=self.rank, world_size=self.world_size, device=self.device)
 
     def _set_comms(self, guard) -> None:
         for unit in self._units():

@@ -24,7 +24,7 @@ class ParallelMode(enum.Enum):
     SEQUENCE = "sequence"
 
 
-_ONE_RANK_MODES = ("PIPELINE", "TENSOR", "SEQUENCE")  # parallel modes Microstep does not split over
+_ONE_RANK_MODES = ("PIPELINE", "TENSOR", "SEQUENCE")  # get_local_rank answers 0 in these modes
 
 
 class ConfigView(Mapping):
@@ -91,14 +91,30 @@ class GlobalContext:
         return read_launch_env().local_rank if _splits_over_ranks(parallel_mode) else 0
 
     def get_world_size(self, parallel_mode=None) -> int:
-        """The number of processes; 1 for pipeline / tensor / sequence modes (Microstep
-        parallelises over data only)."""
+        """The number of processes in ``parallel_mode``'s group: every process (GLOBAL, the
+        default), the data-parallel ranks (DATA), the tensor group (TENSOR, from the config's
+        tensor size), the pipeline (PIPELINE, its stages); 1 for sequence modes."""
+        name = _mode_name(parallel_mode)
+        config = self._config.microstep if self._config is not None else None
+        tensor = config.tensor_parallel.size if config is not None else 1
+        pipeline = config.pipeline.stages if config is not None else 1
+        if name in ("TENSOR", "PARALLEL_1D"):
+            return tensor
+        if name == "PIPELINE":
+            return pipeline
+        if name == "DATA":
+            return get_world_size() // (tensor * pipeline)
         return get_world_size() if _splits_over_ranks(parallel_mode) else 1
 
 
-def _splits_over_ranks(parallel_mode) -> bool:
+def _mode_name(parallel_mode):
     name = getattr(parallel_mode, "name", parallel_mode)
-    return not (isinstance(name, str) and name.upper() in _ONE_RANK_MODES)
+    return name.upper() if isinstance(name, str) else name
+
+
+def _splits_over_ranks(parallel_mode) -> bool:
+    name = _mode_name(parallel_mode)
+    return not (isinstance(name, str) and name in _ONE_RANK_MODES)
 
 
 gpc = GlobalContext()

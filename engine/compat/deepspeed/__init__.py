@@ -86,8 +86,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if model is None:
         raise EngineUsageError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
-        raise EngineUsageError("initialize(mpu=/mesh_param=): Microstep trains with data parallelism and ZeRO "
-                               "only; it has no model or sequence parallelism")
+        raise EngineUsageError("initialize(mpu=/mesh_param=): Microstep builds its own mesh: tensor parallelism "
+                               "from the config (tensor_parallel.autotp_size), data parallelism and ZeRO over the "
+                               "rest; it has no pipeline or sequence parallelism")
     config = load_config(_config_source(args, config, config_params), caller_reads={"dataloader_drop_last"})
     default_clipping = "gradient_clipping" not in config.model_fields_set
     if default_clipping:
@@ -232,7 +233,12 @@ class DeepSpeedEngine:
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        """The data-parallel ranks (world / tensor size), as the batch arithmetic counts them."""
+        return self.engine.plan.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.engine.plan.world_size
 
     @property
     def global_steps(self) -> int:
