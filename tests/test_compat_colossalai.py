@@ -188,8 +188,8 @@ def test_real_config_shapes_load_read_and_train(tmp_path, name):
 
 def test_a_parallel_size_microstep_cannot_run_is_an_error(tmp_path):
     path = tmp_path / "config.py"
-    path.write_text("parallel = dict(pipeline=1, tensor=dict(size=2, mode='1d'))\ngradient_accumulation = 2\n")
-    with pytest.raises(engine.ConfigError, match="parallel.tensor: size 2"):
+    path.write_text("parallel = dict(pipeline=1, tensor=dict(size=2, mode='2d'))\ngradient_accumulation = 2\n")
+    with pytest.raises(engine.ConfigError, match="parallel.tensor: mode '2d'"):
         colossalai.launch_from_torch(config=str(path))
 
 

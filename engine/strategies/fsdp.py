@@ -300,9 +300,12 @@ class FullyShardedDataParallel(TorchStrategy):
         return super().held_tensors() + list(fsdp_held_tensors(self._units()))
 
     def full_state_dict(self):
-        if self.rests_gathered and self._is_gathered():  # every rank holds the whole model: nothing to gather
+        # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
+        masters_gathered = self.rests_gathered and self._is_gathered() and not self.settings.precision.low_precision_parameters
+        if masters_gathered:  # every rank holds the whole model: nothing to gather
             return cpu_state_dict(self.module.state_dict())
-        return cpu_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)))
+        with self._sharded():
+            return cpu_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)))
 
     def save_training_state(self, directory):
         with self._sharded():
