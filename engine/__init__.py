@@ -8,7 +8,7 @@ from engine.distributed.process_group import init_distributed, strip_local_rank_
 from engine.engine import Engine
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
-    OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError,
+    NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
 )
 from engine.state.preemption import Preempted
 
@@ -32,5 +32,7 @@ __all__ = [
     "OutOfMemoryAtMicroBatchOne",
     "PeerError",
     "PeerLostError",
+    "NonFiniteGradientError",
+    "RankDisagreementError",
     "Preempted",
 ]

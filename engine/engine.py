@@ -38,7 +38,7 @@ import torch
 from engine.batching.plan import BatchPlan
 from engine.distributed.collectives import agreed_max
 from engine.batching.data import DistributedBatches
-from engine.errors import EngineUsageError
+from engine.errors import EngineUsageError, NonFiniteGradientError
 from engine.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -253,8 +253,8 @@ class Engine:
 
     def step(self, flush: bool = False) -> bool:
         """Close the window if this micro-step is its last; otherwise change nothing.
-        Returns True when a window was closed (``skipped_steps`` tells whether an fp16
-        overflow discarded it). ``step(flush=True)`` is :meth:`flush`."""
+        Returns True when a window was closed (``skipped_steps`` tells whether a non-finite
+        gradient, e.g. an fp16 overflow, discarded it). ``step(flush=True)`` is :meth:`flush`."""
         if flush:
             return self.flush()
         window = self._window
@@ -596,9 +596,20 @@ class Engine:
             multiplier = 1.0 if samples == target else target / samples
         result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm)
         self.strategy.zero_grad()
-        if not result.applied:
-            log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
-                        self.global_steps + 1)
+        step = self.global_steps + 1
+        if result.non_finite and self.config.faults.non_finite_gradient == "raise":
+            self._window, self._recording = _Window(), False  # discarded: the engine stays usable here
+            raise NonFiniteGradientError(
+                f"the gradient of global step {step} holds an inf or nan (e.g. a nan or inf loss, or an "
+                "overflow in the forward): the window was not applied — weights, optimizer and scheduler are "
+                "as before it, and no checkpoint was written. faults.non_finite_gradient: skip discards such "
+                "windows with a warning instead (counted in skipped_steps)")
+        if result.non_finite:
+            log.warning("a non-finite gradient (inf or nan) in the window of global step %d: the window is "
+                        "discarded, the weights are unchanged (skipped_steps counts it)", step)
+        elif not result.applied:
+            log.warning("fp16 overflow: the window of global step %d is discarded and the loss scale "
+                        "lowered", step)
         return result
 
 
