@@ -99,5 +99,11 @@ class PeakMeter:
         return self._cpu_peak
 
     def _gradients_to_come(self) -> int:
-        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.strategy.module.parameters()]
-        return sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        # .grad of the parameter itself: a DTensor's local tensor is not a leaf (reading its
+        # .grad warns, and is always None)
+        total = 0
+        for p in self.strategy.module.parameters():
+            if p.requires_grad and p.grad is None:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += local.numel() * local.element_size()
+        return total

@@ -213,6 +213,7 @@ class AutoCheckpoint(EngineHook):
         if received is None:
             return
         saved = saved or self.save(engine)
+        self.stop.stopping()  # saved: a repeated signal must not change the exit code
         code = self.section.stop_exit_code
         report_stop(self.rank, code)
         if self.rank == 0:
@@ -242,6 +243,15 @@ class AutoCheckpoint(EngineHook):
         keep = self.section.keep_last
         older = [path for step, path in self._checkpoints() if step <= newest][:-keep]
         for path in older:
+            if path.is_symlink():  # a link placed in dir: remove the link, never what it points to
+                try:
+                    target = os.readlink(path)
+                    path.unlink()
+                except OSError as error:
+                    log.warning("could not remove the link %s (keep_last: %d): %s", path, keep, error)
+                    continue
+                log.info("removed %s, a link to %s (keep_last: %d); its target is left alone", path.name, target, keep)
+                continue
             try:
                 # The manifest first: a deletion cut short leaves an incomplete checkpoint, which a
                 # resume skips, never one that looks complete.

@@ -26,6 +26,7 @@ data, like every PyTorch checkpoint: load only checkpoints you trust.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -155,7 +156,7 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
             raise
         raise CheckpointError(
             f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
-            f"already at that path is untouched): {describe(error)}"
+            f"already at that path is untouched): {_full_disk_note(target.parent)}{describe(error)}"
         ) from error
     if rank == 0:
         log.info("saved checkpoint %s (global step %d) in %.2f s", target, position.global_steps,
@@ -473,11 +474,59 @@ def _agreed_token(target: Path) -> str:
     return everyone[0][1]
 
 
+class _WriteErrors:
+    """A file for ``torch.save`` that remembers the first error of a write: torch swallows it and
+    reports only the position it then finds wrong (``unexpected pos 704 vs 598``)."""
+
+    def __init__(self, file):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _save(path: Path, obj) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    sink = None
+    try:
+        with open(path, "wb") as f:
+            sink = _WriteErrors(f)
+            torch.save(obj, sink)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as error:  # noqa: BLE001 - said with its cause below
+        cause = sink.error if sink is not None and sink.error is not None else error
+        raise CheckpointError(_write_failure(path, cause)) from error
+
+
+FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed save: the disk is full
+
+
+def _full_disk_note(directory: Path) -> str:
+    """"no space left on device" when the failed save's filesystem is full: torch.distributed.
+    checkpoint's writers (like torch.save) report a full disk as ``unexpected pos ...``."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    if free >= FULL_DISK_BYTES:
+        return ""
+    return (f"no space left on device ({free} bytes free on the filesystem of {directory}: free space, "
+            "lower checkpoint.keep_last, or choose another checkpoint directory); ")
+
+
+def _write_failure(path: Path, error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on device writing {path} ({error.strerror}): free space on that "
+                "filesystem, lower checkpoint.keep_last, or choose another checkpoint directory")
+    return f"writing {path} failed: {type(error).__name__}: {error}"
 
 
 def _load(path: Path):
