@@ -137,15 +137,21 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def agree(problem: str | None, cause: BaseException | None = None) -> None:
-    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+def gathered(value: Any, what: str) -> list[Any]:
+    """Every rank's ``value`` (small, picklable) in rank order, on every rank, over the control
+    group; a peer that never comes raises a PeerLostError naming ``what``."""
     group = control_group()
     if group is None:
-        everyone: list[Any] = [problem]
-    else:
-        everyone = [None] * dist.get_world_size()
-        with peer_lost_as_error("checkpoint agreement"):
-            dist.all_gather_object(everyone, problem, group=group)
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with peer_lost_as_error(what):
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def agree(problem: str | None, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+    everyone = gathered(problem, "checkpoint agreement")
     failed = [(rank, text) for rank, text in enumerate(everyone) if text]
     if not failed:
         return
