@@ -36,9 +36,9 @@ from typing import Any, Callable
 import torch
 
 from engine.batching.plan import BatchPlan
-from engine.distributed.collectives import agreed_max
+from engine.distributed.collectives import positions_of_ranks
 from engine.batching.data import DistributedBatches
-from engine.errors import EngineUsageError, NonFiniteGradientError
+from engine.errors import EngineUsageError, NonFiniteGradientError, RankDisagreementError
 from engine.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -47,6 +47,12 @@ from engine.batching.token_budget import TokenCost
 from engine.batching.window_split import PlannedSplit
 
 log = logging.getLogger("engine")
+
+# Where a rank is when the ranks compare positions (Engine._agree_on_position).
+WINDOW_START, FORWARD, CLOSING_MICRO_STEP, FLUSH, CLOSED = range(5)
+_POINTS = {WINDOW_START: "starting a window", FORWARD: "before a forward",
+           CLOSING_MICRO_STEP: "in the backward that closes its window", FLUSH: "in flush()",
+           CLOSED: "closing the engine"}
 
 LossFn = Callable[[Any, Any], Any]
 COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
@@ -68,6 +74,7 @@ class _Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
+    training_forwards: int = 0  # forwards for a backward, failed ones included
     forwards: list = field(default_factory=list)  # this micro-step's forwards, as the window split records them
 
     def loss_total(self) -> torch.Tensor:
@@ -151,6 +158,8 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self.windows_started = 0  # on this rank, failed and discarded ones included (not checkpointed)
+        self._disagreed = False  # RankDisagreementError raised: no agreement can pair any more
         self.last_window = WindowReport()
         self._window = _Window()
         self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
@@ -208,15 +217,23 @@ class Engine:
         if not torch.is_grad_enabled():
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
-        if window.micro_steps == 0 and not window.forwarded:  # the window's first
+        planned = window.planned_steps or self.plan.gradient_accumulation_steps
+        closes = window.micro_steps + 1 >= planned
+        starts = window.micro_steps == 0 and not window.forwarded  # the window's first forward
+        if starts:
+            self.windows_started += 1
+        if starts or self.strategy.forward_communicates:
+            # Before the forward's collectives (ZeRO-2/3 gather parameters there).
+            self._agree_on_position(WINDOW_START if starts else FORWARD)
+        if starts:
             for hook in self.hooks:
                 hook.on_window_start(self)
             self._recording = self._records(self.global_steps + 1)
             if self._recording:
                 self._peak.start()
-        planned = window.planned_steps or self.plan.gradient_accumulation_steps
-        self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
+        self.strategy.prepare_micro_step(closes)
         window.forwarded = True
+        window.training_forwards += 1
         if not self._recording:
             output = self.strategy.forward(*args, **kwargs)
         else:
@@ -276,20 +293,9 @@ class Engine:
         False when there was nothing to close."""
         window = self._window
         # On the control group: a peer still inside a micro-step's collective times out clearly.
-        negative_fewest, most = agreed_max(
-            [-window.micro_steps, window.micro_steps],
-            "flush(): not every rank reached flush() within distributed.agreement_timeout_seconds ({timeout} s), "
-            f"or a rank stopped, while this rank held {window.micro_steps} micro-steps: every rank must run the "
-            "same number of micro-steps (give each rank the same number of batches, e.g. "
-            "engine.batching.data.DistributedBatches)")
-        fewest = -negative_fewest
-        if most == 0:
+        self._agree_on_position(FLUSH)
+        if window.micro_steps == 0:
             return False
-        if fewest != most:
-            raise EngineUsageError(
-                f"flush(): the ranks hold between {fewest} and {most} micro-steps in this window; "
-                "every rank must run the same number of micro-steps (give each rank the same number of "
-                "batches, e.g. engine.batching.data.DistributedBatches)")
         window.backward_since_step = False
         window.exact_counts = True  # weighted by what every rank really ran
         self._close_window()
@@ -459,9 +465,15 @@ class Engine:
                                   self._window.micro_steps, self.plan.gradient_accumulation_steps)
 
     def close(self) -> None:
-        for hook in self.hooks:
-            hook.on_close(self)
-        self.strategy.close()
+        """Release the engine. Collective: a peer still training (its data lasted longer) learns
+        here that this rank has stopped, and both raise RankDisagreementError."""
+        try:
+            if not self._disagreed:  # the ranks have already stopped together
+                self._agree_on_position(CLOSED)
+        finally:
+            for hook in self.hooks:
+                hook.on_close(self)
+            self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
     def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
@@ -512,6 +524,11 @@ class Engine:
             raise EngineUsageError(
                 "one window mixes mean losses and (sum, count) losses; use one kind per window"
             )
+        planned = window.planned_steps or self.plan.gradient_accumulation_steps
+        if window.micro_steps + 1 >= planned and not self.window_runner.chooses_micro_size:
+            # Before the backward that reduces the window's gradient (ZeRO-0/1: its first collective).
+            # The automatic micro size agrees on each window's failures instead.
+            self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
         self.strategy.backward(loss, share * self.world_size / self._weighting_batch())
@@ -551,6 +568,31 @@ class Engine:
         self._window, self._recording = _Window(), False
         for hook in self.hooks:
             hook.on_window_closed(self, self.last_window)
+
+    def _agree_on_position(self, point: int) -> None:
+        """Every rank tells where it is (one all-gather of a few integers on the control group)
+        before a collective that must pair the same window on every rank; any difference raises
+        RankDisagreementError on every rank, naming each rank's position."""
+        if self.world_size == 1:
+            return
+        window = self._window
+        mine = [point, self.global_steps, self.windows_started, window.micro_steps, window.training_forwards]
+        try:
+            everyone = positions_of_ranks(
+                mine, f"rank {self.rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
+                      f"peers while {_describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
+                      "another collective); every rank must run the same windows and micro-steps")
+        except RankDisagreementError:
+            self._disagreed = True
+            raise
+        if all(position == everyone[0] for position in everyone):
+            return
+        self._disagreed = True
+        ranks = "; ".join(f"rank {r}: {_describe_position(p)}" for r, p in enumerate(everyone))
+        raise RankDisagreementError(
+            f"the ranks are not at the same point of training ({ranks}): their collectives would pair different "
+            "windows. Give every rank the same number of batches (eng.batches() does), and let a rank that fails "
+            "in a window stop the run rather than go on with its next batch")
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)
@@ -611,6 +653,14 @@ class Engine:
             log.warning("fp16 overflow: the window of global step %d is discarded and the loss scale "
                         "lowered", step)
         return result
+
+
+def _describe_position(position: list[int]) -> str:
+    point, global_steps, started, micro_steps, forwards = position
+    if point == CLOSED:
+        return f"closing the engine after global step {global_steps} (its data ended?)"
+    return (f"{_POINTS[point]}, after global step {global_steps}, window {started} begun on this rank, "
+            f"{micro_steps} micro-step(s) done in it ({forwards} training forward(s))")
 
 
 def _check_loss(loss) -> None:

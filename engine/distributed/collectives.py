@@ -5,7 +5,9 @@
 * failure votes: every rank learns which ranks failed in a window before anyone enters the
   next collective, so no rank is left waiting for one that has given up;
 * ``agree``: the same for errors found while checkpointing, raised on every rank;
-* ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``.
+* ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``;
+* ``positions_of_ranks``: where each rank is (its window and micro-step), for the engine's
+  per-window check that no collective pairs different windows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch.distributed as dist
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
 from engine.distributed.process_group import agreement_timeout_seconds, control_group, is_peer_lost
-from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
+from engine.errors import (CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError,
+                           RankDisagreementError)
 
 BUCKET_BYTES = 25 * 1024 * 1024
 OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
@@ -89,6 +92,24 @@ def agreed_max(values: list[int], stuck: str) -> list[int]:
         if isinstance(error, MicrostepError) or not is_peer_lost(error):
             raise
         raise EngineUsageError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+
+
+def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
+    """Every rank's ``position`` (a fixed number of integers), in rank order, on every rank: one
+    all-gather on the control group. A peer that never comes (gone, or absent past the agreement
+    timeout) raises a RankDisagreementError saying ``stuck`` (``{timeout}``: that timeout)."""
+    group = control_group()
+    if group is None:
+        return [list(position)]
+    mine = torch.tensor(position, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(everyone, mine, group=group)
+    except RuntimeError as error:
+        if isinstance(error, MicrostepError) or not is_peer_lost(error):
+            raise
+        raise RankDisagreementError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+    return [t.tolist() for t in everyone]
 
 
 # -- failures inside a window ---------------------------------------------------------------

@@ -50,6 +50,9 @@ class Strategy(ABC):
     checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
     group = None  # process group of the strategy's gradient collectives (None: the default)
+    # Whether a forward issues collectives (parameters gathered): the engine then has the ranks
+    # compare their positions before every training forward, not only at a window's first.
+    forward_communicates = False
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup

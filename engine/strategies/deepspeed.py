@@ -77,6 +77,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.stage = setup.stage
+        self.forward_communicates = self.stage == 3  # ZeRO-3 gathers parameters in every forward
         self.deepspeed = internals.import_deepspeed()
         if setup.precision.dtype == torch.float16 and not self.deepspeed.get_accelerator().is_fp16_supported():
             raise ConfigError([(

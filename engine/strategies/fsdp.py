@@ -100,6 +100,7 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
 
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
+    forward_communicates = True  # all-gathers (every forward at ZeRO-3; a window's first at ZeRO-2)
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
