@@ -16,6 +16,13 @@ which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss c
 nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
+Ranks in step. Before a window's first forward, before every forward whose strategy gathers
+parameters in it (ZeRO-3), before the backward that closes a window, in ``flush()`` and in
+``close()``, the ranks compare where they are (global step, windows begun, micro-steps and
+forwards in the window: one small all-gather on the control group). A rank whose data ended,
+or that skipped a window or micro-step after catching its own error, is found there, before
+the windows' collectives pair up: every rank raises ``RankDisagreementError``.
+
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
 (how the model is held), the window runner (:class:`WindowRunner`: the plain one, or the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
@@ -159,7 +166,7 @@ class Engine:
         self.global_samples = 0
         self.skipped_steps = 0
         self.windows_started = 0  # on this rank, failed and discarded ones included (not checkpointed)
-        self._disagreed = False  # RankDisagreementError raised: no agreement can pair any more
+        self._agreeing = True  # False once closed or after a RankDisagreementError: no agreement could pair
         self.last_window = WindowReport()
         self._window = _Window()
         self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
@@ -468,9 +475,10 @@ class Engine:
         """Release the engine. Collective: a peer still training (its data lasted longer) learns
         here that this rank has stopped, and both raise RankDisagreementError."""
         try:
-            if not self._disagreed:  # the ranks have already stopped together
+            if self._agreeing:  # not after a disagreement, which the ranks raised together, nor twice
                 self._agree_on_position(CLOSED)
         finally:
+            self._agreeing = False
             for hook in self.hooks:
                 hook.on_close(self)
             self.strategy.close()
@@ -583,16 +591,19 @@ class Engine:
                       f"peers while {_describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
                       "another collective); every rank must run the same windows and micro-steps")
         except RankDisagreementError:
-            self._disagreed = True
+            self._agreeing = False
             raise
         if all(position == everyone[0] for position in everyone):
             return
-        self._disagreed = True
+        self._agreeing = False
         ranks = "; ".join(f"rank {r}: {_describe_position(p)}" for r, p in enumerate(everyone))
+        held = sorted(p[3] for p in everyone)
+        flushing = f"flush(): the ranks hold between {held[0]} and {held[-1]} micro-steps in this window; " \
+            if all(p[0] == FLUSH for p in everyone) else ""
         raise RankDisagreementError(
-            f"the ranks are not at the same point of training ({ranks}): their collectives would pair different "
-            "windows. Give every rank the same number of batches (eng.batches() does), and let a rank that fails "
-            "in a window stop the run rather than go on with its next batch")
+            f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
+            "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank that "
+            "fails in a window stop the run rather than go on with its next batch")
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)

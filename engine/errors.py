@@ -45,9 +45,10 @@ class NonFiniteGradientError(MicrostepError, FloatingPointError):
     as before the window."""
 
 
-class RankDisagreementError(MicrostepError, RuntimeError):
+class RankDisagreementError(EngineUsageError):
     """The ranks are not in the same window or micro-step (a rank's data ran out sooner, or it
-    skipped a window or a micro-step): their collectives would pair different windows."""
+    skipped a window or a micro-step): their collectives would pair different windows. Raised on
+    every rank, naming each rank's position."""
 
 
 class PeerLostError(MicrostepError, RuntimeError):

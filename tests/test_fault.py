@@ -614,7 +614,7 @@ def _resume_past_damage(rank, world, root, victim_index):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim_index", [0, 1])
 def test_two_ranks_share_the_checksums_and_skip_a_damaged_newest_checkpoint(tmp_path, victim_index):
-    for rank, (resumed, explicit) in enumerate(run_distributed(_resume_past_damage, 2, args=(str(tmp_path), victim_index),
-                                                                timeout=100)):
+    results = run_distributed(_resume_past_damage, 2, args=(str(tmp_path), victim_index), timeout=100)
+    for rank, (resumed, explicit) in enumerate(results):
         assert resumed == (str(tmp_path / "checkpoints" / checkpoint_name(job.STEPS - 2)), job.STEPS - 2), rank
         assert explicit and "checkpoint.resume" in explicit and "checksum mismatch" in explicit, (rank, explicit)

@@ -173,6 +173,6 @@ def test_a_non_finite_gradient_on_one_rank_is_discarded_on_the_deepspeed_backend
     scenarios = {(stage, "fp32", mode): functools.partial(non_finite_on_one_rank, backend="deepspeed", stage=stage,
                                                           precision="fp32", mode=mode)
                  for stage in (0, 1, 2, 3) for mode in ("skip", "raise") if stage in (0, 3) or mode == "skip"}
-    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))}
+    default = str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", default)}
     assert_discarded_everywhere(run_scenarios(scenarios, world_size=2, timeout=260, env=env), {"fp32": 1e-5})

@@ -100,7 +100,6 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
 
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
-    forward_communicates = True  # all-gathers (every forward at ZeRO-3; a window's first at ZeRO-2)
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
@@ -137,6 +136,11 @@ class FullyShardedDataParallel(TorchStrategy):
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
                                           memory_limit=self.settings.memory_limit)
+
+    @property
+    def forward_communicates(self) -> bool:
+        # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers).
+        return self.stage == 3 and not self._window_defers
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
