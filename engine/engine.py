@@ -45,7 +45,7 @@ import torch
 from engine.batching.plan import BatchPlan
 from engine.distributed.collectives import positions_of_ranks
 from engine.batching.data import DistributedBatches
-from engine.errors import EngineUsageError, NonFiniteGradientError, RankDisagreementError
+from engine.errors import EngineUsageError, NonFiniteGradientError, PeerLostError, RankDisagreementError
 from engine.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -477,6 +477,8 @@ class Engine:
         try:
             if self._agreeing:  # not after a disagreement, which the ranks raised together, nor twice
                 self._agree_on_position(CLOSED)
+        except PeerLostError as error:  # gone or stuck: nothing to tell it any more
+            log.warning("close(): %s", error)
         finally:
             self._agreeing = False
             for hook in self.hooks:
@@ -590,7 +592,7 @@ class Engine:
                 mine, f"rank {self.rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
                       f"peers while {_describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
                       "another collective); every rank must run the same windows and micro-steps")
-        except RankDisagreementError:
+        except PeerLostError:
             self._agreeing = False
             raise
         if all(position == everyone[0] for position in everyone):

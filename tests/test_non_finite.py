@@ -64,7 +64,8 @@ def test_a_non_finite_window_is_discarded_and_the_run_goes_on(precision, value, 
     eng.train_batch(batches[2], loss_fn)
     assert all(torch.isfinite(p).all() for p in eng.module.parameters())
     expected = reference_without_window(model, batches, skipped=1)
-    assert max_param_diff(state(eng.module), state(expected)) < (1e-5 if precision == "fp32" else 3e-2)
+    # bf16: 1.3e-4 measured
+    assert max_param_diff(state(eng.module), state(expected)) < (1e-5 if precision == "fp32" else 1e-3)
 
 
 def test_manual_loop_discards_too_and_raise_mode_raises_with_nothing_changed():
@@ -96,16 +97,20 @@ def test_automatic_checkpoints_never_hold_non_finite_weights(tmp_path, mode):
               "checkpoint": {"dir": str(tmp_path), "every_steps": 1}}
     eng = engine.initialize(copy.deepcopy(model), config, optimizer=sgd)
     loss_fn = poisoned({2})  # the first micro-step of the second window
-    eng.train_batch(batches[0], loss_fn)
-    if mode == "raise":
-        with pytest.raises(engine.NonFiniteGradientError):
-            eng.train_batch(batches[1], loss_fn)
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
-        return
-    eng.train_batch(batches[1], loss_fn)
+    try:
+        eng.train_batch(batches[0], loss_fn)
+        if mode == "raise":
+            with pytest.raises(engine.NonFiniteGradientError):
+                eng.train_batch(batches[1], loss_fn)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+            return
+        eng.train_batch(batches[1], loss_fn)
+    finally:
+        eng.close()  # gives the stop signals back
     saved = torch.load(tmp_path / "step_00000002" / ENGINE_STATE, weights_only=True)
     assert saved["parts"]["engine"]["counters"]["skipped_steps"] == 1
     fresh = engine.initialize(copy.deepcopy(model), config, optimizer=sgd)  # resumes step_00000002
+    fresh.close()
     assert fresh.global_steps == 2
     assert all(torch.isfinite(p).all() for p in fresh.module.parameters())
     assert max_param_diff(state(fresh.module), state(eng.module)) == 0
@@ -162,7 +167,7 @@ def test_a_non_finite_gradient_on_one_rank_is_discarded_on_every_torch_stage():
                  for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16") for mode in ("skip", "raise")
                  if precision == "fp32" or mode == "skip"}
     assert_discarded_everywhere(run_scenarios(scenarios, world_size=2, timeout=200),
-                                {"fp32": 1e-5, "bf16": 3e-2})
+                                {"fp32": 1e-5, "bf16": 1e-3})
 
 
 @needs_deepspeed

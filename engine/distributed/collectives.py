@@ -20,8 +20,7 @@ import torch.distributed as dist
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
 from engine.distributed.process_group import agreement_timeout_seconds, control_group, is_peer_lost
-from engine.errors import (CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError,
-                           RankDisagreementError)
+from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
 
 BUCKET_BYTES = 25 * 1024 * 1024
 OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
@@ -97,7 +96,7 @@ def agreed_max(values: list[int], stuck: str) -> list[int]:
 def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
     """Every rank's ``position`` (a fixed number of integers), in rank order, on every rank: one
     all-gather on the control group. A peer that never comes (gone, or absent past the agreement
-    timeout) raises a RankDisagreementError saying ``stuck`` (``{timeout}``: that timeout)."""
+    timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
     group = control_group()
     if group is None:
         return [list(position)]
@@ -108,7 +107,7 @@ def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
     except RuntimeError as error:
         if isinstance(error, MicrostepError) or not is_peer_lost(error):
             raise
-        raise RankDisagreementError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+        raise PeerLostError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
     return [t.tolist() for t in everyone]
 
 
