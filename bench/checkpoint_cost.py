@@ -15,6 +15,10 @@ accumulation 4 over all ranks, AdamW, a (sum, count) token loss), monitor off. R
   control group), median of many calls.
 * save: an automatic save (``step_<N>`` with the data position, keep_last 1), median of
   ``--saves``; its size on disk.
+* checksums: what the save spends on the checksum of every file (each rank reads back and
+  checksums its share of the files; a load checks the same), median of ``--saves``, against
+  the save's time; on the LM example and on bench.common's 4.2M-parameter MLP with AdamW
+  (a 50 MB checkpoint).
 
 Results: bench/results/checkpoint_cost_w<ranks>.json (rank 0 prints a table).
 """
@@ -38,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import interleaved, save
+from bench.common import batch, interleaved, mlp, save
+from bench.common import mse as bench_mse
+from engine.state.checkpoint import damaged_files, verify_checkpoint
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from examples.train_lm import (DEFAULT_CONFIG, DEFAULT_CORPUS, CharTokenizer, Lines, build_model,
                                collate, split_lines, token_loss)
@@ -66,6 +72,42 @@ def slowest(seconds: float) -> float:
     value = torch.tensor(seconds)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
+
+
+def checksum_time(path, info, repeats: int) -> float:
+    """Median (slowest rank) of reading back and checksumming this rank's share of ``path``'s
+    files: the work a save adds for the manifest's checksums (and a load's check)."""
+    manifest = verify_checkpoint(path)
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        damaged_files(path, manifest, info.rank, info.world_size)
+        times.append(slowest(time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def mlp_checkpoint_cost(directory, info, repeats: int):
+    """(save seconds, checksum seconds, bytes) for bench.common's MLP with AdamW after one step."""
+    eng = engine.initialize(mlp(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 64 // info.world_size,
+                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    x, y = batch(64)
+    share = 64 // info.world_size
+    eng.train_batch((x[info.rank * share:(info.rank + 1) * share], y[info.rank * share:(info.rank + 1) * share]),
+                    bench_mse)
+    saves = []
+    path = Path(directory) / "mlp"
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        eng.save_checkpoint(path)
+        saves.append(slowest(time.perf_counter() - start))
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    checksum_s = checksum_time(path, info, repeats)
+    eng.close()
+    return statistics.median(saves), checksum_s, size
 
 
 def main(argv=None):
@@ -112,6 +154,8 @@ def main(argv=None):
         saves.append(slowest(time.perf_counter() - start))
     save_s = statistics.median(saves)
     size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    checksum_s = checksum_time(path, info, args.saves)
+    mlp_save_s, mlp_checksum_s, mlp_size = mlp_checkpoint_cost(directory, info, args.saves)
 
     step = times["step"]
     results = {
@@ -124,6 +168,12 @@ def main(argv=None):
         "save_vs_step": save_s / step,
         "checkpoint_bytes": size,
         "every_100_steps_overhead": save_s / (100 * step),
+        "ms_checksums_per_save": checksum_s * 1e3,
+        "checksums_vs_save": checksum_s / save_s,
+        "mlp_ms_per_save": mlp_save_s * 1e3,
+        "mlp_ms_checksums_per_save": mlp_checksum_s * 1e3,
+        "mlp_checksums_vs_save": mlp_checksum_s / mlp_save_s,
+        "mlp_checkpoint_bytes": mlp_size,
     }
     if info.rank == 0:
         print(f"{'step (no checkpoint section)':40s} {step * 1e3:9.1f} ms")
@@ -133,6 +183,11 @@ def main(argv=None):
               f"{results['agreement_vs_step'] * 100:.3f}% of a step")
         print(f"{'automatic save':40s} {save_s * 1e3:9.1f} ms   {results['save_vs_step']:.2f} steps, "
               f"{size / 1e6:.2f} MB")
+        print(f"{'checksums within that save':40s} {checksum_s * 1e3:9.1f} ms   "
+              f"{results['checksums_vs_save']:.1%} of the save")
+        print(f"{'MLP 4.2M, AdamW: save':40s} {mlp_save_s * 1e3:9.1f} ms   {mlp_size / 1e6:.1f} MB")
+        print(f"{'MLP 4.2M, AdamW: checksums within it':40s} {mlp_checksum_s * 1e3:9.1f} ms   "
+              f"{results['mlp_checksums_vs_save']:.1%} of the save")
         params = sum(p.numel() for p in model.parameters())
         save(f"checkpoint_cost_w{info.world_size}", {
             "workload": f"examples/train_lm.py GPT ({params / 1e3:.0f}k parameters), configs/lm_tiny.yaml "

@@ -1,7 +1,7 @@
 """Count the collectives this process issues: calls and bytes, by kind.
 
 Used by the tests (no gradient collective before a boundary) and the benchmarks (bytes
-sent per optimizer step). It patches the ``torch.distributed`` functions that FSDP,
+sent per optimizer step). The engine's agreements on the gloo control group are not counted. It patches the ``torch.distributed`` functions that FSDP,
 DeepSpeed and the engine call, and, for DDP, whose reducer bypasses Python, wraps the
 gradient all-reduce in a comm hook (``watch_ddp``).
 
@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+from engine.distributed.process_group import control_group
 
 # function name -> (kind, index of the argument whose size is the full buffer)
 _WATCHED = {
@@ -43,6 +45,14 @@ def _nbytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
+
+
+def _on_control_group(kwargs) -> bool:
+    """The engine's agreements (the ranks' positions, flush, stop signals, checkpoints) run on the
+    gloo control group: small CPU messages, not training traffic, measured by
+    bench/agreement_cost.py and bench/checkpoint_cost.py instead."""
+    group = kwargs.get("group")
+    return group is not None and group is control_group()
 
 
 class CommCounter:
@@ -72,7 +82,7 @@ class CommCounter:
         """``original`` counting its call, once: collectives it calls in turn are not counted."""
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            if getattr(self._inside, "active", False):
+            if getattr(self._inside, "active", False) or _on_control_group(kwargs):
                 return original(*args, **kwargs)
             self._inside.active = True
             try:

@@ -9,7 +9,7 @@ from engine.engine import Engine
 from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
-    OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError,
+    NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
 )
 from engine.state.preemption import Preempted
 
@@ -34,5 +34,7 @@ __all__ = [
     "OutOfMemoryAtMicroBatchOne",
     "PeerError",
     "PeerLostError",
+    "NonFiniteGradientError",
+    "RankDisagreementError",
     "Preempted",
 ]

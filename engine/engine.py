@@ -16,6 +16,13 @@ which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss c
 nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
+Ranks in step. Before a window's first forward, before every forward whose strategy gathers
+parameters in it (ZeRO-3), before the backward that closes a window, in ``flush()`` and in
+``close()``, the ranks compare where they are (global step, windows begun, micro-steps and
+forwards in the window: one small all-gather on the control group). A rank whose data ended,
+or that skipped a window or micro-step after catching its own error, is found there, before
+the windows' collectives pair up: every rank raises ``RankDisagreementError``.
+
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
 (how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
@@ -39,9 +46,9 @@ from typing import Any, Callable
 import torch
 
 from engine.batching.plan import BatchPlan
-from engine.distributed.collectives import agreed_max
+from engine.distributed.collectives import positions_of_ranks
 from engine.batching.data import DistributedBatches
-from engine.errors import EngineUsageError
+from engine.errors import EngineUsageError, NonFiniteGradientError, PeerLostError, RankDisagreementError
 from engine.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -50,6 +57,12 @@ from engine.batching.token_budget import TokenCost
 from engine.batching.window_split import PlannedSplit
 
 log = logging.getLogger("engine")
+
+# Where a rank is when the ranks compare positions (Engine._agree_on_position).
+WINDOW_START, FORWARD, CLOSING_MICRO_STEP, FLUSH, CLOSED = range(5)
+_POINTS = {WINDOW_START: "starting a window", FORWARD: "before a forward",
+           CLOSING_MICRO_STEP: "in the backward that closes its window", FLUSH: "in flush()",
+           CLOSED: "closing the engine"}
 
 LossFn = Callable[[Any, Any], Any]
 COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
@@ -71,6 +84,7 @@ class _Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     backward_since_step: bool = False
     forwarded: bool = False
+    training_forwards: int = 0  # forwards for a backward, failed ones included
     forwards: list = field(default_factory=list)  # this micro-step's forwards, as the window split records them
 
     def loss_total(self) -> torch.Tensor:
@@ -154,6 +168,8 @@ class Engine:
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self.windows_started = 0  # on this rank, failed and discarded ones included (not checkpointed)
+        self._agreeing = True  # False once closed or after a RankDisagreementError: no agreement could pair
         self.last_window = WindowReport()
         self._window = _Window()
         self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
@@ -211,11 +227,15 @@ class Engine:
         if not torch.is_grad_enabled():
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
+        planned = window.planned_steps or self.plan.gradient_accumulation_steps
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
             self.start_window()
-        planned = window.planned_steps or self.plan.gradient_accumulation_steps
+        elif self.strategy.forward_communicates:
+            # Before the forward's collectives (ZeRO-3 gathers parameters there).
+            self._agree_on_position(FORWARD)
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
+        window.training_forwards += 1
         if not self._recording:
             output = self.strategy.forward(*args, **kwargs)
         else:
@@ -226,9 +246,11 @@ class Engine:
         return output
 
     def start_window(self) -> None:
-        """A training window starts: tell the hooks, start measuring memory when it is recorded.
-        (Called at the window's first forward; a window runner whose micro-steps do not go
-        through ``eng(...)`` calls it itself.)"""
+        """A training window starts: agree with the peers on where every rank is, tell the
+        hooks, start measuring memory when it is recorded. (Called at the window's first
+        forward; a window runner whose micro-steps do not go through ``eng(...)`` calls it itself.)"""
+        self.windows_started += 1
+        self._agree_on_position(WINDOW_START)  # before the window's first collective
         for hook in self.hooks:
             hook.on_window_start(self)
         self._recording = self._records(self.global_steps + 1)
@@ -275,8 +297,8 @@ class Engine:
 
     def step(self, flush: bool = False) -> bool:
         """Close the window if this micro-step is its last; otherwise change nothing.
-        Returns True when a window was closed (``skipped_steps`` tells whether an fp16
-        overflow discarded it). ``step(flush=True)`` is :meth:`flush`."""
+        Returns True when a window was closed (``skipped_steps`` tells whether a non-finite
+        gradient, e.g. an fp16 overflow, discarded it). ``step(flush=True)`` is :meth:`flush`."""
         if flush:
             return self.flush()
         window = self._window
@@ -298,20 +320,9 @@ class Engine:
         False when there was nothing to close."""
         window = self._window
         # On the control group: a peer still inside a micro-step's collective times out clearly.
-        negative_fewest, most = agreed_max(
-            [-window.micro_steps, window.micro_steps],
-            "flush(): not every rank reached flush() within distributed.agreement_timeout_seconds ({timeout} s), "
-            f"or a rank stopped, while this rank held {window.micro_steps} micro-steps: every rank must run the "
-            "same number of micro-steps (give each rank the same number of batches, e.g. "
-            "engine.batching.data.DistributedBatches)")
-        fewest = -negative_fewest
-        if most == 0:
+        self._agree_on_position(FLUSH)
+        if window.micro_steps == 0:
             return False
-        if fewest != most:
-            raise EngineUsageError(
-                f"flush(): the ranks hold between {fewest} and {most} micro-steps in this window; "
-                "every rank must run the same number of micro-steps (give each rank the same number of "
-                "batches, e.g. engine.batching.data.DistributedBatches)")
         window.backward_since_step = False
         window.exact_counts = True  # weighted by what every rank really ran
         self._close_window()
@@ -491,9 +502,18 @@ class Engine:
                                   self._window.micro_steps, self.plan.gradient_accumulation_steps)
 
     def close(self) -> None:
-        for hook in self.hooks:
-            hook.on_close(self)
-        self.strategy.close()
+        """Release the engine. Collective: a peer still training (its data lasted longer) learns
+        here that this rank has stopped, and both raise RankDisagreementError."""
+        try:
+            if self._agreeing:  # not after a disagreement, which the ranks raised together, nor twice
+                self._agree_on_position(CLOSED)
+        except PeerLostError as error:  # gone or stuck: nothing to tell it any more
+            log.warning("close(): %s", error)
+        finally:
+            self._agreeing = False
+            for hook in self.hooks:
+                hook.on_close(self)
+            self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
     def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
@@ -521,6 +541,11 @@ class Engine:
                 "so that gradient synchronisation is planned for this micro-step"
             )
         _check_same_kind(window, item_weighted)
+        planned = window.planned_steps or self.plan.gradient_accumulation_steps
+        if window.micro_steps + 1 >= planned and not self.window_runner.chooses_micro_size:
+            # Before the backward that reduces the window's gradient (ZeRO-0/1: its first collective).
+            # The automatic micro size agrees on each window's failures instead.
+            self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
         share = (1 if item_weighted else samples) if samples else 0
         # W: the data-parallel ranks, over which the strategy averages gradients
@@ -570,6 +595,34 @@ class Engine:
         for hook in self.hooks:
             hook.on_window_closed(self, self.last_window)
 
+    def _agree_on_position(self, point: int) -> None:
+        """Every rank tells where it is (one all-gather of a few integers on the control group)
+        before a collective that must pair the same window on every rank; any difference raises
+        RankDisagreementError on every rank, naming each rank's position."""
+        if self.world_size == 1:
+            return
+        window = self._window
+        mine = [point, self.global_steps, self.windows_started, window.micro_steps, window.training_forwards]
+        try:
+            everyone = positions_of_ranks(
+                mine, f"rank {self.rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
+                      f"peers while {_describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
+                      "another collective); every rank must run the same windows and micro-steps")
+        except PeerLostError:
+            self._agreeing = False
+            raise
+        if all(position == everyone[0] for position in everyone):
+            return
+        self._agreeing = False
+        ranks = "; ".join(f"rank {r}: {_describe_position(p)}" for r, p in enumerate(everyone))
+        held = sorted(p[3] for p in everyone)
+        flushing = f"flush(): the ranks hold between {held[0]} and {held[-1]} micro-steps in this window; " \
+            if all(p[0] == FLUSH for p in everyone) else ""
+        raise RankDisagreementError(
+            f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
+            "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank that "
+            "fails in a window stop the run rather than go on with its next batch")
+
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)
 
@@ -614,9 +667,20 @@ class Engine:
             multiplier = 1.0 if samples == target else target / samples
         result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm)
         self.strategy.zero_grad()
-        if not result.applied:
-            log.warning("overflow (a non-finite gradient): the window of global step %d is discarded",
-                        self.global_steps + 1)
+        step = self.global_steps + 1
+        if result.non_finite and self.config.faults.non_finite_gradient == "raise":
+            self._window, self._recording = _Window(), False  # discarded: the engine stays usable here
+            raise NonFiniteGradientError(
+                f"the gradient of global step {step} holds an inf or nan (e.g. a nan or inf loss, or an "
+                "overflow in the forward): the window was not applied — weights, optimizer and scheduler are "
+                "as before it, and no checkpoint was written. faults.non_finite_gradient: skip discards such "
+                "windows with a warning instead (counted in skipped_steps)")
+        if result.non_finite:
+            log.warning("a non-finite gradient (inf or nan) in the window of global step %d: the window is "
+                        "discarded, the weights are unchanged (skipped_steps counts it)", step)
+        elif not result.applied:
+            log.warning("fp16 overflow: the window of global step %d is discarded and the loss scale "
+                        "lowered", step)
         return result
 
 
@@ -642,6 +706,14 @@ def _check_same_kind(window: _Window, item_weighted: bool) -> None:
         window.item_weighted = item_weighted
     elif window.item_weighted != item_weighted:
         raise EngineUsageError("one window mixes mean losses and (sum, count) losses; use one kind per window")
+
+
+def _describe_position(position: list[int]) -> str:
+    point, global_steps, started, micro_steps, forwards = position
+    if point == CLOSED:
+        return f"closing the engine after global step {global_steps} (its data ended?)"
+    return (f"{_POINTS[point]}, after global step {global_steps}, window {started} begun on this rank, "
+            f"{micro_steps} micro-step(s) done in it ({forwards} training forward(s))")
 
 
 def check_loss(loss) -> None:

@@ -39,6 +39,18 @@ class CheckpointError(MicrostepError, RuntimeError):
     """A checkpoint cannot be written or read: incomplete, corrupt, or not this run's."""
 
 
+class NonFiniteGradientError(MicrostepError, FloatingPointError):
+    """A window's gradient held an inf or nan and ``faults.non_finite_gradient: raise`` was set.
+    Raised on every rank at the same boundary; the weights, the optimizer and the scheduler are
+    as before the window."""
+
+
+class RankDisagreementError(EngineUsageError):
+    """The ranks are not in the same window or micro-step (a rank's data ran out sooner, or it
+    skipped a window or a micro-step): their collectives would pair different windows. Raised on
+    every rank, naming each rank's position."""
+
+
 class PeerLostError(MicrostepError, RuntimeError):
     """A peer rank never joined an agreement (a checkpoint's, the stop-signal check at a
     boundary) within ``distributed.agreement_timeout_seconds``: it died, or is stuck."""

@@ -104,6 +104,11 @@ class PeakMeter:
         return self._cpu_peak
 
     def _gradients_to_come(self) -> int:
-        # .grad is read on the parameter itself (a DTensor's local piece is not a leaf)
-        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                   for p in self.strategy.module.parameters() if p.requires_grad and p.grad is None)
+        # .grad of the parameter itself: a DTensor's local tensor is not a leaf (reading its
+        # .grad warns, and is always None)
+        total = 0
+        for p in self.strategy.module.parameters():
+            if p.requires_grad and p.grad is None:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += local.numel() * local.element_size()
+        return total

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -379,8 +380,27 @@ def test_same_size_corruption_is_refused_clearly(saved):
     eng, _ = new_engine(stage=0)
     state = saved / "engine_state.pt"
     state.write_bytes(b"\0" * state.stat().st_size)
+    with pytest.raises(CheckpointError, match="is damaged: engine_state.pt differs from what was saved"):
+        eng.load_checkpoint(saved)
+    manifest = json.loads((saved / MANIFEST).read_text())  # as an older Microstep wrote it: no checksums
+    del manifest["checksums"]
+    (saved / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="engine_state.pt is corrupt or unreadable"):
         eng.load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("victim", ["rank00000.pt", "model_optimizer/__0_0.distcp", "model_optimizer/.metadata"])
+def test_flipped_bytes_in_any_file_are_refused_before_anything_loads(saved, victim):
+    eng, _ = new_engine(stage=0)
+    before = eng.full_state_dict()
+    path = saved / victim
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])  # same size
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"is damaged: {re.escape(victim)} differs from what was saved"):
+        eng.load_checkpoint(saved)
+    assert all(torch.equal(before[k], v) for k, v in eng.full_state_dict().items())
 
 
 def test_foreign_checkpoints_are_refused_clearly(saved):
@@ -480,3 +500,28 @@ def test_save_before_any_step_does_not_touch_the_optimizer(tmp_path, stage):
     train_steps(reference, ref_data, 2)
     train_steps(resumed, res_data, 2)
     assert_same_run(snapshot(resumed, res_data), snapshot(reference, ref_data), 0.0)
+
+
+class _Planted:
+    """What a planted file holds: unpickling it runs code (here: creates a directory)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_a_planted_engine_file_runs_no_code_at_load(saved, tmp_path):
+    marker = tmp_path / "code_ran"
+    state = saved / "engine_state.pt"
+    torch.save({"parts": _Planted(str(marker))}, state)
+    manifest = json.loads((saved / MANIFEST).read_text())  # rewritten to match, as a planter would
+    from engine.state.checkpoint import file_checksum
+    manifest["files"]["engine_state.pt"] = state.stat().st_size
+    manifest["checksums"]["engine_state.pt"] = file_checksum(state)
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    eng, _ = new_engine(stage=0)
+    with pytest.raises(CheckpointError, match=r"engine_state.pt holds an object that torch.load\(weights_only=True\)"):
+        eng.load_checkpoint(saved)
+    assert not marker.exists()

@@ -340,17 +340,24 @@ def uneven_micro_steps(rank, world, stage):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_uneven_micro_steps_at_zero_2_and_3_end_in_a_clear_error(stage):
-    """The rank waiting in flush gives up after distributed.agreement_timeout_seconds with an
-    error naming the fix; its exit releases the peer stuck in the collective. (The process
-    group exists before initialize here, as when a script calls init_distributed itself: the
-    config's timeout must still hold.)"""
+    """ZeRO-3: rank 0's second forward meets rank 1's flush in the ranks' position check, and both
+    raise at once. ZeRO-2 (whose backward, not forward, communicates): the rank waiting in flush
+    gives up after distributed.agreement_timeout_seconds with an error naming the fix; its exit
+    releases the peer stuck in the collective. (The process group exists before initialize here,
+    as when a script calls init_distributed itself: the config's timeout must still hold.)"""
     with pytest.raises(DistributedRunError) as failure:
         run_distributed(functools.partial(uneven_micro_steps, stage=stage), world_size=2, timeout=90)
     message = str(failure.value)
     assert "timeout after" not in message, message[-3000:]
-    assert ("EngineUsageError: flush(): not every rank reached flush() within "
-            "distributed.agreement_timeout_seconds (2 s), or a rank stopped, while this rank held 1 micro-steps: "
-            "every rank must run the same number of micro-steps") in message, message[-3000:]
+    if stage == 3:
+        assert ("RankDisagreementError: the ranks are not at the same point of training (rank 0: before a forward, "
+                "after global step 0, window 1 begun on this rank, 1 micro-step(s) done in it") in message, \
+            message[-3000:]
+        assert "rank 1: in flush(), after global step 0, window 1 begun on this rank, 1 micro-step(s)" in message
+        return
+    assert ("PeerLostError: rank 1 waited distributed.agreement_timeout_seconds (2 s) for its peers while "
+            "in flush(), after global step 0, window 1 begun on this rank, 1 micro-step(s) done in it") in message, \
+        message[-3000:]
     if "--- rank 0 ---" in message:  # rank 0 lost its peer: reported after the cause
         assert message.index("--- rank 1 ---") < message.index("--- rank 0 ---")
 

@@ -314,14 +314,18 @@ def straight(tmp_path_factory):
     return trained(tmp_path_factory.mktemp("straight"))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no manifest"])
+@pytest.mark.parametrize("damage", ["truncate", "no manifest", "flipped bytes"])
 def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight, damage, caplog):
     trained(tmp_path)
     newest = tmp_path / checkpoint_name(8)
+    files = [p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST]
+    victim = max(files, key=lambda p: p.stat().st_size)
     if damage == "truncate":
-        files = [p for p in newest.rglob("*") if p.is_file() and p.name != MANIFEST]
-        victim = max(files, key=lambda p: p.stat().st_size)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif damage == "flipped bytes":  # 64 bytes inside the largest shard, same size
+        data = bytearray(victim.read_bytes())
+        data[100:164] = bytes(b ^ 0x5A for b in data[100:164])
+        victim.write_bytes(bytes(data))
     else:
         (newest / MANIFEST).unlink()
     with caplog.at_level(logging.INFO, logger="engine"):
@@ -330,7 +334,8 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
         assert eng.autosave.resumed_from == str(tmp_path / checkpoint_name(6)) and eng.global_steps == 6
         skipped = [r for r in caplog.records if r.levelno == logging.WARNING and "skipping" in r.getMessage()]
         assert len(skipped) == 1 and checkpoint_name(8) in skipped[0].getMessage()
-        assert ("truncated" if damage == "truncate" else "not a complete checkpoint") in skipped[0].getMessage()
+        assert {"truncate": "truncated", "no manifest": "not a complete checkpoint",
+                "flipped bytes": "differs from what was saved (checksum mismatch)"}[damage] in skipped[0].getMessage()
         got = job.snapshot(eng, job.train(eng))
     finally:
         eng.close()
@@ -572,3 +577,44 @@ def test_deepspeeds_checkpoint_writer_is_refused():
     assert "checkpoint.writer: " in problem and "decoupled" in problem and "remove the key" in problem
     with pytest.raises(engine.ConfigError, match="checkpoint.writer"):
         engine.initialize(mlp(0), config)
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])  # same size
+    path.write_bytes(bytes(data))
+
+
+def _resume_past_damage(rank, world, root, victim_index):
+    """Two ranks at ZeRO-2 save steps 2, 4, ..., 8; one file of step 8 is damaged (read by the rank
+    whose share it is); both ranks resume from step 6."""
+    directory = Path(root) / "checkpoints"
+    eng = engine.initialize(mlp(0), job.config(2, directory, stop_signals=[]))
+    job.train(eng)
+    eng.close()
+    if rank == 0:
+        newest = directory / checkpoint_name(job.STEPS)
+        names = sorted(json.loads((newest / MANIFEST).read_text())["checksums"])
+        _flip(newest / names[victim_index % len(names)])
+    dist.barrier()
+    eng = engine.initialize(mlp(0), job.config(2, directory, stop_signals=[]))
+    resumed = (eng.autosave.resumed_from, eng.global_steps)
+    eng.close()
+    explicit = None
+    try:  # the damaged one named explicitly: an error on every rank
+        engine.initialize(mlp(0), job.config(2, Path(root) / "empty", stop_signals=[],
+                                             resume=str(directory / checkpoint_name(job.STEPS))))
+    except engine.CheckpointError as error:
+        explicit = str(error)
+    return resumed, explicit
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim_index", [0, 1])
+def test_two_ranks_share_the_checksums_and_skip_a_damaged_newest_checkpoint(tmp_path, victim_index):
+    results = run_distributed(_resume_past_damage, 2, args=(str(tmp_path), victim_index), timeout=100)
+    for rank, (resumed, explicit) in enumerate(results):
+        assert resumed == (str(tmp_path / "checkpoints" / checkpoint_name(job.STEPS - 2)), job.STEPS - 2), rank
+        assert explicit and "checkpoint.resume" in explicit and "checksum mismatch" in explicit, (rank, explicit)

@@ -237,6 +237,15 @@ class PipelineConfig(_DeepSpeedSection):
         return self
 
 
+class FaultsConfig(Section):
+    """What the engine does when a run goes wrong in a way it can detect (docs/config.md)."""
+
+    # A window whose gradient holds an inf or nan: discard it (counted in skipped_steps), or raise
+    # NonFiniteGradientError on every rank. (fp16: an overflow is loss scaling's normal signal and
+    # is always discarded; raise applies once the loss scale is at min_loss_scale.)
+    non_finite_gradient: Literal["skip", "raise"] = "skip"
+
+
 class MonitorConfig(Section):
     """Training metrics and progress (``engine.monitor``); rank 0 writes, others stay quiet."""
 
@@ -302,6 +311,7 @@ class Config(BaseModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
     constants: dict[str, Any] = Field(default_factory=dict)
     deepspeed_extras: dict[str, Any] = Field(default_factory=dict)
     colossalai_extras: dict[str, Any] = Field(default_factory=dict)

@@ -5,7 +5,9 @@
 * failure votes: every rank learns which ranks failed in a window before anyone enters the
   next collective, so no rank is left waiting for one that has given up;
 * ``agree``: the same for errors found while checkpointing, raised on every rank;
-* ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``.
+* ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``;
+* ``positions_of_ranks``: where each rank is (its window and micro-step), for the engine's
+  per-window check that no collective pairs different windows.
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ def agreed_max(values: list[int], stuck: str) -> list[int]:
         raise EngineUsageError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
 
 
+def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
+    """Every rank's ``position`` (a fixed number of integers), in rank order, on every rank: one
+    all-gather on the control group. A peer that never comes (gone, or absent past the agreement
+    timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
+    group = control_group()
+    if group is None:
+        return [list(position)]
+    mine = torch.tensor(position, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(everyone, mine, group=group)
+    except RuntimeError as error:
+        if isinstance(error, MicrostepError) or not is_peer_lost(error):
+            raise
+        raise PeerLostError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+    return [t.tolist() for t in everyone]
+
+
 # -- failures inside a window ---------------------------------------------------------------
 def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -> dict[int, int]:
     """One all-reduce of a per-rank vector: {rank: failure} of the ranks reporting one
@@ -139,15 +159,21 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def agree(problem: str | None, cause: BaseException | None = None) -> None:
-    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+def gathered(value: Any, what: str) -> list[Any]:
+    """Every rank's ``value`` (small, picklable) in rank order, on every rank, over the control
+    group; a peer that never comes raises a PeerLostError naming ``what``."""
     group = control_group()
     if group is None:
-        everyone: list[Any] = [problem]
-    else:
-        everyone = [None] * dist.get_world_size()
-        with peer_lost_as_error("checkpoint agreement"):
-            dist.all_gather_object(everyone, problem, group=group)
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with peer_lost_as_error(what):
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def agree(problem: str | None, cause: BaseException | None = None) -> None:
+    """Every rank learns whether any rank failed, and all raise the same CheckpointError."""
+    everyone = gathered(problem, "checkpoint agreement")
     failed = [(rank, text) for rank, text in enumerate(everyone) if text]
     if not failed:
         return

@@ -36,8 +36,8 @@ import re
 import shutil
 from pathlib import Path
 
-from engine.state.checkpoint import MANIFEST, verify_checkpoint
-from engine.distributed.collectives import from_rank0
+from engine.state.checkpoint import MANIFEST, damaged_files, verify_checkpoint
+from engine.distributed.collectives import from_rank0, gathered
 from engine.errors import CheckpointError
 from engine.hooks import EngineHook
 from engine.state.preemption import Preempted, StopSignals, report_stop
@@ -92,15 +92,26 @@ class AutoCheckpoint(EngineHook):
             self.stop.install()
 
     def _resume(self, engine) -> None:
-        """Load what ``resume`` chooses (every rank loads rank 0's choice). Collective."""
-        decision = from_rank0((self._unwritable_dir() or self._choose()) if self.rank == 0 else None)
-        if "error" in decision:
-            raise CheckpointError(decision["error"])
-        path = decision["path"]
-        if path is None:
-            return
+        """Load what ``resume`` chooses (every rank loads rank 0's choice, once the ranks together
+        have checked every file's checksum). Collective."""
+        damaged: list[str] = []
+        while True:
+            decision = from_rank0((self._unwritable_dir() or self._choose(damaged)) if self.rank == 0 else None)
+            if "error" in decision:
+                raise CheckpointError(decision["error"])
+            path = decision["path"]
+            if path is None:
+                return
+            found = self._damage(path, engine.world_size)
+            if not found:
+                break
+            if decision["explicit"]:
+                raise CheckpointError(f"checkpoint.resume: {path}: {found}")
+            if self.rank == 0:
+                log.warning("checkpoint.resume: skipping %s, it is damaged: %s", path, found)
+            damaged.append(path)
         position = _DataPosition() if decision["data_position"] else None
-        self._pending_restore = engine.checkpoints.restore(path, data=position)
+        self._pending_restore = engine.checkpoints.restore(path, data=position, checked=True)
         self._position = position.state if position is not None else None
         self.resumed_from = path
         if position is None and self.rank == 0 and engine.global_steps:
@@ -123,8 +134,21 @@ class AutoCheckpoint(EngineHook):
                              "set checkpoint.dir to a directory this job can create and write"}
         return None
 
-    def _choose(self) -> dict:
-        """Rank 0: which checkpoint to load ({"path": ..., "data_position": ...}), or {"error": ...}."""
+    def _damage(self, path: str, world_size: int) -> str | None:
+        """What is damaged in checkpoint ``path`` (files whose checksum differs), every rank reading
+        its share of the files; the same on every rank. Collective."""
+        try:
+            names = damaged_files(path, verify_checkpoint(path), self.rank, world_size)
+            problem = (f"{', '.join(names)} {'differs' if len(names) == 1 else 'differ'} from what was saved "
+                       "(checksum mismatch)") if names else None
+        except CheckpointError as error:
+            problem = str(error)
+        found = [text for text in gathered(problem, f"checking the checksums of {path}") if text]
+        return "; ".join(found) or None
+
+    def _choose(self, damaged: list[str] = ()) -> dict:
+        """Rank 0: which checkpoint to load ({"path": ..., "data_position": ..., "explicit": ...}),
+        or {"error": ...}; not one of the ``damaged`` found by ``_damage``."""
         try:
             found = self._checkpoints()
         except OSError as error:
@@ -139,6 +163,8 @@ class AutoCheckpoint(EngineHook):
                     "to continue from the newest")}
             return {"path": None}
         for step, path in reversed(found):
+            if str(path) in damaged:
+                continue
             try:
                 manifest = verify_checkpoint(path)
             except CheckpointError as error:
@@ -146,7 +172,7 @@ class AutoCheckpoint(EngineHook):
                 continue
             log.info("checkpoint.resume: %s: resuming from %s, the newest complete checkpoint in %s",
                      mode, path.name, self.dir)
-            return {"path": str(path), "data_position": manifest.get("data_position", True)}
+            return {"path": str(path), "data_position": manifest.get("data_position", True), "explicit": False}
         if mode == "auto":
             log.info("checkpoint.resume: auto: %s holds no complete checkpoint; starting at step 0",
                      self.dir if self.dir is not None else "(no checkpoint.dir)")
@@ -156,7 +182,7 @@ class AutoCheckpoint(EngineHook):
         except CheckpointError as error:
             return {"error": f"checkpoint.resume: {mode}: {error}"}
         log.info("checkpoint.resume: resuming from %s (checkpoint.dir holds no checkpoint of its own yet)", mode)
-        return {"path": mode, "data_position": manifest.get("data_position", True)}
+        return {"path": mode, "data_position": manifest.get("data_position", True), "explicit": True}
 
     def _checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of the ``step_<N>`` directories in dir, oldest first."""
@@ -213,6 +239,7 @@ class AutoCheckpoint(EngineHook):
         if received is None:
             return
         saved = saved or self.save(engine)
+        self.stop.stopping()  # saved: a repeated signal must not change the exit code
         code = self.section.stop_exit_code
         report_stop(self.rank, code)
         if self.rank == 0:
@@ -242,6 +269,15 @@ class AutoCheckpoint(EngineHook):
         keep = self.section.keep_last
         older = [path for step, path in self._checkpoints() if step <= newest][:-keep]
         for path in older:
+            if path.is_symlink():  # a link placed in dir: remove the link, never what it points to
+                try:
+                    target = os.readlink(path)
+                    path.unlink()
+                except OSError as error:
+                    log.warning("could not remove the link %s (keep_last: %d): %s", path, keep, error)
+                    continue
+                log.info("removed %s, a link to %s (keep_last: %d); its target is left alone", path.name, target, keep)
+                continue
             try:
                 # The manifest first: a deletion cut short leaves an incomplete checkpoint, which a
                 # resume skips, never one that looks complete.

@@ -20,19 +20,24 @@ The manager is handed what it saves (torchtitan's ``Stateful`` pattern): named p
 of its own), and a function giving the training position; it never reaches into an engine.
 
 Any rank's failure is agreed on before the next collective, so every rank raises the same
-:class:`CheckpointError` instead of some ranks waiting forever. Checkpoints are pickled
-data, like every PyTorch checkpoint: load only checkpoints you trust.
+:class:`CheckpointError` instead of some ranks waiting forever. The manifest records every
+file's size and checksum; a load checks both (each rank reading its share of the files) before
+it reads anything else. The engine's own files load with ``weights_only=True``; what still
+unpickles is said in docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -40,12 +45,13 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from engine.distributed.collectives import agree, describe, peer_lost_as_error
+from engine.distributed.collectives import agree, describe, gathered, peer_lost_as_error
 from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError, EngineUsageError
 from engine.state.rng import restore_rng_state, rng_state, seed_everything
 
-__all__ = ["CheckpointManager", "CheckpointError", "CheckpointPosition", "MANIFEST", "Restored", "verify_checkpoint"]
+__all__ = ["CheckpointManager", "CheckpointError", "CheckpointPosition", "MANIFEST", "Restored", "verify_checkpoint",
+           "damaged_files"]
 
 log = logging.getLogger("engine")
 
@@ -54,6 +60,8 @@ VERSION = 2  # 2: engine_state.pt holds each part under its name (1: the engine'
 MANIFEST = "manifest.json"
 ENGINE_STATE = "engine_state.pt"
 STATE_DIR = "model_optimizer"
+CHECKSUM = "crc32"  # of every file, in the manifest: finds damage (not tampering) at a fraction of a save's time
+_CHUNK = 8 << 20
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>\d+-\d+)$")
 
 
@@ -110,8 +118,8 @@ class CheckpointManager:
     def load(self, path, *, data=None) -> dict:
         return load_checkpoint(self, path, data=data)
 
-    def restore(self, path, *, data=None) -> Restored:
-        return restore_checkpoint(self, path, data=data)
+    def restore(self, path, *, data=None, checked: bool = False) -> Restored:
+        return restore_checkpoint(self, path, data=data, checked=checked)
 
 
 # =========================================================================== save
@@ -140,10 +148,11 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
             problem, cause = f"writing the rank's own files failed: {error!r}", error
         agree(problem, cause)
         manager.training_state.save_training_state(str(tmp / STATE_DIR))
+        checksums = _agreed_checksums(tmp, rank, manager.world_size)
         problem, cause = None, None
         if rank == 0:
             try:
-                _write_manifest(manager, position, tmp, data_position=data is not None)
+                _write_manifest(manager, position, tmp, checksums, data_position=data is not None)
                 _publish(tmp, target, token)
             except Exception as error:  # noqa: BLE001
                 problem, cause = f"publishing failed: {error!r}", error
@@ -155,7 +164,7 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
             raise
         raise CheckpointError(
             f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
-            f"already at that path is untouched): {describe(error)}"
+            f"already at that path is untouched): {_full_disk_note(target.parent)}{describe(error)}"
         ) from error
     if rank == 0:
         log.info("saved checkpoint %s (global step %d) in %.2f s", target, position.global_steps,
@@ -176,13 +185,46 @@ def _write_local_files(manager: CheckpointManager, tmp: Path, data, client_state
 def _engine_state(manager: CheckpointManager, data_state, client_state) -> dict:
     """engine_state.pt: every part's state by name, plus what the run was and what the caller added."""
     parts = {name: part.state_dict() if part is not None else None for name, part in manager.states.items()}
-    return {"parts": parts, "world_size": manager.world_size, "config": manager.config_record,
+    # The config as JSON values: a Python config's constants may hold any object (read back with weights_only).
+    config = json.loads(json.dumps(manager.config_record, default=repr))
+    return {"parts": parts, "world_size": manager.world_size, "config": config,
             "data": data_state, "client_state": client_state}
 
 
-def _write_manifest(manager: CheckpointManager, position: CheckpointPosition, tmp: Path, *,
-                    data_position: bool) -> None:
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+def _files(directory: Path) -> list[str]:
+    """Every file under ``directory``, relative, sorted: the same list on every rank."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def file_checksum(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _agreed_checksums(tmp: Path, rank: int, world_size: int) -> dict[str, str]:
+    """The checksum of every file written, each rank reading back every world_size-th file (from
+    its rank on: the work and the reads are shared); {name: checksum} on every rank."""
+    mine, problem = {}, None
+    try:
+        mine = {name: file_checksum(tmp / name) for name in _files(tmp)[rank::world_size]}
+    except OSError as error:
+        problem = f"reading back the written files for their checksums failed: {error}"
+    shares = gathered((mine, problem), "checkpoint checksums")
+    problems = [f"rank {r}: {text}" for r, (_, text) in enumerate(shares) if text]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return {name: checksum for share, _ in shares for name, checksum in share.items()}
+
+
+def _write_manifest(manager: CheckpointManager, position: CheckpointPosition, tmp: Path,
+                    checksums: dict[str, str], *, data_position: bool) -> None:
+    names = _files(tmp)
+    files = {name: (tmp / name).stat().st_size for name in names}
+    # A file one rank did not list (a lagging shared filesystem) is read here.
+    checksums = {name: checksums.get(name) or file_checksum(tmp / name) for name in names}
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -196,6 +238,8 @@ def _write_manifest(manager: CheckpointManager, position: CheckpointPosition, tm
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
+        "checksum": CHECKSUM,
+        "checksums": checksums,
     }
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -283,8 +327,9 @@ def load_checkpoint(manager: CheckpointManager, path, *, data=None) -> dict:
     return restored.client_state
 
 
-def restore_checkpoint(manager: CheckpointManager, path, *, data=None) -> Restored:
-    """:func:`load_checkpoint` without the random generators (see :class:`Restored`)."""
+def restore_checkpoint(manager: CheckpointManager, path, *, data=None, checked: bool = False) -> Restored:
+    """:func:`load_checkpoint` without the random generators (see :class:`Restored`). ``checked``:
+    every file's checksum was verified just before (an automatic resume's choice)."""
     position = manager.position()
     _require_boundary(position, "load_checkpoint")
     started = time.perf_counter()
@@ -299,6 +344,8 @@ def restore_checkpoint(manager: CheckpointManager, path, *, data=None) -> Restor
     saved, mine, problem, cause = None, None, None, None
     try:
         manifest = verify_checkpoint(target)
+        if not checked:
+            _raise_if_damaged(target, damaged_files(target, manifest, rank, manager.world_size))
         _check_compatible(manager, position, target, manifest)
         saved = _load(target / ENGINE_STATE)
         if rank < manifest["world_size"]:
@@ -369,6 +416,37 @@ def verify_checkpoint(path) -> dict:
     except (KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{target}/{MANIFEST} is malformed: {error!r}") from None
     return manifest
+
+
+def damaged_files(path, manifest: dict, rank: int = 0, world_size: int = 1) -> list[str]:
+    """The files of checkpoint ``path`` whose contents differ from what was saved (their checksum),
+    among this rank's share: every ``world_size``-th file of the manifest from ``rank`` on, so that
+    the ranks together read each file once. Local: reads, no collective. A checkpoint saved
+    without checksums (an older Microstep) has none to compare."""
+    target = Path(os.path.abspath(path))
+    recorded = manifest.get("checksums")
+    if not recorded:
+        return []
+    if manifest.get("checksum") != CHECKSUM:
+        raise CheckpointError(f"{target}/{MANIFEST} records {manifest.get('checksum')!r} checksums; this "
+                              f"Microstep computes {CHECKSUM!r}")
+    damaged = []
+    for name in sorted(recorded)[rank::world_size]:
+        try:
+            if file_checksum(target / name) != recorded[name]:
+                damaged.append(name)
+        except OSError as error:
+            raise CheckpointError(f"cannot read {target / name}: {error}") from None
+    return damaged
+
+
+def _raise_if_damaged(target: Path, damaged: list[str]) -> None:
+    if damaged:
+        raise CheckpointError(
+            f"checkpoint {target} is damaged: {', '.join(damaged[:10])}"
+            + (f" and {len(damaged) - 10} more" if len(damaged) > 10 else "")
+            + (" differs" if len(damaged) == 1 else " differ")
+            + " from what was saved (checksum mismatch): changed or corrupted after the save")
 
 
 def _read_manifest(target: Path) -> dict:
@@ -473,16 +551,72 @@ def _agreed_token(target: Path) -> str:
     return everyone[0][1]
 
 
+class _WriteErrors:
+    """A file for ``torch.save`` that remembers the first error of a write: torch swallows it and
+    reports only the position it then finds wrong (``unexpected pos 704 vs 598``)."""
+
+    def __init__(self, file):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def _save(path: Path, obj) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    sink = None
+    try:
+        with open(path, "wb") as f:
+            sink = _WriteErrors(f)
+            torch.save(obj, sink)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as error:  # noqa: BLE001 - said with its cause below
+        cause = sink.error if sink is not None and sink.error is not None else error
+        raise CheckpointError(_write_failure(path, cause)) from error
+
+
+FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed save: the disk is full
+
+
+def _full_disk_note(directory: Path) -> str:
+    """"no space left on device" when the failed save's filesystem is full: torch.distributed.
+    checkpoint's writers (like torch.save) report a full disk as ``unexpected pos ...``."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    if free >= FULL_DISK_BYTES:
+        return ""
+    return (f"no space left on device ({free} bytes free on the filesystem of {directory}: free space, "
+            "lower checkpoint.keep_last, or choose another checkpoint directory); ")
+
+
+def _write_failure(path: Path, error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on device writing {path} ({error.strerror}): free space on that "
+                "filesystem, lower checkpoint.keep_last, or choose another checkpoint directory")
+    return f"writing {path} failed: {type(error).__name__}: {error}"
 
 
 def _load(path: Path):
+    """One of the engine's own files, with torch's restricted unpickler (``weights_only``): tensors,
+    containers and plain values; nothing in the file can run code."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path} holds an object that torch.load(weights_only=True), which the engine reads its files "
+            f"with, refuses: {str(error).splitlines()[0]}. If it is an object of your client_state, save plain "
+            "values (numbers, strings, lists, dicts, tensors) instead, or allow its class with "
+            "torch.serialization.add_safe_globals([...]) before loading") from None
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(f"{path} is corrupt or unreadable: {type(error).__name__}: {error}") from None
 

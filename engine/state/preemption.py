@@ -14,7 +14,9 @@ handler the signal had before the first of them is put back when the last one cl
 boundary may never come (a rank hung in a collective, a long evaluation, the script past its
 loop), so the same signal delivered again more than ``REPEAT_AFTER_SECONDS`` after the first
 is given to that earlier handler (by default: the process ends); repeats closer together are
-one event sent twice (a launcher and the scheduler both forwarding it).
+one event sent twice (a launcher and the scheduler both forwarding it). Once the ranks have
+saved for a signal and raised ``Preempted``, that signal is ignored for the rest of the process
+(even after the engine closes), so that the exit code stays ``stop_exit_code``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,13 @@ class StopSignals:
                 _HANDLERS.remove(sig, self)
             self._installed = False
 
+    def stopping(self) -> None:
+        """The run has saved and is stopping for the received signal: from now on, for the rest
+        of the process, these signals are ignored (a launcher or scheduler repeating one must not
+        turn the stop's exit code into death by signal)."""
+        for sig in self.signals:
+            _HANDLERS.stopping(sig)
+
     def agreed(self) -> signal.Signals | None:
         """At a boundary, on every rank: a signal some rank received (the same on every rank),
         or None. Collective: one all-reduce of one integer."""
@@ -100,6 +109,14 @@ class _Slot:
     previous: object  # the handler before the first listener: put back after the last
     listeners: list[StopSignals] = field(default_factory=list)
     first: float | None = None  # time.monotonic() of the first delivery
+    stopping: bool = False  # saved and stopping for it: later deliveries are ignored
+
+
+def _after_stop(signum, frame) -> None:
+    """The handler of a stop signal once the run saved and is stopping for it (also after the
+    engine closed): the process is already on its way out with the stop's exit code."""
+    os.write(2, f"[microstep] {signal.Signals(signum).name} again after the stop: ignored, the run has saved "
+                "and exits with its stop code\n".encode())
 
 
 class _Handlers:
@@ -114,7 +131,8 @@ class _Handlers:
             return
         slot = self.slots[sig] = _Slot(signal.SIG_DFL, [listener])  # before the handler: it may run at once
         previous = signal.signal(sig, self._deliver)
-        if previous is not None:  # None: set outside Python; the default is what can be put back
+        # None: set outside Python; _after_stop: an earlier engine's stop. The default is what can be put back.
+        if previous is not None and previous is not _after_stop:
             slot.previous = previous
         if slot.previous not in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
             log.warning("%s already had a handler (%r): while the engine is open it saves and stops at the next "
@@ -130,10 +148,15 @@ class _Handlers:
         if not slot.listeners:
             self._give_back(sig)
 
+    def stopping(self, sig: signal.Signals) -> None:
+        slot = self.slots.get(sig)
+        if slot is not None:
+            slot.stopping = True
+
     def _give_back(self, sig: signal.Signals) -> object:
         slot = self.slots.pop(sig)
         if signal.getsignal(sig) == self._deliver:  # unless the script has set one of its own since
-            signal.signal(sig, slot.previous)
+            signal.signal(sig, _after_stop if slot.stopping else slot.previous)
         return slot.previous
 
     def _deliver(self, signum, frame) -> None:
@@ -141,6 +164,9 @@ class _Handlers:
         sig = signal.Signals(signum)
         slot = self.slots.get(sig)
         if slot is None:  # given back already, while this delivery was pending
+            return
+        if slot.stopping:
+            _after_stop(signum, frame)
             return
         now = time.monotonic()
         if slot.first is None:

@@ -30,11 +30,14 @@ from engine.strategies.torch_checkpoint import load_training_state, save_trainin
 
 @dataclass(frozen=True)
 class StepResult:
-    """What happened at a boundary: whether parameters changed, and the gradient norm
-    before clipping (a 0-dim tensor, read lazily to avoid a host sync; None when not computed)."""
+    """What happened at a boundary: whether parameters changed, the gradient norm before
+    clipping (a 0-dim tensor, read lazily; None when not computed), and whether a window that
+    was not applied held a non-finite gradient that loss scaling cannot explain (fp32 / bf16,
+    or fp16 already at its minimum loss scale) rather than an fp16 overflow."""
 
     applied: bool
     grad_norm: torch.Tensor | None = None
+    non_finite: bool = False
 
 
 def cpu_state_dict(state: dict) -> dict[str, torch.Tensor]:
@@ -61,6 +64,9 @@ class Strategy(ABC):
     checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
     group = None  # process group of the strategy's gradient collectives (None: the default)
+    # Whether a forward issues collectives (parameters gathered): the engine then has the ranks
+    # compare their positions before every training forward, not only at a window's first.
+    forward_communicates = False
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
@@ -97,8 +103,9 @@ class Strategy(ABC):
     @abstractmethod
     def step(self, multiplier: float | torch.Tensor, max_norm: float, want_norm: bool = False) -> StepResult:
         """Multiply the reduced gradient by ``multiplier``, clip it to ``max_norm`` (0 = off),
-        update the parameters — or skip all of it on an fp16 overflow. The gradient norm is
-        computed when clipping or when ``want_norm`` (identical on every rank)."""
+        update the parameters — or skip all of it when the gradient holds an inf or nan (an fp16
+        overflow, or a non-finite gradient in any precision), decided alike on every rank. The
+        gradient norm is computed when clipping or when ``want_norm`` (identical on every rank)."""
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -226,20 +233,23 @@ class TorchStrategy(Strategy):
         if scaler is not None:
             # .to: offloaded gradients (and so the flag) are on the host; nccl reduces device tensors
             overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier).to(self.device)).item())
+            at_minimum = scaler.scale <= scaler.min_scale  # a smaller scale cannot cure this one
             scaler.update(overflow)
             if overflow:
-                return StepResult(applied=False)
+                return StepResult(applied=False, non_finite=at_minimum)
         elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
             scale_(grads, multiplier)
+        # The global norm is the non-finite check too (an inf or nan anywhere makes it so, on every
+        # rank alike): one fused pass over the gradient and one host sync per optimizer step.
+        norm = self.global_grad_norm(grads) if scaler is None or max_norm > 0 or want_norm else None
+        if scaler is None and not bool(torch.isfinite(norm)):
+            return StepResult(applied=False, grad_norm=norm, non_finite=True)
         if max_norm > 0:
-            norm = self.global_grad_norm(grads)
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ rule
             if grads:
                 scale_(grads, coefficient)
-        else:
-            norm = self.global_grad_norm(grads) if want_norm else None
         self.optimizer_step()
-        return StepResult(applied=True, grad_norm=norm)
+        return StepResult(applied=True, grad_norm=norm if max_norm > 0 or want_norm else None)
 
     def zero_grad(self):
         # The module, not the optimizer: a sharded optimizer holds only this rank's parameters.

@@ -78,6 +78,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.stage = setup.stage
+        self.forward_communicates = self.stage == 3  # ZeRO-3 gathers parameters in every forward
         self.deepspeed = internals.import_deepspeed()
         if setup.precision.dtype == torch.float16 and not self.deepspeed.get_accelerator().is_fp16_supported():
             raise ConfigError([(
@@ -172,15 +173,24 @@ class DeepSpeedStrategy(Strategy):
     def step(self, multiplier, max_norm, want_norm=False):
         factor = float(multiplier)
         wants_norm = want_norm or max_norm > 0
+        fp16 = self.settings.precision.dtype == torch.float16
         norm = None
         if self.stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             if factor != 1.0 and grads:
                 foreach_mul_(grads, factor)
-            if wants_norm:  # DeepSpeed computes it at stage 0 but does not expose it
+            if wants_norm or not fp16:  # DeepSpeed computes it at stage 0 but does not expose it
                 norm = sum_of_squares(grads, self.device).sqrt() / internals.stage0_loss_scale(self.ds_engine.optimizer)
+            # Its fp32 / bf16 stage-0 optimizer would apply an inf or nan: the norm (the same on every rank,
+            # the gradient is all-reduced) decides, one host sync per step; fp16's optimizer checks itself.
+            if not fp16 and not bool(torch.isfinite(norm)):
+                internals.drop_window_gradients(self.ds_engine, self.stage)
+                self._window_coalesces = None
+                return StepResult(applied=False, grad_norm=norm, non_finite=True)
             self.ds_engine.step()
+            norm = norm if wants_norm else None
         else:
+            # DeepSpeed's ZeRO optimizers check the gradient for inf / nan in every precision and skip the step.
             with internals.scaled_step(self.ds_engine, factor):
                 self.ds_engine.step()
             if wants_norm:
@@ -188,7 +198,8 @@ class DeepSpeedStrategy(Strategy):
                 norm = None if value is None else torch.as_tensor(float(value), dtype=torch.float64)
         self.deferral.review()
         self._window_coalesces = None
-        return StepResult(applied=self.ds_engine.was_step_applied(), grad_norm=norm)
+        applied = self.ds_engine.was_step_applied()
+        return StepResult(applied=applied, grad_norm=norm, non_finite=not applied and not fp16)
 
     def zero_grad(self):
         pass  # DeepSpeed clears gradients inside step()

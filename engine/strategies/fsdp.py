@@ -174,6 +174,11 @@ class FullyShardedDataParallel(TorchStrategy):
         splits ``module`` first and shards over its data dimension)."""
         return init_device_mesh(self.device.type, (self.world_size,))
 
+    @property
+    def forward_communicates(self) -> bool:
+        # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers).
+        return self.stage == 3 and not self._window_defers
+
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -185,11 +186,24 @@ def _optimizer_mismatch(optimizer, saved_type: str, saved_groups: list[dict], di
     return None
 
 
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading the non-tensor entries (optimizer type, parameter
+    groups, non-tensor optimizer state) with ``weights_only=True`` instead of unrestricted pickle."""
+
+    def load_bytes(self, read_item, value) -> None:
+        # Read restricted; what the default planner then unpickles is our own re-serialisation of it.
+        safe = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
 def _dcp(fn, payload: dict, directory: str, *, local: bool = False) -> None:
     """``dcp.save`` / ``dcp.load`` on the control group, or without collectives in a single
     process (``local``: this rank alone reads small entries)."""
     no_dist = local or control_group() is None
+    planner = {"planner": _WeightsOnlyLoadPlanner()} if fn is dcp.load else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         fn(payload, checkpoint_id=directory, no_dist=no_dist,
-           process_group=None if no_dist else control_group())
+           process_group=None if no_dist else control_group(), **planner)
