@@ -52,6 +52,28 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None, b
             tensor.copy_(reduced)
 
 
+def average_used_gradients_(params, world_size: int, device: torch.device, group=None,
+                            bucket_bytes: int | None = None, local=lambda tensor: tensor) -> list[int]:
+    """Average the gradients of ``params`` (those that require grad) over the ``world_size``
+    ranks of ``group``, as one process on the whole batch would have them: a parameter no rank
+    used keeps no gradient (the optimizer leaves it alone, weight decay included), one that
+    only some ranks used counts zero on the others. ``local`` maps a gradient to the tensor
+    reduced (a DTensor's local piece). Returns how many ranks used each parameter."""
+    params = [p for p in params if p.requires_grad]
+    users = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    dist.all_reduce(users, group=group)  # one small all-reduce per reduced window
+    counts = [int(count) for count in users.tolist()]
+    grads = []
+    for p, count in zip(params, counts):
+        if count == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(local(p.grad))
+    all_reduce_mean_(grads, world_size, group=group, bucket_bytes=bucket_bytes)
+    return counts
+
+
 @torch.no_grad()
 def broadcast_(tensors: list[torch.Tensor], src: int, group=None, bucket_bytes: int | None = None) -> None:
     """Overwrite ``tensors`` with (global) rank ``src``'s values, one flat broadcast per bucket

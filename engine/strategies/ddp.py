@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.adapters.torch_internals import set_ddp_gradient_sync
-from engine.distributed.collectives import all_reduce_mean_
+from engine.distributed.collectives import average_used_gradients_
 from engine.strategies.base import TorchStrategy
 
 log = logging.getLogger("engine")
@@ -65,21 +63,11 @@ class DataParallel(TorchStrategy):
     def reduce_gradients(self):
         if self._backward_syncs:
             return
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        # How many ranks gave each parameter a gradient: one small all-reduce per reduced window.
-        users = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
-        dist.all_reduce(users)
-        grads = []
-        for p, count in zip(params, users.tolist()):
-            if count == 0:  # unused on every rank: no gradient, as in one process
-                continue
-            if p.grad is None:  # unused on this rank only: its share is zero
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        all_reduce_mean_(grads, self.world_size, bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        users = average_used_gradients_(self.module.parameters(), self.world_size, self.device,
+                                        bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
         if self._probing_usage:
             self._probing_usage = False
-            unused = sum(count < self.world_size for count in users.tolist())
+            unused = sum(count < self.world_size for count in users)
             if unused:
                 log.info("%d parameter(s) got no gradient on some rank in the first window: DDP finds unused "
                          "parameters in every backward from now on", unused)

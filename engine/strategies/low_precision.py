@@ -11,9 +11,9 @@ overlap the last backward; docs/config.md says when autocast is the better choic
 
 from __future__ import annotations
 
-import torch
+import contextlib
 
-from engine.distributed.collectives import all_reduce_mean_, broadcast_
+from engine.distributed.collectives import average_used_gradients_, broadcast_
 from engine.strategies.base import TorchStrategy
 from engine.strategies.compute_copy import ComputeCopy
 from engine.strategies.zero1 import broadcast_from_owners, keep_owned
@@ -40,17 +40,18 @@ class LowPrecisionReplicas(TorchStrategy):
         self.compute_copy.move_gradients_to_masters()
         if self.world_size == 1:
             return
-        grads = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: its share is zero
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        all_reduce_mean_(grads, self.world_size, self.settings.overlap.reduce_bucket_bytes)
+        average_used_gradients_(self.module.parameters(), self.world_size, self.device,
+                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
 
     def optimizer_step(self):
         super().optimizer_step()
         self.compute_copy.refresh()
+
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank):
+        with super().gathered(modifier_rank):
+            yield
+        self.compute_copy.refresh()  # the masters may have changed: so does the half-precision copy
 
     def zero_grad(self):
         super().zero_grad()

@@ -33,11 +33,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
-from engine.distributed.collectives import all_reduce_mean_, broadcast_, sum_of_squares
+from engine.distributed.collectives import average_used_gradients_, broadcast_, sum_of_squares
 from engine.errors import ConfigError, EngineUsageError
 from engine.pipeline.split import StageModule, cut, sequence_of
-from engine.strategies.base import TorchStrategy, cpu_state_dict
-from engine.strategies.fsdp import repoint_optimizer
+from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.torch_checkpoint import load_training_state
 
 log = logging.getLogger("engine")
@@ -223,13 +222,8 @@ class PipelineParallel(TorchStrategy):
     def reduce_gradients(self):
         if self.mesh.data == 1:
             return
-        grads = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: its share is zero
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        all_reduce_mean_(grads, self.mesh.data, group=self.data_group)
+        average_used_gradients_(self.module.parameters(), self.mesh.data, self.device, group=self.data_group,
+                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
 
     def global_grad_norm(self, grads):
         squares = sum_of_squares(grads, self.device)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.distributed.collectives import all_reduce_mean_, broadcast_, check_peers, failure_vote, sum_of_squares
+from engine.distributed.collectives import (average_used_gradients_, broadcast_, check_peers, failure_vote,
+                                           sum_of_squares)
 from engine.errors import EngineUsageError
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.fsdp import FullyShardedDataParallel
@@ -194,13 +195,8 @@ class TensorParallel(TensorMesh, TorchStrategy):
     def reduce_gradients(self):
         if self.layout.data == 1:
             return
-        grads = []
-        for p in self.module.parameters():
-            if p.requires_grad:
-                if p.grad is None:  # unused on this rank: its share is zero
-                    p.grad = torch.zeros_like(p)
-                grads.append(local(p.grad))
-        all_reduce_mean_(grads, self.layout.data, self.data_group)
+        average_used_gradients_(self.module.parameters(), self.layout.data, self.device, group=self.data_group,
+                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes, local=local)
 
 
 class TensorParallelZero1(TensorParallel):
