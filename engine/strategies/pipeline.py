@@ -115,7 +115,11 @@ class PipelineParallel(TorchStrategy):
         _release_others(module, self.module)
         self.optimizer = optimizer
         self.forward_module = self.module
+        self.split_stages(module, pieces)
         self.shard_stages()
+
+    def split_stages(self, model: torch.nn.Module, pieces: list) -> None:
+        """Without a tensor dimension: every stage's layers whole on each of its ranks."""
 
     def shard_stages(self) -> None:
         """ZeRO 0: every data-parallel rank holds its stages whole."""
