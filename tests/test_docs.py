@@ -39,7 +39,7 @@ def test_readme_batches_loop_trains_past_one_epoch():
 
     import engine
 
-    loop = "\n".join(line for line in _python_block_with(REPO / "README.md", "eng.batches(").splitlines()
+    loop = "\n".join(line for line in _python_block_with(REPO / "README.md", "total_steps").splitlines()
                      if not line.startswith("eng = "))
     torch.manual_seed(0)
     eng = engine.initialize(torch.nn.Linear(4, 1), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,

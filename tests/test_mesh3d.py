@@ -20,7 +20,7 @@ from engine.pipeline.split import cut, sequence_of
 from engine.strategies.parallelize import resolve_plan
 from engine.strategies.tensor_pipeline import stage_boundary_problems
 from tests.broken import intact, summed_micro_batches, unreduced_replicated_gradients
-from tests.dist_utils import run_scenarios
+from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import max_param_diff, mlp, sgd, state, token_batches
 from tests.test_pipeline import data_share, reference_run, token_sum
 from tests.tp_models import PLAN, TinyTransformer
@@ -111,6 +111,19 @@ def different_batches(rank, world):
     return {"error": None}
 
 
+def readme_script_alone(rank, world):
+    from examples.pipeline import main
+
+    return main(["--set", "pipeline.stages=1"])
+
+
+def readme_script(rank, world):
+    """examples/pipeline.py as README shows it, with tensor_parallel.size=2: pipeline 2 × tensor 2."""
+    from examples.pipeline import main
+
+    return main(["--set", "tensor_parallel.size=2"])
+
+
 def assert_exact(results, strategy):
     for result in results:
         assert result["diff"] < TOL, result
@@ -133,14 +146,21 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact():
         "interleaved, ZeRO 2 tokens, clipped": functools.partial(train, schedule="interleaved", zero=2, loss="tokens",
                                                                  clip=0.05, split="auto"),
         "zero_bubble, ZeRO 0 mean": functools.partial(train, schedule="zero_bubble", split="auto"),
+        "gpipe, ZeRO 3 mean, short window": functools.partial(train, schedule="gpipe", zero=3, short=True),
         "broken: norms unreduced over the tensor group": functools.partial(train, tensor_plan="broken"),
         "broken: summed (DeepSpeed #7773)": functools.partial(train, zero=3, breaks=summed_micro_batches),
         "different batches": different_batches,
+        "README script": readme_script,
     }
     results = run_scenarios(scenarios, world_size=4, timeout=280)
+    alone = run_distributed(readme_script_alone, world_size=1)[0]
+    assert len(alone) == 9 and alone[-1].startswith("8 micro-batches per step on 1 data-parallel rank(s)"), alone
+    for lines in results["README script"]:  # the same losses, learning rates and model
+        assert lines == alone, (lines, alone)
     for name in ("ZeRO 0 mean, clipped", "ZeRO 0 tokens, short window", "zero_bubble, ZeRO 0 mean"):
         assert_exact(results[name], "TensorPipelineParallel")
-    for name in ("ZeRO 3 tokens, clipped short window", "ZeRO 3 mean", "interleaved, ZeRO 2 tokens, clipped"):
+    for name in ("ZeRO 3 tokens, clipped short window", "ZeRO 3 mean", "interleaved, ZeRO 2 tokens, clipped",
+                 "gpipe, ZeRO 3 mean, short window"):
         assert_exact(results[name], "ShardedTensorPipelineParallel")
     for name in ("ZeRO 0 mean, clipped", "ZeRO 3 tokens, clipped short window", "interleaved, ZeRO 2 tokens, clipped"):
         for result in results[name]:  # the whole model's norm over every stage and shard, on every rank

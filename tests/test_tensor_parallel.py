@@ -438,17 +438,16 @@ def test_tensor_parallel_refusals_name_the_fix():
 
 
 def test_the_planner_counts_data_parallel_ranks_and_names_the_mesh():
-    from engine.batching.plan import plan_from_config
-    from engine.setup import mesh_layout
+    from engine.batching.mesh_plan import plan_for_mesh
+    from engine.distributed.mesh import MeshLayout
 
     loaded = load_config({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 2}})
-    mesh = mesh_layout(loaded, 8)
-    named = (r"train_batch_size 6 is not divisible by world size 4 .*the 4 data-parallel rank\(s\) of the mesh "
-             r"world 8 = pipeline 1 × data 4 × tensor 2")
+    named = (r"world 8 = pipeline 1 × data 4 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × tensor 2\) "
+             r"= 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
     with pytest.raises(engine.BatchConfigError, match=named):
-        plan_from_config(loaded, mesh.data, 0, mesh=mesh.describe())
-    plan = plan_from_config(loaded, mesh_layout(loaded, 6).data, 2)
-    assert (plan.world_size, plan.gradient_accumulation_steps) == (3, 2)
+        plan_for_mesh(loaded, MeshLayout.from_config(loaded, 8))
+    plan = plan_for_mesh(loaded, MeshLayout.from_config(loaded, 6), rank=5)  # ranks 4-5: data index 2
+    assert (plan.world_size, plan.rank, plan.gradient_accumulation_steps) == (3, 2, 2)
 
 
 def test_plan_command_shows_the_mesh(tmp_path, capsys):
