@@ -1,10 +1,11 @@
 """The 3-D mesh (pipeline × data × tensor) against the float64 full-batch reference: tensor 2 ×
-pipeline 2 on 4 ranks (ZeRO 0 and 3; mean and (sum, count) losses; clipping on the global norm
+pipeline 2 on 4 ranks (every schedule; ZeRO 0, 2 and 3; mean and (sum, count) losses; clipping on the global norm
 over every stage and tensor shard; a short last window), and pipeline 2 × data 2 × tensor 2 on
 8 ranks. The model is Llama-shaped (tests/tp_models.py), cut after its first block; each stage's
 layers are split by the tensor plan. Broken variants miss the tolerance: the replicated norms'
 gradients left unreduced over the tensor group, and micro-batch gradients summed (DeepSpeed
-#7773)."""
+#7773). A checkpoint of the 3-D mesh resumes on pipeline × data alone; the README's pipeline
+script prints on tensor 2 × pipeline 2 what it prints in one process."""
 
 from __future__ import annotations
 
@@ -111,6 +112,45 @@ def different_batches(rank, world):
     return {"error": None}
 
 
+def resumed_without_tensor_parallelism(rank, world, directory):
+    """Two windows on tensor 2 × pipeline 2 at ZeRO 3 (AdamW), a checkpoint; a new engine on
+    pipeline 2 × data 2 at ZeRO 0 loads it and trains the third: the reference's three steps."""
+    model, windows = TinyTransformer(), batches(3, 4, dense=True)
+    expected = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(expected.parameters())
+    for window in windows:
+        optimizer.zero_grad()
+        reference_token_mean(expected, window).backward()
+        optimizer.step()
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2, "split": ["layers.1"]},
+           "tensor_parallel": {"size": 2, "plan": PLAN}, "zero_optimization": {"stage": 3}}
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=torch.optim.AdamW)
+    for window in windows[:2]:
+        eng.train_batch(data_share(window, eng), token_mean)
+    eng.save_checkpoint(directory)
+    eng.close()
+    del cfg["tensor_parallel"]
+    cfg["zero_optimization"]["stage"] = 0
+    resumed = engine.initialize(TinyTransformer(seed=5), cfg, optimizer=torch.optim.AdamW)
+    resumed.load_checkpoint(directory)
+    resumed.train_batch(data_share(windows[2], resumed), token_mean)
+    result = {"diff": max_param_diff(resumed.full_state_dict(), state(expected)), "steps": resumed.global_steps,
+              "data": resumed.plan.world_size}
+    resumed.close()
+    return result
+
+
+def cut_after_a_split_output(rank, world):
+    """A stage ending on a colwise layer whose rowwise partner is in the next stage: refused on every rank."""
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2, "split": ["2"]},
+           "tensor_parallel": {"size": 2}}
+    try:
+        engine.initialize(mlp(), cfg, optimizer=sgd)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
 def readme_script_alone(rank, world):
     from examples.pipeline import main
 
@@ -137,7 +177,7 @@ def assert_exact(results, strategy):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact():
+def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact(tmp_path):
     scenarios = {
         "ZeRO 0 mean, clipped": functools.partial(train, clip=0.05),
         "ZeRO 0 tokens, short window": functools.partial(train, loss="tokens", short=True),
@@ -151,6 +191,9 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact():
         "broken: summed (DeepSpeed #7773)": functools.partial(train, zero=3, breaks=summed_micro_batches),
         "different batches": different_batches,
         "README script": readme_script,
+        "a cut after a split output": cut_after_a_split_output,
+        "resumed without tensor parallelism": functools.partial(resumed_without_tensor_parallelism,
+                                                                directory=str(tmp_path / "checkpoint")),
     }
     results = run_scenarios(scenarios, world_size=4, timeout=280)
     alone = run_distributed(readme_script_alone, world_size=1)[0]
@@ -168,6 +211,10 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact():
             assert result["reference_norm"] > 0.05  # clipping acted
     for name in ("broken: norms unreduced over the tensor group", "broken: summed (DeepSpeed #7773)"):
         assert all(result["diff"] > MISSED for result in results[name]), name
+    for result in results["resumed without tensor parallelism"]:
+        assert result["diff"] < TOL and result["steps"] == 3 and result["data"] == 2, result
+    for error in results["a cut after a split output"]:
+        assert error is not None and "pipeline.split: stage 1 ends after 0, whose output stays split" in error, error
     for result in results["different batches"]:
         assert result["error"] is not None and "different inputs" in result["error"], result
         assert result["unchanged"]
