@@ -151,6 +151,33 @@ def cut_after_a_split_output(rank, world):
     return None
 
 
+def fp16_overflow_on_one_stage(rank, world):
+    """fp16 autocast with the loss scaler on a float32 model; the second window's gradient
+    overflows on the first stage's first tensor rank only (injected): discarded on every rank."""
+    model, windows = TinyTransformer(dtype=torch.float32), batches(3, 4, dense=True)
+    expected, _ = reference_run(copy.deepcopy(model).double(), [windows[0], windows[2]], reference_token_mean, 0.0)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2, "split": ["layers.1"]},
+           "tensor_parallel": {"size": 2, "plan": PLAN}, "fp16": {"enabled": True, "initial_scale_power": 8}}
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
+    strategy, calls = eng.strategy, []
+    gradients = strategy.local_gradients
+
+    def overflowing():
+        grads = gradients()
+        calls.append(1)
+        if len(calls) == 2 and rank == 0:
+            grads[0].view(-1)[0] = float("inf")
+        return grads
+
+    strategy.local_gradients = overflowing
+    for window in windows:
+        eng.train_batch(data_share(window, eng), token_mean)
+    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "skipped": eng.skipped_steps,
+              "steps": eng.global_steps, "scale": strategy.loss_scaler.scale}
+    eng.close()
+    return result
+
+
 def readme_script_alone(rank, world):
     from examples.pipeline import main
 
@@ -191,6 +218,7 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact(tmp_path):
         "broken: summed (DeepSpeed #7773)": functools.partial(train, zero=3, breaks=summed_micro_batches),
         "different batches": different_batches,
         "README script": readme_script,
+        "fp16 overflow on one rank": fp16_overflow_on_one_stage,
         "a cut after a split output": cut_after_a_split_output,
         "resumed without tensor parallelism": functools.partial(resumed_without_tensor_parallelism,
                                                                 directory=str(tmp_path / "checkpoint")),
@@ -213,6 +241,10 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact(tmp_path):
         assert all(result["diff"] > MISSED for result in results[name]), name
     for result in results["resumed without tensor parallelism"]:
         assert result["diff"] < TOL and result["steps"] == 3 and result["data"] == 2, result
+    for result in results["fp16 overflow on one rank"]:
+        assert result["skipped"] == 1 and result["steps"] == 3, result
+        assert result["diff"] < 2e-4, result
+        assert result["scale"] == results["fp16 overflow on one rank"][0]["scale"]
     for error in results["a cut after a split output"]:
         assert error is not None and "pipeline.split: stage 1 ends after 0, whose output stays split" in error, error
     for result in results["different batches"]:
