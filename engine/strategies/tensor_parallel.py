@@ -103,9 +103,14 @@ class TensorMesh:
 
     # -- the batch of a tensor group ---------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.check_tensor_group_inputs(args, kwargs)
+        return super().forward(*args, **kwargs)
+
+    def check_tensor_group_inputs(self, args, kwargs) -> None:
+        """During the first ``tensor_parallel.check_batches`` optimizer steps: raise on every
+        rank when the ranks of a tensor group were given different inputs (collective)."""
         if self._batch_checks_left:
             self._check_same_inputs(args, kwargs)
-        return super().forward(*args, **kwargs)
 
     def _check_same_inputs(self, args, kwargs) -> None:
         if self._guarded:

@@ -15,8 +15,8 @@ passes between stages must be the whole activation on every tensor rank: a stage
 on a layer whose output stays split (a ``colwise`` layer before its ``rowwise`` partner);
 such a cut is refused before anything is split, naming the layer.
 
-What spans the mesh: window statistics are summed over the data group (a tensor group and a
-pipeline shares one batch); the clipping norm counts every shard and every replicated
+What spans the mesh: window statistics are summed over the data group (the ranks of a tensor
+group, and of a pipeline, share one batch); the clipping norm counts every shard and every replicated
 parameter of every stage once (``TensorMesh.global_grad_norm``); ``full_state_dict`` joins
 every stage's whole tensors; the first ``tensor_parallel.check_batches`` optimizer steps check
 that the ranks of each tensor group were given the same inputs.
@@ -79,15 +79,11 @@ class TensorPipelineParallel(TensorMesh, PipelineParallel):
         repoint_optimizer(self.optimizer, names, self.module)
 
     def run_schedule(self, inputs, micro_batches, loss_fn, *, train):
-        if self._batch_checks_left:  # every rank is given its replica's inputs, whatever its stage
-            self._check_same_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,), {})
+        # every rank is given its replica's inputs, whatever its stage
+        self.check_tensor_group_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,), {})
         super().run_schedule(inputs, micro_batches, loss_fn, train=train)
 
     reduce_gradients = TensorParallel.reduce_gradients  # the gradients' local pieces, over the data group
-
-    def _stage_state(self):
-        return ShardedPipelineParallel._stage_state(self)  # split layers gathered whole
-
     full_state_dict = PipelineParallel.full_state_dict  # every stage's pieces, joined
 
 
