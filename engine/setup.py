@@ -22,7 +22,7 @@ from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
 STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_zero1", "tensor_fsdp", "deepspeed", "pipeline",
-              "pipeline_fsdp")
+              "pipeline_fsdp", "tensor_pipeline", "tensor_pipeline_fsdp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -148,8 +148,11 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
-    if mesh.pipeline > 1:  # offload under a pipeline is refused by engine.config.checks
-        return "pipeline_fsdp" if config.zero_optimization.stage >= 2 else "pipeline"
+    if mesh.pipeline > 1:  # offload and ZeRO 1 under a pipeline are refused by engine.config.checks
+        sharded = config.zero_optimization.stage >= 2
+        if mesh.tensor > 1:
+            return "tensor_pipeline_fsdp" if sharded else "tensor_pipeline"
+        return "pipeline_fsdp" if sharded else "pipeline"
     if mesh.tensor > 1:  # offload under a tensor mesh is refused by engine.config.checks
         return ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[config.zero_optimization.stage]
     if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)

@@ -405,6 +405,9 @@ COLOSSAL_SHAPES = [
     ("pipeline parallel", """
         parallel = dict(pipeline=2, tensor=dict(size=1, mode=None))
      """, {"pipeline.stages": 2}, [], None),
+    ("pipeline and tensor parallel: the 3-D mesh", """
+        parallel = dict(pipeline=2, tensor=dict(size=2, mode='1d'))
+     """, {"pipeline.stages": 2, "tensor_parallel.size": 2}, [], None),
     ("pipeline parallel written twice", """
         parallel = dict(pipeline=2)
         pipeline = dict(stages=4)

@@ -56,9 +56,6 @@ def _tensor_problems(config: Config) -> list[str]:
     if size == 1:
         return []
     problems = []
-    if config.pipeline.stages > 1:
-        problems.append(f"tensor_parallel.size: {size} with pipeline.stages: {config.pipeline.stages}: tensor and "
-                        "pipeline parallelism do not compose yet; use one of them (set the other to 1)")
     if config.backend == "torch" and torch_offload(config.zero_optimization).to_host:
         problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size}; remove "
                         "offload_param / offload_optimizer, or set tensor_parallel.size: 1")

@@ -29,6 +29,10 @@ def make_strategy(setup: Setup, dist_info: DistInfo):
         from engine.strategies.pipeline import PipelineParallel as chosen
     elif setup.strategy == "pipeline_fsdp":
         from engine.strategies.pipeline import ShardedPipelineParallel as chosen
+    elif setup.strategy == "tensor_pipeline":
+        from engine.strategies.tensor_pipeline import TensorPipelineParallel as chosen
+    elif setup.strategy == "tensor_pipeline_fsdp":
+        from engine.strategies.tensor_pipeline import ShardedTensorPipelineParallel as chosen
     elif setup.strategy == "ddp":
         from engine.strategies.ddp import DataParallel as chosen
     elif setup.strategy == "tensor":

@@ -114,7 +114,11 @@ class PipelineParallel(TorchStrategy):
         _release_others(module, self.module)
         self.optimizer = optimizer
         self.forward_module = self.module
+        self.split_stages(module, pieces)
         self.shard_stages()
+
+    def split_stages(self, model: torch.nn.Module, pieces: list) -> None:
+        """Without a tensor dimension: every stage's layers whole on each of its ranks."""
 
     def shard_stages(self) -> None:
         """ZeRO 0: every data-parallel rank holds its stages whole."""
@@ -236,8 +240,9 @@ class PipelineParallel(TorchStrategy):
         load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order)
 
     def _stage_state(self) -> dict:
-        """This rank's stages' state, whole."""
-        return self.module.state_dict()
+        """This rank's stages' state, whole (sharded or tensor-split entries gathered)."""
+        return {key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in self.module.state_dict().items()}
 
     def full_state_dict(self):
         pieces: list = [None] * self.mesh.pipeline
@@ -284,10 +289,6 @@ class ShardedPipelineParallel(PipelineParallel):
         for stage in self.stage_modules:
             drop_unreduced_gradients(stage, [stage])
         self.zero_grad()
-
-    def _stage_state(self):
-        return {key: value.full_tensor() if isinstance(value, DTensor) else value
-                for key, value in self.module.state_dict().items()}
 
 
 def _release_others(model: torch.nn.Module, mine: torch.nn.Module) -> None:

@@ -43,16 +43,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def copies(tensor: torch.Tensor, world_size: int) -> int:
-    """On how many ranks this rank's piece of ``tensor`` is held identically: the world over
-    the number of distinct pieces (mesh dimensions it is sharded on)."""
+def copies(tensor: torch.Tensor, holders: int) -> int:
+    """On how many ranks this rank's piece of ``tensor`` is held identically: the ``holders``
+    of the module it belongs to over the number of distinct pieces (mesh dimensions it is
+    sharded on)."""
     if not isinstance(tensor, DTensor):
-        return world_size
+        return holders
     # Every placement but Replicate splits (FSDP2 on a tensor split shards with _StridedShard,
     # which is not a Shard); gradients are never Partial once reduced.
     pieces = math.prod(tensor.device_mesh.size(dim) for dim, placement in enumerate(tensor.placements)
                        if not placement.is_replicate())
-    return world_size // pieces
+    return holders // pieces
 
 
 def input_fingerprint(args, kwargs, device) -> torch.Tensor:
@@ -103,9 +104,14 @@ class TensorMesh:
 
     # -- the batch of a tensor group ---------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.check_tensor_group_inputs(args, kwargs)
+        return super().forward(*args, **kwargs)
+
+    def check_tensor_group_inputs(self, args, kwargs) -> None:
+        """During the first ``tensor_parallel.check_batches`` optimizer steps: raise on every
+        rank when the ranks of a tensor group were given different inputs (collective)."""
         if self._batch_checks_left:
             self._check_same_inputs(args, kwargs)
-        return super().forward(*args, **kwargs)
 
     def _check_same_inputs(self, args, kwargs) -> None:
         if self._guarded:
@@ -161,11 +167,13 @@ class TensorMesh:
     def global_grad_norm(self, grads):
         """Σ over this rank's gradient pieces of their squares, each divided by the number of
         ranks holding the same piece, summed over the world: every shard and every replicated
-        gradient counted once."""
+        gradient counted once (a pipeline stage is held by the data × tensor ranks of its
+        pipeline index; every stage's squares join the sum)."""
+        stage_ranks = self.layout.data * self.layout.tensor
         by_copies: dict[int, list[torch.Tensor]] = {}
         for p in self.module.parameters():
             if p.grad is not None:
-                by_copies.setdefault(copies(p.grad, self.world_size), []).append(local(p.grad))
+                by_copies.setdefault(copies(p.grad, stage_ranks), []).append(local(p.grad))
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for count, pieces in by_copies.items():
             squares = squares + sum_of_squares(pieces, self.device) / count
