@@ -224,6 +224,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
+        self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
         if not torch.is_grad_enabled():
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync

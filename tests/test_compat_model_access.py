@@ -112,6 +112,7 @@ def zero3_tools(rank, world, directory, bf16):
     with deepspeed.zero.GatheredParameters(model.parameters()):
         result["gathered_shape"] = tuple(model[0].weight.shape)
         result["gathered_type"] = type(model[0].weight).__name__
+    others_before = {k: v for k, v in model_engine.module_state_dict().items() if not k.startswith("0.")}
     with deepspeed.zero.GatheredParameters(list(model[0].parameters()), modifier_rank=0):
         if rank == 0:
             with torch.no_grad():
@@ -121,6 +122,8 @@ def zero3_tools(rank, world, directory, bf16):
                 model[0].weight.fill_(9.0)  # dropped: not the modifier
     result["after_type"] = type(model[0].weight).__name__
     result["written"] = model_engine.module_state_dict()["0.weight"]
+    # what the modifier left alone keeps its fp32 masters (not rounded through bf16 copies)
+    result["others_kept"] = all(torch.equal(model_engine.module_state_dict()[k], v) for k, v in others_before.items())
     train(model_engine, batches[1:])
     result["diff"] = max_param_diff(model_engine.module_state_dict(), reference(batches, set_first_layer))
     model_engine.save_16bit_model(directory, "model16.bin")
@@ -140,6 +143,7 @@ def test_zero3_gathered_parameters_16bit_model_and_zero_to_fp32(tmp_path, bf16):
         assert result["sharded_outside"] == "DTensor" and result["after_type"] == "DTensor", result
         assert result["gathered_shape"] == (16, 8) and result["gathered_type"] == "Parameter", result
         assert torch.equal(result["written"], torch.full((16, 8), 0.25, dtype=result["written"].dtype))
+        assert result["others_kept"]
         if not bf16:  # training went on from the written values: the reference modified alike
             assert result["diff"] < 1e-12, result["diff"]
     whole = results[0]["whole"]
@@ -174,6 +178,7 @@ def deepspeed_backend_gathered(rank, world):
     train(model_engine, batches[:1])
     with deepspeed.zero.GatheredParameters(model.parameters()):
         shape = tuple(model[0].weight.shape)
+    others_before = {k: v for k, v in model_engine.module_state_dict().items() if not k.startswith("0.")}
     with deepspeed.zero.GatheredParameters(list(model[0].parameters()), modifier_rank=0):
         if rank == 0:
             with torch.no_grad():

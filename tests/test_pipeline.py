@@ -300,11 +300,23 @@ def test_deepspeed_pipeline_keys_map_and_the_unused_ones_are_named():
     ({"micro_batch_tokens": 64}, "micro_batch_tokens: not available under a pipeline of 2 stages"),
     ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2, "schedule": "zero_bubble"}},
      "pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}},
+     "data_types.grad_accum_dtype: bf16 is not available under tensor_parallel.size 1 × pipeline.stages 2"),
 ])
 def test_what_a_pipeline_cannot_run_yet_is_refused_before_anything_starts(extra, problem):
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                  "pipeline": {"stages": 2}, **extra})
     assert any(problem in line for line in engine.config.checks.check_without_model(config))
+
+
+def test_the_deepspeed_facade_names_train_batch_for_a_pipeline():
+    """Its loop is one engine(x) / backward / step per micro-batch: refused before anything starts."""
+    from engine.compat import deepspeed
+
+    with pytest.raises(ConfigError, match=r"pipeline.stages: 2: .*eng.train_batch\(\(inputs, labels\), loss_fn\)"):
+        deepspeed.initialize(model=mlp(), config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                                  "pipeline": {"stages": 2},
+                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
 
 
 def test_the_planner_counts_data_parallel_ranks_and_its_errors_name_the_mesh(capsys):

@@ -72,3 +72,30 @@ def test_unused_parameter_on_two_ranks_at_every_stage():
     scenarios = {f"stage {stage} {loop}": functools.partial(train, stage=stage, loop=loop)
                  for stage in (0, 1, 2, 3) for loop in ("manual", "train_batch")}
     check(run_scenarios(scenarios, world_size=2, timeout=220))
+
+
+def train_bf16(rank, world, stage):
+    """The precision policy's replicas (bf16 parameters at ZeRO 0/1 reduce the fp32 masters'
+    gradients themselves, in buckets of reduce_bucket_size elements)."""
+    model, batches = EncoderWithPooler().float(), regression_batches(3, 8)
+    settings = {**config(stage), "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": 64}}
+    eng = engine.initialize(copy.deepcopy(model), settings, optimizer=adamw)
+    for batch in batches:
+        eng.train_batch(tuple(t[4 * rank:4 * rank + 4].float() for t in batch), mse)
+    expected = reference_train(model.double(), batches, mse, adamw)
+    result = eng.full_state_dict()
+    eng.close()
+    return {"diff": max_param_diff(result, state(expected)), "steps": eng.global_steps,
+            "pooler_moved": not torch.equal(result["pooler.weight"], model.pooler.weight.detach().float())}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_unused_parameter_under_the_bf16_policy_on_two_ranks():
+    results = run_scenarios({f"bf16 stage {stage}": functools.partial(train_bf16, stage=stage) for stage in (0, 1)},
+                            world_size=2, timeout=100)
+    for name, per_rank in results.items():
+        for result in per_rank:
+            assert result["steps"] == 3 and result["diff"] < 1e-2, (name, result)  # bf16 compute
+            assert not result["pooler_moved"], name

@@ -25,5 +25,10 @@ def refuse_engine_formed_micro_batches(config: Config, loop: str) -> None:
         problems.append(f"micro_batch_tokens: the {loop} loop forms its own micro-batches, one per engine(x) / "
                         "backward / step, so they cannot be formed by tokens; remove micro_batch_tokens and give "
                         "train_micro_batch_size_per_gpu (the size of the micro-batches the script forms)")
+    if config.pipeline.stages > 1:
+        problems.append(f"pipeline.stages: {config.pipeline.stages}: under a pipeline the accumulation steps are the "
+                        f"schedule's micro-batches, which the {loop} loop (one engine(x) / backward / step per "
+                        "micro-batch) cannot drive; train with engine.initialize(model, config) and "
+                        "eng.train_batch((inputs, labels), loss_fn) (README: Pipeline parallelism)")
     if problems:
         raise ConfigError(locate(config, problems))

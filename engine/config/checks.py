@@ -39,6 +39,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _token_budget_problems(config)
     problems += _pipeline_problems(config)
     problems += _tensor_problems(config)
+    problems += _mesh_precision_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -60,6 +61,20 @@ def _tensor_problems(config: Config) -> list[str]:
         problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size}; remove "
                         "offload_param / offload_optimizer, or set tensor_parallel.size: 1")
     return problems
+
+
+def _mesh_precision_problems(config: Config) -> list[str]:
+    """Under a tensor or pipeline mesh half precision is autocast over fp32 parameters
+    (engine.setup), so gradients accumulate in fp32: a half-precision accumulation asked for
+    would not happen."""
+    if config.backend != "torch" or (config.tensor_parallel.size == 1 and config.pipeline.stages == 1):
+        return []
+    accumulation = torch_features(config.deepspeed_extras, half_precision(config)).grad_accum_dtype
+    if accumulation == "fp32":
+        return []
+    return [f"data_types.grad_accum_dtype: {accumulation} is not available under tensor_parallel.size "
+            f"{config.tensor_parallel.size} × pipeline.stages {config.pipeline.stages}: there half precision is "
+            "autocast over fp32 parameters and gradients accumulate in fp32; remove grad_accum_dtype"]
 
 
 def _token_budget_problems(config: Config) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
 from engine.distributed.process_group import agreement_timeout_seconds, control_group, is_peer_lost
@@ -53,12 +54,12 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world_size: int, group=None, b
 
 
 def average_used_gradients_(params, world_size: int, device: torch.device, group=None,
-                            bucket_bytes: int | None = None, local=lambda tensor: tensor) -> list[int]:
+                            bucket_bytes: int | None = None) -> list[int]:
     """Average the gradients of ``params`` (those that require grad) over the ``world_size``
     ranks of ``group``, as one process on the whole batch would have them: a parameter no rank
     used keeps no gradient (the optimizer leaves it alone, weight decay included), one that
-    only some ranks used counts zero on the others. ``local`` maps a gradient to the tensor
-    reduced (a DTensor's local piece). Returns how many ranks used each parameter."""
+    only some ranks used counts zero on the others (a DTensor's local piece is what is reduced:
+    the group holds copies of the same piece). Returns how many ranks used each parameter."""
     params = [p for p in params if p.requires_grad]
     users = torch.tensor([float(p.grad is not None) for p in params], device=device)
     dist.all_reduce(users, group=group)  # one small all-reduce per reduced window
@@ -69,7 +70,7 @@ def average_used_gradients_(params, world_size: int, device: torch.device, group
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(local(p.grad))
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
     all_reduce_mean_(grads, world_size, group=group, bucket_bytes=bucket_bytes)
     return counts
 

@@ -195,7 +195,3 @@ def _owned(value):
     if isinstance(value, tuple):
         return tuple(_owned(item) for item in value)
     return value
-
-
-def parameters_of(stage_modules: list[nn.Module]) -> list[torch.nn.Parameter]:
-    return [p for module in stage_modules for p in module.parameters()]

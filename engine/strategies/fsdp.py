@@ -246,21 +246,31 @@ class FullyShardedDataParallel(TorchStrategy):
     @contextlib.contextmanager
     def gathered(self, modifier_rank):
         self._gather()
+        # What the block found: only what the modifier changed is written back (under the
+        # precision policy the gathered parameters are half-precision copies of the fp32 shards).
+        found = None if modifier_rank is None else [p.detach().clone() for p in self.module.parameters()]
         try:
             yield
         finally:
             if modifier_rank is not None:
-                self._write_back(modifier_rank)
+                self._write_back(modifier_rank, found)
             elif not self.rests_gathered:
                 self._reshard()
 
-    def _write_back(self, modifier_rank: int) -> None:
-        """``modifier_rank``'s gathered parameters into every rank's shards (what the optimizer steps)."""
-        whole = {name: p.detach().clone() for name, p in self.module.named_parameters()}
+    def _write_back(self, modifier_rank: int, found: list[torch.Tensor]) -> None:
+        """The parameters ``modifier_rank`` changed in the block (``found``: their values at its
+        start) into every rank's shards (what the optimizer steps)."""
+        params = dict(self.module.named_parameters())
+        changed = torch.tensor([float(not torch.equal(p.detach(), before)) for p, before in zip(params.values(), found)],
+                               device=self.device)
+        broadcast_([changed], src=modifier_rank)
+        whole = {name: params[name].detach().clone() for name, flag in zip(params, changed.tolist()) if flag}
         broadcast_(list(whole.values()), src=modifier_rank)
         self._reshard()  # frees the gathered copies; the module holds its shards again
         with torch.no_grad():
             for name, shard in self.module.named_parameters():
+                if name not in whole:
+                    continue
                 local = shard.to_local()
                 chunks = torch.chunk(whole[name], self.world_size, dim=0)  # FSDP2 shards dim 0 as torch.chunk
                 piece = chunks[self.rank] if self.rank < len(chunks) else whole[name][:0]

@@ -126,6 +126,12 @@ class PipelineParallel(TorchStrategy):
     def forward(self, *args, **kwargs):
         self.check_manual_loop()
 
+    def gathered(self, modifier_rank):
+        raise EngineUsageError(
+            f"gathered parameters (GatheredParameters, eng.gathered_parameters) are not available under "
+            f"{self.mesh.describe()}: each rank holds its own stages; read the whole model with "
+            "eng.full_state_dict(), change it through a checkpoint (eng.load_checkpoint)")
+
     def check_manual_loop(self):
         raise EngineUsageError(
             f"under a pipeline of {self.mesh.pipeline} stages the accumulation steps are the pipeline's "

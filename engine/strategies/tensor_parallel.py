@@ -86,12 +86,20 @@ class TensorMesh:
     """What a strategy on a mesh with a tensor dimension adds to a data-parallel one. Mixed in
     before the data-parallel strategy's class."""
 
+    forward_communicates = True  # split layers all-reduce or gather in every forward
+
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.layout = setup.mesh
         self._batch_checks_left = setup.tensor_parallel.check_batches
         self._steps_done = 0
         self._guarded = False  # the automatic micro size's failure guard is on
+
+    def gathered(self, modifier_rank):
+        raise EngineUsageError(
+            f"gathered parameters (GatheredParameters, eng.gathered_parameters) are not available under "
+            f"{self.layout.describe()}: read the whole model with eng.full_state_dict(), change it through a "
+            "checkpoint (eng.load_checkpoint)")
 
     def split_model(self, module: torch.nn.Module):
         """Split ``module``'s planned layers over the tensor dimension; returns the data mesh."""
@@ -204,7 +212,7 @@ class TensorParallel(TensorMesh, TorchStrategy):
         if self.layout.data == 1:
             return
         average_used_gradients_(self.module.parameters(), self.layout.data, self.device, group=self.data_group,
-                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes, local=local)
+                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
 
 
 class TensorParallelZero1(TensorParallel):

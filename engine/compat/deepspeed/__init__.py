@@ -88,7 +88,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None or mesh_param is not None:
         raise EngineUsageError("initialize(mpu=/mesh_param=): Microstep builds its own mesh: tensor parallelism "
                                "from the config (tensor_parallel.autotp_size), data parallelism and ZeRO over the "
-                               "rest; it has no pipeline or sequence parallelism")
+                               "rest, a pipeline from its pipeline section (trained with engine.initialize's "
+                               "train_batch); it has no sequence parallelism")
     config = load_config(_config_source(args, config, config_params), caller_reads={"dataloader_drop_last"})
     default_clipping = "gradient_clipping" not in config.model_fields_set
     if default_clipping:
