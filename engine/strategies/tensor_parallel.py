@@ -86,14 +86,19 @@ class TensorMesh:
     """What a strategy on a mesh with a tensor dimension adds to a data-parallel one. Mixed in
     before the data-parallel strategy's class."""
 
-    forward_communicates = True  # split layers all-reduce or gather in every forward
-
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.layout = setup.mesh
         self._batch_checks_left = setup.tensor_parallel.check_batches
         self._steps_done = 0
         self._guarded = False  # the automatic micro size's failure guard is on
+
+    @property
+    def forward_communicates(self) -> bool:
+        # Split layers all-reduce or gather in every forward; under the automatic micro size's
+        # failure guard the window's vote keeps the ranks together instead (a rank that failed
+        # skips its remaining forwards).
+        return not self._guarded
 
     def gathered(self, modifier_rank):
         raise EngineUsageError(
