@@ -73,6 +73,14 @@ class Residual(Blocks):
         return self.head(x)
 
 
+class WithStep(Blocks):
+    """A chain of modules, and a root-level buffer no stage would hold (a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros(()))
+
+
 def token_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(),
@@ -370,6 +378,7 @@ def tied_sequential():
     (TinyLM(), 2, "auto", "TinyLM's forward is not a chain of its modules: its step tanh (call_function tanh)"),
     (Residual(), 2, "auto", "Residual's forward is not a chain of its modules: its step add (call_function add)"),
     (tied_sequential(), 2, "auto", "pipeline.split: the parameter 2.weight is shared by stages 1 and 2 (tied weights)"),
+    (WithStep(), 2, "auto", "WithStep has parameters or buffers its chain of modules does not hold (step)"),
 ])
 def test_a_model_that_cannot_be_cut_as_asked_says_how_to_fix_it(model, stages, split, problem):
     from engine.pipeline.split import cut, sequence_of

@@ -75,10 +75,12 @@ def _traced_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
             raise ConfigError([f"pipeline.split: {name}'s forward is not a chain of its modules: its step "
                                f"{node.name} ({node.op} {step}) is not one of its modules called on the previous "
                                f"one's output alone; {fix}"])
-    covered = {id(p) for _, module in parts for p in module.parameters()}
-    outside = [param_name for param_name, p in model.named_parameters() if id(p) not in covered]
+    # A buffer outside the chain would be lost from every stage (and from full_state_dict).
+    covered = {id(t) for _, module in parts for t in (*module.parameters(), *module.buffers())}
+    outside = [tensor_name for tensor_name, t in (*model.named_parameters(), *model.named_buffers())
+               if id(t) not in covered]
     if outside:
-        raise ConfigError([f"pipeline.split: {name} has parameters its chain of modules does not use "
+        raise ConfigError([f"pipeline.split: {name} has parameters or buffers its chain of modules does not hold "
                            f"({', '.join(outside[:4])}); {fix}"])
     return parts
 
