@@ -93,13 +93,6 @@ class TensorMesh:
         self._steps_done = 0
         self._guarded = False  # the automatic micro size's failure guard is on
 
-    @property
-    def forward_communicates(self) -> bool:
-        # Split layers all-reduce or gather in every forward; under the automatic micro size's
-        # failure guard the window's vote keeps the ranks together instead (a rank that failed
-        # skips its remaining forwards).
-        return not self._guarded
-
     def gathered(self, modifier_rank):
         raise EngineUsageError(
             f"gathered parameters (GatheredParameters, eng.gathered_parameters) are not available under "
