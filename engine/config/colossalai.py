@@ -280,17 +280,23 @@ def _check_parallel(raw: RawConfig, problems: list[str]) -> None:
     raw.forget(("parallel",))
 
 
-def _map_pipeline(raw: RawConfig, size: int, where: str, problems: list[str]) -> None:
-    """``parallel.pipeline = N`` is our ``pipeline.stages: N`` (a pipeline section may say the same)."""
-    section = raw.data.setdefault("pipeline", {})
+def _map_size(raw: RawConfig, kind: str, key: tuple[str, str], size: int, where: str, problems: list[str]) -> None:
+    """``parallel.<kind>`` of ``size`` written as our ``key`` (a section there may say the same)."""
+    section_name, field = key
+    section = raw.data.setdefault(section_name, {})
     if not isinstance(section, dict):
         return  # the schema reports the malformed section
-    if section.get("stages", size) != size:
-        problems.append(f"{where}: parallel.pipeline: size {size} conflicts with pipeline.stages: "
-                        f"{section['stages']}; keep one")
+    if section.get(field, size) != size:
+        problems.append(f"{where}: parallel.{kind}: size {size} conflicts with {section_name}.{field}: "
+                        f"{section[field]!r}; keep one")
         return
-    section["stages"] = size
-    raw.locations.setdefault(("pipeline", "stages"), where)
+    section[field] = size
+    raw.locations.setdefault(key, where)
+
+
+def _map_pipeline(raw: RawConfig, size: int, where: str, problems: list[str]) -> None:
+    """``parallel.pipeline = N`` is our ``pipeline.stages: N``."""
+    _map_size(raw, "pipeline", ("pipeline", "stages"), size, where, problems)
 
 
 _TENSOR_MODES = (None, "1d")
@@ -305,15 +311,7 @@ def _read_tensor(raw: RawConfig, value, size: int, where: str, problems: list[st
                         "(PyTorch's column / row split, Colossal-AI's mode '1d'); set mode='1d', or keep "
                         "Colossal-AI for its 2d / 2.5d / 3d modes")
         return
-    section = raw.data.setdefault("tensor_parallel", {})
-    if not isinstance(section, dict):
-        return  # reported as a type error by the schema
-    if section.get("size", size) != size:
-        problems.append(f"{where}: parallel.tensor: size {size} conflicts with tensor_parallel.size: "
-                        f"{section['size']!r}; keep one")
-        return
-    section["size"] = size
-    raw.locations.setdefault(("tensor_parallel", "size"), where)
+    _map_size(raw, "tensor", ("tensor_parallel", "size"), size, where, problems)
 
 
 def translate(raw: RawConfig, problems: list[str]) -> list[str]:
