@@ -227,7 +227,8 @@ def fp16_overflow_on_first_stage(rank, world):
 
 
 def misuse(rank, world):
-    """The manual loop names train_batch; a batch that is not (inputs, labels) says what is; an
+    """The manual loop names train_batch; a batch that is not (inputs, labels) says what is; a
+    loss_fn that fails on the last stage raises on every rank, not only there; an
     accumulation the schedule cannot run is refused naming the nearest; an evaluation of fewer
     micro-batches than 1F1B runs is padded with zero-weight ones."""
     model = mlp()
@@ -239,8 +240,11 @@ def misuse(rank, world):
         engine.initialize(mlp(), config(5, 1, "interleaved"), optimizer=sgd)
     except ConfigError as error:
         found["accumulation"] = str(error)
+    # a loss that is not a scalar: refused on the last stage, and every rank learns of it at once
+    unreduced = lambda outputs, labels: (outputs - labels) ** 2  # noqa: E731
     for name, call in {"forward": lambda: eng(x), "backward": lambda: eng.backward(x.sum()),
-                       "batch": lambda: eng.train_batch(x, mse_outputs)}.items():
+                       "batch": lambda: eng.train_batch(x, mse_outputs),
+                       "bad loss": lambda: eng.train_batch((x, y), unreduced)}.items():
         try:
             call()
         except EngineUsageError as error:
@@ -261,10 +265,12 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert "train_batch((inputs, labels), loss_fn)" in found["forward"]
         assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
         assert "a pair (inputs, labels)" in found["batch"]
+        assert "the loss must be a scalar" in found["bad loss"] or "failed on a last pipeline stage" in found["bad loss"]
         assert found["eval"] < TOL
         assert ("gradient_accumulation_steps: 5 micro-batches per window cannot run as a pipeline.schedule interleaved "
                 "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
                 in found["accumulation"])
+    assert sum("failed on a last pipeline stage" in found["bad loss"] for found in results["misuse"]) == 1
 
 
 @pytest.mark.distributed

@@ -55,8 +55,13 @@ class PipelineWindows(WindowRunner):
 
         def weighted_loss(outputs, index):
             k = int(index[0])
-            loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]), sizes[k])
-            check_loss(loss)
+            try:
+                loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
+                                                            sizes[k])
+                check_loss(loss)
+            except Exception as error:  # raised on every rank once the schedule is through
+                records.fail(error)
+                return _zero_from(outputs)
             records.put(k, loss, sizes[k], count, item_weighted)
             return loss * ((1 if item_weighted else sizes[k]) * weight)
 
@@ -80,8 +85,12 @@ class PipelineWindows(WindowRunner):
         def loss_only(outputs, index):
             k = int(index[0])
             if sizes[k]:
-                loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
-                                                            sizes[k])
+                try:
+                    loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
+                                                                sizes[k])
+                except Exception as error:  # raised on every rank once the schedule is through
+                    records.fail(error)
+                    return _zero_from(outputs)
                 records.put(k, loss, sizes[k], count, item_weighted)
             return _zero_from(outputs)
 
@@ -107,9 +116,15 @@ class _Records:
     """Each micro-batch's loss and counts on the last stage, shared with the other stages."""
 
     def __init__(self, micro_batches: int):
-        # rows: loss, samples, count; plus one flag: (sum, count) losses
-        self.table = torch.zeros(3 * micro_batches + 1, dtype=torch.float64)
+        # rows: loss, samples, count; plus two flags: (sum, count) losses, loss_fn failed
+        self.table = torch.zeros(3 * micro_batches + 2, dtype=torch.float64)
         self.micro_batches = micro_batches
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        """``loss_fn`` (or the loss it returned) failed on this last stage."""
+        self.error = self.error or error
+        self.table[-1] = 1.0
 
     def put(self, k: int, loss: torch.Tensor, samples: int, count, item_weighted: bool) -> None:
         n = self.micro_batches
@@ -120,7 +135,16 @@ class _Records:
 
     def shared(self, strategy: PipelineParallel) -> list[tuple[object, int]]:
         """(loss as loss_fn returned it, samples) of every micro-batch, on every stage."""
-        table = strategy.from_last_stage(self.table.to(strategy.device)).cpu()
+        table = strategy.from_last_stage(self.table.to(strategy.device))
+        # Every rank learns of a failed loss before the window's gradients are reduced: the
+        # other stages and replicas would otherwise wait for it in their collectives.
+        failed = strategy.all_reduce_max(table[-1:].clone())
+        if failed.item():
+            if self.error is not None:
+                raise self.error
+            raise EngineUsageError("loss_fn(outputs, labels) failed on a last pipeline stage (its rank raises the "
+                                   "error itself); this window is abandoned on every rank")
+        table = table.cpu()
         n = self.micro_batches
         item_weighted = bool(table[3 * n])
         rows = []
