@@ -16,7 +16,7 @@ from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn, WindowRunner
 from engine.monitor import Monitor
-from engine.pipeline.runner import PipelineWindows
+from engine.pipeline_windows import PipelineWindows
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything

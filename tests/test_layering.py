@@ -32,7 +32,7 @@ LAYERS = {
         "engine.strategies.parallelize", "engine.strategies.tensor_parallel", "engine.strategies.tensor_pipeline"],
     3: ["engine.engine"],
     4: ["engine.state.autosave", "engine.autotune.tuner", "engine.monitor",
-        "engine.autotune.report", "engine.pipeline.runner"],
+        "engine.autotune.report", "engine.pipeline_windows"],
     5: ["engine.build", "engine.cli", "engine", "engine.__main__",
         "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai",
         "engine.compat.deepspeed.accelerator", "engine.compat.deepspeed.comm", "engine.compat.deepspeed.moe",

@@ -8,7 +8,7 @@ of the same stage, whose gradients are averaged once per window (ZeRO-0, as ``dd
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
-over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline.runner``)
+over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline_windows``)
 weights each micro-batch loss by its real share of the global batch, as the engine does, and
 this strategy adds the fp16 loss scale. What spans every stage is computed over the pipeline
 group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's
