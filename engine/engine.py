@@ -27,7 +27,7 @@ Collaborators are handed in by ``engine.initialize``, never attached afterwards:
 (how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
-schedule, ``engine.pipeline.runner``, which runs a window's micro-steps itself and tells the
+schedule, ``engine.pipeline_windows``, which runs a window's micro-steps itself and tells the
 engine with ``start_window`` / ``record_micro_step``), the hooks
 (``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
@@ -265,10 +265,11 @@ class Engine:
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
-        ``engine.pipeline.runner``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
+        ``engine.pipeline_windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
         or ``(sum, count)``), ``samples`` its real samples."""
         loss, units, item_weighted = loss_and_units(output, samples)
-        self._count_micro_step(loss, units, samples, item_weighted, exact_counts=True)
+        _check_same_kind(self._window, item_weighted)
+        self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted, exact_counts=True)
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss, weighted by its share of the global batch.
@@ -548,17 +549,16 @@ class Engine:
             # The automatic micro size agrees on each window's failures instead.
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
-        share = (1 if item_weighted else samples) if samples else 0
+        share = _share(samples, item_weighted)
         # W: the data-parallel ranks, over which the strategy averages gradients
         self.strategy.backward(loss, share * self.plan.world_size / self._weighting_batch())
-        self._count_micro_step(loss, units, samples, item_weighted, exact_counts=exact_counts)
+        self._count_micro_step(loss, units, samples, share, item_weighted, exact_counts=exact_counts)
 
-    def _count_micro_step(self, loss, units, samples: int, item_weighted: bool, *, exact_counts: bool) -> None:
+    def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool, *,
+                          exact_counts: bool) -> None:
         window = self._window
-        _check_same_kind(window, item_weighted)
         if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
             units = 0
-        share = (1 if item_weighted else samples) if samples else 0
         window.micro_steps += 1
         window.samples += samples
         window.losses.append(loss.detach())
@@ -700,6 +700,12 @@ def loss_and_units(output, samples: int):
         "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
         f"(loss_sum, num_items); got {type(output).__name__}"
     )
+
+
+def _share(samples: int, item_weighted: bool) -> int:
+    """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
+    1 (a sum), 0 (a zero-weight step)."""
+    return (1 if item_weighted else samples) if samples else 0
 
 
 def _check_same_kind(window: _Window, item_weighted: bool) -> None:

@@ -16,7 +16,7 @@ import contextlib
 from engine.distributed.collectives import average_used_gradients_, broadcast_
 from engine.strategies.base import TorchStrategy
 from engine.strategies.compute_copy import ComputeCopy
-from engine.strategies.zero1 import broadcast_from_owners, keep_owned
+from engine.strategies.zero1 import OwnedOptimizerState
 
 
 class LowPrecisionReplicas(TorchStrategy):
@@ -65,7 +65,7 @@ class LowPrecisionReplicas(TorchStrategy):
         self.compute_copy.refresh()
 
 
-class LowPrecisionShardedOptimizer(LowPrecisionReplicas):
+class LowPrecisionShardedOptimizer(OwnedOptimizerState, LowPrecisionReplicas):
     """ZeRO-1: each rank's optimizer holds the masters it owns (``engine.strategies.zero1``'s
     partition); after the step every owner broadcasts its updated masters."""
 
@@ -73,11 +73,6 @@ class LowPrecisionShardedOptimizer(LowPrecisionReplicas):
         super().__init__(setup, dist_info)
         self.name = "zero1"
 
-    def setup(self, module, optimizer):
-        super().setup(module, optimizer)
-        self.params_by_owner = keep_owned(optimizer, self.module, self.rank, self.world_size)
-
     def optimizer_step(self):
-        self.optimizer.step()
-        broadcast_from_owners(self.params_by_owner, self.settings.overlap.allgather_bucket_bytes)
+        self.step_owned()
         self.compute_copy.refresh()

@@ -44,13 +44,21 @@ def broadcast_from_owners(params_by_owner: list[list[torch.nn.Parameter]], bucke
         broadcast_(params, src=owner, bucket_bytes=bucket_bytes)
 
 
-class ShardedOptimizerDataParallel(DataParallel):
-    name = "zero1"
+class OwnedOptimizerState:
+    """ZeRO-1 over a data-parallel strategy (mixed in before it): the optimizer narrowed to the
+    parameters this rank owns, and the owners' broadcast after their step."""
 
     def setup(self, module, optimizer):
         super().setup(module, optimizer)
         self.params_by_owner = keep_owned(optimizer, self.module, self.rank, self.world_size)
 
-    def optimizer_step(self):
+    def step_owned(self) -> None:
         self.optimizer.step()
         broadcast_from_owners(self.params_by_owner, self.settings.overlap.allgather_bucket_bytes)
+
+
+class ShardedOptimizerDataParallel(OwnedOptimizerState, DataParallel):
+    name = "zero1"
+
+    def optimizer_step(self):
+        self.step_owned()
