@@ -670,7 +670,8 @@ class Engine:
         self.strategy.zero_grad()
         step = self.global_steps + 1
         if result.non_finite and self.config.faults.non_finite_gradient == "raise":
-            self._window, self._recording = _Window(), False  # discarded: the engine stays usable here
+            self.discard_window()  # gradients and the window's micro-steps: the engine stays usable here
+            self._recording = False
             raise NonFiniteGradientError(
                 f"the gradient of global step {step} holds an inf or nan (e.g. a nan or inf loss, or an "
                 "overflow in the forward): the window was not applied — weights, optimizer and scheduler are "
