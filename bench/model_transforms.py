@@ -38,9 +38,10 @@ VOCAB, TIME = 64, 192
 GLOBAL, MICRO = 32, 8
 
 
-def lm(layers: int = 2, width: int = 64, dropout: float = 0.0, time: int = TIME) -> GPT:
+def lm(layers: int = 2, width: int = 64, dropout: float = 0.0, time: int = TIME, heads: int = 4) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=time, n_layer=layers, n_head=4, n_embd=width, dropout=dropout))
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=time, n_layer=layers, n_head=heads, n_embd=width,
+                         dropout=dropout))
 
 
 def tokens(rows: int = GLOBAL, time: int = TIME, seed: int = 1) -> torch.Tensor:

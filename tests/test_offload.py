@@ -217,7 +217,9 @@ eng.close()
 
 def test_one_process_without_a_launcher_offloads_and_equals_the_reference():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # the repository first, then whatever the machine already needs (a GPU machine's extra packages)
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", ONE_PROCESS], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -309,7 +311,9 @@ print("RESULT " + json.dumps(offload_on_one_gpu(sys.argv[1])))
                            "offload, so where offload puts them cannot be told apart there")
 def test_offload_on_a_gpu_holds_shards_gradients_and_optimizer_state_on_the_host(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # the repository first, then whatever the machine already needs (a GPU machine's extra packages)
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", CUDA_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -167,6 +167,7 @@ class MicroBatchTuner(WindowRunner):
         self.eval_micro_batch_tokens: int | None = None
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
+        self.last_memory_error = ""  # this rank's last out-of-memory message, for the error at the smallest size
         strategy.enable_failure_guard()
 
     def state_dict(self) -> dict:
@@ -228,6 +229,7 @@ class MicroBatchTuner(WindowRunner):
                 self.strategy.agree_on_failures(OTHER_ERROR)
                 raise
             reason = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
+            self.last_memory_error = str(error).strip().splitlines()[0][:300] if str(error).strip() else reason
         if reason:  # outside the except block: the traceback's activations are freed
             _release_memory()
         failures = self.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
@@ -281,9 +283,10 @@ class MicroBatchTuner(WindowRunner):
                     knob.value(new), reason, where, step, knob.consequence(old, new), new.train_batch_size)
 
     def _too_large(self, eng, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
+        here = f" (this rank's last error: {self.last_memory_error})" if self.last_memory_error else ""
         return OutOfMemoryAtMicroBatchOne(
             f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest} "
-            f"(global step {eng.global_steps + 1}): one sample does not fit. Use a higher "
+            f"(global step {eng.global_steps + 1}): one sample does not fit{here}. Use a higher "
             "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
         )
 
