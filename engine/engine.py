@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.distributed.collectives import positions_of_ranks
 from engine.batching.data import DistributedBatches
@@ -225,6 +226,7 @@ class Engine:
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
+        args, kwargs = self._on_device(args), self._on_device(kwargs)
         if not torch.is_grad_enabled():
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
@@ -350,6 +352,7 @@ class Engine:
                 f"train_batch() called in the middle of a manual-loop window "
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
+        batch = self._on_device(batch)
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -361,7 +364,12 @@ class Engine:
     def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
         """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
         over every rank's batch, per sample or per item like ``train_batch``."""
-        return self.window_runner.run_eval(self, batch, self._loss_fn(loss_fn))
+        return self.window_runner.run_eval(self, self._on_device(batch), self._loss_fn(loss_fn))
+
+    def _on_device(self, batch):
+        """A host batch (a DataLoader's) copied to where this rank computes, once per window:
+        the loss function then meets outputs and labels on one device."""
+        return batch if self.device.type == "cpu" else to_device(batch, self.device)
 
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:

@@ -3,7 +3,7 @@ from collections import OrderedDict, UserDict, namedtuple
 import pytest
 import torch
 
-from engine.batching.microbatch import BatchError, batch_size, split_batch
+from engine.batching.microbatch import BatchError, batch_size, split_batch, to_device
 
 Pair = namedtuple("Pair", "x y")
 
@@ -40,3 +40,12 @@ def test_batch_without_tensors_is_an_error():
 def test_sizes_that_do_not_cover_the_batch_are_refused():
     with pytest.raises(BatchError, match=r"cannot cut a batch of 5 samples into micro-batches \[2, 2\]"):
         split_batch(torch.zeros(5), (2, 2))
+
+
+def test_to_device_moves_every_tensor_and_keeps_the_containers():
+    Pair = namedtuple("Pair", "inputs labels")
+    batch = {"pair": Pair(torch.ones(2, 3), [torch.zeros(2), "text"]), "step": 7}
+    moved = to_device(batch, torch.device("meta"))
+    assert isinstance(moved["pair"], Pair) and moved["step"] == 7 and moved["pair"].labels[1] == "text"
+    assert moved["pair"].inputs.device.type == moved["pair"].labels[0].device.type == "meta"
+    assert batch["pair"].inputs.device.type == "cpu"  # the caller's batch is left as it was

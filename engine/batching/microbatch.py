@@ -48,6 +48,11 @@ def map_tensors(batch: Any, fn: Callable[[str, torch.Tensor], Any], path: str = 
     return batch
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (those already there are not copied)."""
+    return map_tensors(batch, lambda _path, tensor: tensor.to(device, non_blocking=True))
+
+
 def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor in ``batch`` that has a dim 0."""
     sizes = {path: t.shape[0] for path, t in tensor_leaves(batch) if t.dim() > 0}
