@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import subprocess
@@ -216,6 +217,16 @@ def timed(step, device: torch.device, steps: int) -> tuple[float, int]:
     return seconds, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the throughput table."""
+
+    stage: int
+    defer: bool = False  # defer_reduction (ZeRO-2/3)
+    checkpointing: bool = True
+    precision: str = "bf16"  # the config key: bf16 or fp16
+
+
 def release(device: torch.device) -> None:
     """Return what the last run held, so that the next one's peak is its own."""
     gc.collect()
@@ -229,34 +240,33 @@ def throughput(device: torch.device, size: dict, compiled: bool, steps: int) -> 
     rows = size["micro"] * size["accumulation"]
     rank = dist.get_rank() if dist.is_initialized() else 0
     batch = tokens(rows, size["time"] + 1, seed=rank).to(device)
-    # (stage, defer_reduction, activation checkpointing); one process also shows the run without
-    # checkpointing, for the memory it saves and the time it costs.
-    settings = ([(0, False, True), (0, False, False)] if world == 1 else
-                [(0, False, True), (1, False, True), (2, False, True), (2, True, True), (3, False, True),
-                 (3, True, True)])
+    # One process also shows the run without checkpointing (the memory it saves, the time it
+    # costs) and fp16 with loss scaling.
+    settings = ([Setting(0), Setting(0, checkpointing=False), Setting(0, precision="fp16")] if world == 1 else
+                [Setting(0), Setting(1), Setting(2), Setting(2, defer=True), Setting(3), Setting(3, defer=True)])
     # The hand-written loop the engine is compared with: one process, or FSDP2 (as ZeRO-3).
-    hand = (0, False, True) if world == 1 else (3, False, True)
+    hand = Setting(0) if world == 1 else Setting(3)
     rows_out = []
-    for stage, defer, checkpointing in settings:
+    for setting in settings:
         try:
-            rows_out.append(measure_setting(model, batch, size, device, compiled, steps, stage, defer, checkpointing,
-                                            against_hand=(stage, defer, checkpointing) == hand))
+            rows_out.append(measure_setting(model, batch, size, device, compiled, steps, setting,
+                                            against_hand=setting == hand))
         except Exception as error:  # noqa: BLE001 - reported in the table; the other settings still run
             traceback.print_exc()
-            rows_out.append({"stage": stage, "defer_reduction": defer, "checkpointing": checkpointing,
-                             "error": f"{type(error).__name__}: {error}"[:500]})
+            rows_out.append({**dataclasses.asdict(setting), "error": f"{type(error).__name__}: {error}"[:500]})
             release(device)
     return rows_out
 
 
-def measure_setting(model, batch, size: dict, device: torch.device, compiled: bool, steps: int, stage: int,
-                    defer: bool, checkpointing: bool, *, against_hand: bool) -> dict:
+def measure_setting(model, batch, size: dict, device: torch.device, compiled: bool, steps: int, setting: Setting, *,
+                    against_hand: bool) -> dict:
     """One row of the table: the engine at this setting (and the hand-written loop when asked)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = size["micro"] * size["accumulation"]
+    stage = setting.stage
     config = {"train_batch_size": rows * world, "train_micro_batch_size_per_gpu": size["micro"],
-              "zero_optimization": {"stage": stage, **({"defer_reduction": defer} if stage >= 2 else {})},
-              "bf16": {"enabled": True}, "activation_checkpointing": {"enabled": checkpointing},
+              "zero_optimization": {"stage": stage, **({"defer_reduction": setting.defer} if stage >= 2 else {})},
+              setting.precision: {"enabled": True}, "activation_checkpointing": {"enabled": setting.checkpointing},
               "compile": {"enabled": compiled}}
     eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     seconds, peak_bytes = timed(lambda: eng.train_batch(batch, lm_loss), device, steps)
@@ -275,8 +285,7 @@ def measure_setting(model, batch, size: dict, device: torch.device, compiled: bo
     tokens_per_second = rows * size["time"] / seconds
     peak = peak_flops(device)
     per_token = flops_per_token(model, size["layers"], size["width"], size["time"])
-    return {"stage": stage, "defer_reduction": defer, "checkpointing": checkpointing,
-            "tokens_per_s_per_device": tokens_per_second,
+    return {**dataclasses.asdict(setting), "tokens_per_s_per_device": tokens_per_second,
             "mfu": tokens_per_second * per_token / peak if peak else None, "peak_bytes": peak_bytes,
             "engine_over_hand": seconds / hand_seconds if hand_seconds else None, "hand_peak_bytes": hand_peak}
 
@@ -284,22 +293,22 @@ def measure_setting(model, batch, size: dict, device: torch.device, compiled: bo
 def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']} x{report['world_size']}, torch {report['torch']}; model: "
              f"{report['size']['layers']} blocks, width {report['size']['width']}, {report['size']['time']} tokens, "
-             f"micro {report['size']['micro']} x {report['size']['accumulation']}, bf16, "
+             f"micro {report['size']['micro']} x {report['size']['accumulation']}, "
              f"compile {'on' if report['compile'] else 'off'}", "",
              f"CUDA-only tests: {report['cuda_tests']['status']}. Out of memory under auto: "
              f"{report['out_of_memory']['status']}.", "",
-             "| stage | defer_reduction | checkpointing | tokens/s per device | MFU | peak memory | engine / hand "
-             "| hand's peak memory |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| stage | defer_reduction | checkpointing | precision | tokens/s per device | MFU | peak memory "
+             "| engine / hand | hand's peak memory |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in report["throughput"]:
         if "error" in row:
-            lines.append(f"| {row['stage']} | {row['defer_reduction']} | {row['checkpointing']} | failed: "
+            lines.append(f"| {row['stage']} | {row['defer']} | {row['checkpointing']} | {row['precision']} | failed: "
                          f"{row['error'].splitlines()[0]} | | | | |")
             continue
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
         ratio = f"{row['engine_over_hand']:.3f}" if row["engine_over_hand"] is not None else "-"
         hand_peak = f"{row['hand_peak_bytes'] / 2**20:,.1f} MiB" if row["hand_peak_bytes"] else "-"
-        lines.append(f"| {row['stage']} | {row['defer_reduction']} | {row['checkpointing']} | "
+        lines.append(f"| {row['stage']} | {row['defer']} | {row['checkpointing']} | {row['precision']} | "
                      f"{row['tokens_per_s_per_device']:,.0f} | {mfu} | {row['peak_bytes'] / 2**20:,.1f} MiB | {ratio} "
                      f"| {hand_peak} |")
     return "\n".join(lines) + "\n"
