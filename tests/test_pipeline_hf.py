@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineUsageError
 from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, sgd, state
@@ -103,14 +103,14 @@ def data_share(batch, eng):
     return tuple(t[start:start + sizes[plan.rank]] for t in batch)
 
 
-def train(rank, world, *, schedule="1f1b", loss="tokens", zero=0, clip=0.0, breaks=intact):
+def train(rank, world, *, schedule="1f1b", loss="tokens", zero=0, clip=0.0, breaks=intact, **extra):
     """Three windows of A = 4 micro-batches of 1 sample on each data-parallel rank."""
     data_ranks = world // 2
     model, batches = llama(), token_batches(3, 4 * data_ranks, dense=loss == "mean")
     expected = reference_run(model, batches, clip)
     settings = {"train_batch_size": 4 * data_ranks, "train_micro_batch_size_per_gpu": 1,
                 "zero_optimization": {"stage": zero}, "gradient_clipping": clip,
-                "pipeline": {"stages": 2, "schedule": schedule, "split": "auto"}}
+                "pipeline": {"stages": 2, "schedule": schedule, "split": "auto"}, **extra}
     eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     loss_fn = token_sum if loss == "tokens" else token_mean
     for batch in batches:
@@ -147,6 +147,20 @@ def without_a_plan(rank, world):
     return "no error"
 
 
+def attention_mask_given(rank, world):
+    """(input_ids, attention_mask) as inputs: refused on every rank before the schedule runs."""
+    eng = engine.initialize(llama(), {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
+                                      "pipeline": {"stages": 2}}, optimizer=sgd)
+    tokens, labels = token_batches(1, 4)[0]
+    try:
+        eng.train_batch(((tokens, torch.ones_like(tokens)), labels), token_sum)
+    except EngineUsageError as error:
+        return str(error)
+    finally:
+        eng.close()
+    return "no error"
+
+
 def check(results):
     for name, per_rank in results.items():
         for result in per_rank:
@@ -163,12 +177,19 @@ def test_a_llama_split_in_two_by_its_own_plan_equals_the_full_batch_reference():
     scenarios = {"1f1b tokens": functools.partial(train),
                  "1f1b mean, clipped": functools.partial(train, loss="mean", clip=0.05),
                  "interleaved tokens": functools.partial(train, schedule="interleaved"),
+                 "zero_bubble tokens": functools.partial(train, schedule="zero_bubble"),
+                 "gpipe tokens, decoder layers checkpointed": functools.partial(
+                     train, schedule="gpipe", activation_checkpointing={"enabled": True, "blocks": "auto"}),
+                 "attention mask": attention_mask_given,
                  "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches),
                  "GPT-2": without_a_plan}
     results = run_scenarios(scenarios, world_size=2, timeout=220)
     broken = results.pop("summed (DeepSpeed #7773)")
     assert all("GPT2LMHeadModel is a Hugging Face model without a pipeline plan" in text
                for text in results.pop("GPT-2"))
+    assert all("LlamaForCausalLM (cut by its pipeline plan) takes its input_ids alone: give batches (input_ids, "
+               "labels), input_ids a (batch, sequence) tensor of token ids; got a tuple of 2" in text
+               for text in results.pop("attention mask"))
     check(results)
     print("summed (DeepSpeed #7773)", [result["diff"] for result in broken])
     assert all(result["diff"] > MISSED for result in broken), [result["diff"] for result in broken]

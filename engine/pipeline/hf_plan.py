@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineUsageError
 from engine.pipeline.split import balanced_starts, cut, owned_outputs
 
 
@@ -87,6 +87,20 @@ class PlanSplit:
             return
         bounds = [start + len(head) for start in starts[1:]]
         self.pieces = cut(self.parts, stages, [self.parts[bound][0] for bound in bounds])
+
+    def check_inputs(self, inputs: tuple) -> None:
+        """The first stage takes the ``input_ids`` alone: an EngineUsageError naming the batch's
+        form for anything else (raised on every rank, before the schedule runs)."""
+        ids = inputs[0] if len(inputs) == 1 else None
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+            return
+        got = f"a tuple of {len(inputs)}" if len(inputs) != 1 else \
+            (f"a {ids.dim()}-d {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__)
+        raise EngineUsageError(
+            f"under a pipeline, {type(self.model).__name__} (cut by its pipeline plan) takes its input_ids alone: "
+            f"give batches (input_ids, labels), input_ids a (batch, sequence) tensor of token ids; got {got}. "
+            "Attention is causal over the whole sequence (no attention mask is passed): pad on the right and "
+            "mark padded positions -100 in the labels")
 
     def stage(self, index: int, forward_context: Callable[[], contextlib.AbstractContextManager]
               = contextlib.nullcontext, own_outputs: bool = False) -> nn.Module:
@@ -174,18 +188,15 @@ class PlanStage(nn.Module):
         self._forward_context = forward_context
         self._own_outputs = own_outputs
 
-    def forward(self, *inputs):
-        if len(inputs) != 1:
-            raise ValueError(f"a stage of a Hugging Face model split by its pipeline plan takes one input (the "
-                             f"input_ids, then the hidden states), got {len(inputs)}: give the batch as "
-                             "(input_ids, labels)")
+    def forward(self, hidden):
+        """``hidden``: the input_ids on the first stage (PlanSplit.check_inputs), else the hidden states."""
         with self._forward_context():
             if self._runs_head:
-                output = self.model(**{self._input: inputs[0]}, use_cache=False)
+                output = self.model(**{self._input: hidden}, use_cache=False)
                 value = output.logits
             else:
                 base = self.model.get_submodule(self._base_name) if self._base_name else self.model
-                output = base(**{self._input: inputs[0]}, use_cache=False)
+                output = base(**{self._input: hidden}, use_cache=False)
                 value = output.last_hidden_state
         self._output_type = type(output)
         return owned_outputs(value) if self._own_outputs else value

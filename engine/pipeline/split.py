@@ -205,6 +205,9 @@ class SequenceSplit:
               = contextlib.nullcontext, own_outputs: bool = False) -> StageModule:
         return StageModule(self.pieces[index], forward_context, own_outputs)
 
+    def check_inputs(self, inputs: tuple) -> None:
+        """Any tensors: the first part takes whatever the model takes."""
+
 
 def owned_outputs(value):
     """``value`` with a view among its tensors copied (zero-bubble schedules detach outputs in place)."""

@@ -97,7 +97,7 @@ class PipelineParallel(TorchStrategy):
         broadcast_(tensors, src=0)
         self.transform(module)  # checkpoint / compile the blocks before the model is cut
         self._key_order = list(module.state_dict())
-        split = split_model(module, self.num_stages, self.settings.pipeline.split)
+        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split)
         pieces = split.pieces
         if self.rank == 0:
             log.info("pipeline: %d stage(s), %s schedule: %s", self.num_stages, self.settings.pipeline.schedule,
@@ -184,6 +184,7 @@ class PipelineParallel(TorchStrategy):
         On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
         index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
         times the fp16 loss scale; evaluation: a zero computed from the outputs)."""
+        self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
         schedule = self._schedule((shapes, micro_batches))
         self._loss = loss_fn
