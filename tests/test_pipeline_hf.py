@@ -103,14 +103,15 @@ def data_share(batch, eng):
     return tuple(t[start:start + sizes[plan.rank]] for t in batch)
 
 
-def train(rank, world, *, schedule="1f1b", loss="tokens", zero=0, clip=0.0, breaks=intact, **extra):
+def train(rank, world, *, schedule="1f1b", loss="tokens", zero=0, clip=0.0, tensor=1, breaks=intact, **extra):
     """Three windows of A = 4 micro-batches of 1 sample on each data-parallel rank."""
-    data_ranks = world // 2
+    data_ranks = world // (2 * tensor)
     model, batches = llama(), token_batches(3, 4 * data_ranks, dense=loss == "mean")
     expected = reference_run(model, batches, clip)
     settings = {"train_batch_size": 4 * data_ranks, "train_micro_batch_size_per_gpu": 1,
                 "zero_optimization": {"stage": zero}, "gradient_clipping": clip,
-                "pipeline": {"stages": 2, "schedule": schedule, "split": "auto"}, **extra}
+                "pipeline": {"stages": 2, "schedule": schedule, "split": "auto"}, "tensor_parallel": {"size": tensor},
+                **extra}
     eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     loss_fn = token_sum if loss == "tokens" else token_mean
     for batch in batches:
@@ -124,6 +125,8 @@ def train(rank, world, *, schedule="1f1b", loss="tokens", zero=0, clip=0.0, brea
               and max_param_diff(state(plain), whole) == 0,
               "accumulation": eng.plan.gradient_accumulation_steps,
               "held": sorted(eng.module.state_dict()),
+              "tensor_split": sorted(name for name, p in eng.module.named_parameters()
+                                     if type(p.data).__name__ == "DTensor" and zero == 0),
               "eval": abs(eng.eval_batch(data_share(batches[0], eng), token_sum)
                           - float(token_sum.on_outputs(expected(tokens), labels)[0].detach()
                                   / (labels != -100).sum()))}
@@ -165,7 +168,6 @@ def check(results):
     for name, per_rank in results.items():
         for result in per_rank:
             assert result["diff"] < TOL, (name, result["diff"])
-            print(name, "max difference from the reference", result["diff"])
             assert result["loaded"], name
             assert result["accumulation"] == 4, name
             assert result["eval"] < TOL, (name, result["eval"])
@@ -191,7 +193,6 @@ def test_a_llama_split_in_two_by_its_own_plan_equals_the_full_batch_reference():
                "labels), input_ids a (batch, sequence) tensor of token ids; got a tuple of 2" in text
                for text in results.pop("attention mask"))
     check(results)
-    print("summed (DeepSpeed #7773)", [result["diff"] for result in broken])
     assert all(result["diff"] > MISSED for result in broken), [result["diff"] for result in broken]
     first, last = (result["held"] for result in results["1f1b tokens"])
     # stage 1: the embeddings and the first two layers; stage 2: the last two, the norm, the head
@@ -203,11 +204,17 @@ def test_a_llama_split_in_two_by_its_own_plan_equals_the_full_batch_reference():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_llama_pipeline_two_by_data_two_equals_the_full_batch_reference():
+def test_a_llama_pipeline_two_by_data_two_and_by_tensor_two_equals_the_full_batch_reference():
+    """And pipeline 2 × tensor 2: each stage's layers split by the model's own tensor plan."""
     results = run_scenarios({"1f1b tokens": functools.partial(train),
-                             "1f1b ZeRO-3 tokens, clipped": functools.partial(train, zero=3, clip=0.05)},
+                             "1f1b ZeRO-3 tokens, clipped": functools.partial(train, zero=3, clip=0.05),
+                             "pipeline 2 × tensor 2": functools.partial(train, tensor=2)},
                             world_size=4, timeout=280)
     check(results)
+    for result in results["pipeline 2 × tensor 2"]:
+        assert "model.layers.0.self_attn.q_proj.weight" in result["tensor_split"] \
+            or "model.layers.2.self_attn.q_proj.weight" in result["tensor_split"]
+        assert not any("norm" in name for name in result["tensor_split"])
 
 
 # -- how the plan cuts the model, and what it refuses: no processes -------------------------------

@@ -12,7 +12,8 @@ loop, a head), read from a ``torch.fx`` trace. The parts are cut into consecutiv
 * a list of part names: where stages 2, 3, ... start (``["4", "blocks.6"]``).
 
 A stage is a :class:`StageModule`: it holds its parts under their original names (so its
-``state_dict`` keys are the model's own) and runs them in order.
+``state_dict`` keys are the model's own) and runs them in order. (A Hugging Face model with a
+pipeline plan is cut by that plan instead: ``engine.pipeline.hf_plan``.)
 """
 
 from __future__ import annotations
