@@ -260,6 +260,14 @@ def test_each_stage_runs_the_models_own_forward_on_its_layers():
     assert type(stages[-1].model_outputs(value)).__name__ == "CausalLMOutputWithPast"
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
     assert not any(key.startswith("model.model.layers.3") for key in stages[0].state_dict())
+    # a base model without a head: its last stage hands back the hidden states
+    from transformers import LlamaModel
+
+    base = LlamaModel(llama_config(layers=2)).double()
+    split = split_model(base, 2, "uniform")
+    assert names(split) == [["embed_tokens", "layers.0"], ["layers.1", "norm"]]
+    hidden = split.stage(1)(split.stage(0)(tokens))
+    assert torch.equal(hidden, base(tokens).last_hidden_state)
 
 
 def test_a_model_the_plan_cannot_cut_is_refused_naming_the_fix():

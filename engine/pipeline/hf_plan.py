@@ -44,18 +44,22 @@ def is_hugging_face_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and isinstance(getattr(model, "base_model_prefix", None), str)
 
 
+def _base_name(model: nn.Module) -> str:
+    """Where the base model sits in ``model`` (``model`` for Llama's causal LM); "" when ``model`` is it."""
+    prefix = model.base_model_prefix
+    return prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+
+
 def plan_of(model: nn.Module) -> list[str] | None:
     """The module names of the model's pipeline plan (relative to ``model``) in the order its
     forward runs them: the base model's, then the head's; None when it declares none."""
-    prefix = model.base_model_prefix
-    base = getattr(model, prefix, None) if prefix else None
     base_plan = getattr(model.config, "base_model_pp_plan", None) or {}
-    if isinstance(base, nn.Module):
-        names = [f"{prefix}.{name}" for name in base_plan]
-        head = getattr(type(model), "_pp_plan", None) or {}
-        names += [name for name in head if name not in names]
-    else:  # the base model itself
-        names = list(base_plan)
+    base = _base_name(model)
+    if not base:
+        return list(base_plan) or None
+    names = [f"{base}.{name}" for name in base_plan]
+    head = getattr(type(model), "_pp_plan", None) or {}
+    names += [name for name in head if name not in names]
     return names or None
 
 
@@ -64,12 +68,11 @@ class PlanSplit:
 
     def __init__(self, model: nn.Module, plan: list[str], stages: int, split):
         self.model = model
-        self.base_name = model.base_model_prefix if isinstance(getattr(model, model.base_model_prefix, None),
-                                                               nn.Module) else ""
+        self.base_name = _base_name(model)
+        # a head (lm_head) around the base model: the last stage returns the model's logits
+        self.has_head = bool(self.base_name) and any(not name.startswith(f"{self.base_name}.") for name in plan)
         head, layers, tail = _plan_parts(model, plan)
         self.parts = [*head, *layers, *tail]
-        self.head_names = [name for name in plan if not name.startswith(f"{self.base_name}.")] if self.base_name \
-            else []
         if isinstance(split, str) and len(layers) < stages:
             raise ConfigError([
                 f"pipeline.stages: {type(model).__name__} has {len(layers)} decoder layer(s) for {stages} pipeline "
@@ -109,7 +112,7 @@ class PlanSplit:
         skipped = [name for name, _ in self.parts if name not in held]
         return PlanStage(_skipping(self.model, skipped), base_name=self.base_name,
                          first=index == 0, last=index == len(self.pieces) - 1,
-                         head=bool(self.head_names), forward_context=forward_context, own_outputs=own_outputs)
+                         head=self.has_head, forward_context=forward_context, own_outputs=own_outputs)
 
 
 def _plan_parts(model: nn.Module, plan: list[str]):
@@ -129,7 +132,7 @@ def _plan_parts(model: nn.Module, plan: list[str]):
     layers = [(f"{lists[0]}.{index}", layer) for index, layer in modules[lists[0]].named_children()]
     head = [(part, modules[part]) for part in plan[:at]]
     tail = [(part, modules[part]) for part in plan[at + 1:]]
-    base = getattr(model, model.base_model_prefix, model)
+    base = model.get_submodule(_base_name(model))
     if "inputs_embeds" not in inspect.signature(base.forward).parameters:
         raise ConfigError([f"pipeline.split: {name}'s base model takes no inputs_embeds, through which a stage "
                            "hands its hidden states to the next; run it with pipeline.stages: 1"])
