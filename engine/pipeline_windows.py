@@ -56,8 +56,8 @@ class PipelineWindows(WindowRunner):
         def weighted_loss(outputs, index):
             k = int(index[0])
             try:
-                loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
-                                                            sizes[k])
+                seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))  # as the model returns them
+                loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
                 check_loss(loss)
             except Exception as error:  # raised on every rank once the schedule is through
                 records.fail(error)
@@ -86,8 +86,8 @@ class PipelineWindows(WindowRunner):
             k = int(index[0])
             if sizes[k]:
                 try:
-                    loss, count, item_weighted = loss_and_units(loss_fn(_rows(outputs, sizes[k]), pieces[k][0][1]),
-                                                                sizes[k])
+                    seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
+                    loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
                 except Exception as error:  # raised on every rank once the schedule is through
                     records.fail(error)
                     return _zero_from(outputs)

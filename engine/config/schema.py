@@ -215,7 +215,8 @@ class PipelineConfig(_DeepSpeedSection):
 
     stages: Annotated[int, PlainValidator(_stages)] = 1
     schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"
-    # auto: balanced by parameter count; uniform: by number of modules; or the names of the
+    # auto: balanced by parameter count; uniform: by number of modules (a Hugging Face model with
+    # a pipeline plan: its decoder layers, engine.pipeline.hf_plan); or the names of the
     # modules where stages 2, 3, ... start (as many names as stages - 1, or stages x 2 - 1
     # for the schedules with two stages per rank).
     split: Annotated[Union[str, list[str]], PlainValidator(_split)] = "auto"

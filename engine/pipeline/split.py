@@ -12,7 +12,8 @@ loop, a head), read from a ``torch.fx`` trace. The parts are cut into consecutiv
 * a list of part names: where stages 2, 3, ... start (``["4", "blocks.6"]``).
 
 A stage is a :class:`StageModule`: it holds its parts under their original names (so its
-``state_dict`` keys are the model's own) and runs them in order.
+``state_dict`` keys are the model's own) and runs them in order. (A Hugging Face model with a
+pipeline plan is cut by that plan instead: ``engine.pipeline.hf_plan``.)
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def cut(parts: list[tuple[str, nn.Module]], stages: int, split) -> list[list[tup
             f"stage(s); every stage needs at least one: use at most {len(parts)} stages, or split the model into "
             "more modules"])
     if split == "auto":
-        starts = _balanced_starts([_parameter_count(module) for _, module in parts], stages)
+        starts = balanced_starts([_parameter_count(module) for _, module in parts], stages)
     elif split == "uniform":
         starts = [round(i * len(parts) / stages) for i in range(stages)]
     else:
@@ -141,7 +142,7 @@ def _parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _balanced_starts(sizes: list[int], stages: int) -> list[int]:
+def balanced_starts(sizes: list[int], stages: int) -> list[int]:
     """Start indices of the contiguous cut into ``stages`` non-empty pieces whose largest
     piece is smallest (ties: the earliest cut), by dynamic programming."""
     n = len(sizes)
@@ -187,13 +188,32 @@ class StageModule(nn.Module):
             for name in self.part_names:
                 value = self.get_submodule(name)(value)
         if self._own_outputs:
-            value = _owned(value)
+            value = owned_outputs(value)
+        return value
+
+    def model_outputs(self, value):
+        """What ``loss_fn`` sees of the last stage's output: the output itself."""
         return value
 
 
-def _owned(value):
+class SequenceSplit:
+    """A model cut as a sequence of parts (``sequence_of``, ``cut``): each stage a :class:`StageModule`."""
+
+    def __init__(self, model: nn.Module, stages: int, split):
+        self.pieces = cut(sequence_of(model), stages, split)
+
+    def stage(self, index: int, forward_context: Callable[[], contextlib.AbstractContextManager]
+              = contextlib.nullcontext, own_outputs: bool = False) -> StageModule:
+        return StageModule(self.pieces[index], forward_context, own_outputs)
+
+    def check_inputs(self, inputs: tuple) -> None:
+        """Any tensors: the first part takes whatever the model takes."""
+
+
+def owned_outputs(value):
+    """``value`` with a view among its tensors copied (zero-bubble schedules detach outputs in place)."""
     if isinstance(value, torch.Tensor):
         return value.clone() if value._is_view() else value
     if isinstance(value, tuple):
-        return tuple(_owned(item) for item in value)
+        return tuple(owned_outputs(item) for item in value)
     return value

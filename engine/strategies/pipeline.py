@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import average_used_gradients_, broadcast_, sum_of_squares
 from engine.errors import ConfigError, EngineUsageError
-from engine.pipeline.split import StageModule, cut, sequence_of
+from engine.pipeline.split import StageModule
+from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.torch_checkpoint import load_training_state
 
@@ -96,7 +97,8 @@ class PipelineParallel(TorchStrategy):
         broadcast_(tensors, src=0)
         self.transform(module)  # checkpoint / compile the blocks before the model is cut
         self._key_order = list(module.state_dict())
-        pieces = cut(sequence_of(module), self.num_stages, self.settings.pipeline.split)
+        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split)
+        pieces = split.pieces
         if self.rank == 0:
             log.info("pipeline: %d stage(s), %s schedule: %s", self.num_stages, self.settings.pipeline.schedule,
                      "; ".join(f"stage {i + 1}: {piece[0][0]}..{piece[-1][0]} "
@@ -106,12 +108,14 @@ class PipelineParallel(TorchStrategy):
         # What the user sees (eng.module): this rank's parts under the model's own names.
         self.module = StageModule(mine).to(self.device)
         zero_bubble = self.schedule_class is ScheduleZBVZeroBubble
-        self.stage_modules = [StageModule(pieces[index], self.precision.autocast, own_outputs=zero_bubble)
+        self.stage_modules = [split.stage(index, self.precision.autocast, own_outputs=zero_bubble).to(self.device)
                               for index in self.stage_indices]
+        self._last_stage = self.stage_modules[self.stage_indices.index(self.num_stages - 1)] \
+            if self.holds_last_stage else None
         held = {id(p) for p in self.module.parameters()}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in held]
-        _release_others(module, self.module)
+        _release_others(module, [self.module, *self.stage_modules])  # a stage may hold more (rotary embeddings)
         self.optimizer = optimizer
         self.forward_module = self.module
         self.split_stages(module, pieces)
@@ -180,6 +184,7 @@ class PipelineParallel(TorchStrategy):
         On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
         index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
         times the fp16 loss scale; evaluation: a zero computed from the outputs)."""
+        self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
         schedule = self._schedule((shapes, micro_batches))
         self._loss = loss_fn
@@ -214,6 +219,11 @@ class PipelineParallel(TorchStrategy):
                 self._schedules.pop(next(iter(self._schedules)))
         self._schedules[key] = schedule  # most recently used last
         return schedule
+
+    def model_outputs(self, outputs):
+        """What ``loss_fn`` sees of the last stage's ``outputs`` (a Hugging Face model's own output
+        type around its logits; other models' outputs as they are)."""
+        return self._last_stage.model_outputs(outputs)
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage of this replica (in place)."""
@@ -297,10 +307,10 @@ class ShardedPipelineParallel(PipelineParallel):
         self.zero_grad()
 
 
-def _release_others(model: torch.nn.Module, mine: torch.nn.Module) -> None:
+def _release_others(model: torch.nn.Module, mine: list[torch.nn.Module]) -> None:
     """Free the storage of the parameters and buffers of the stages other ranks hold: each rank
     keeps its own stages only (the model passed to ``initialize`` belongs to the engine)."""
-    kept = {id(t) for t in (*mine.parameters(), *mine.buffers())}
+    kept = {id(t) for module in mine for t in (*module.parameters(), *module.buffers())}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) not in kept:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
