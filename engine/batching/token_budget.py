@@ -39,6 +39,15 @@ kind needs fewer. A row longer than N runs alone, flagged for a warning.
 For a given number of micro-steps the rows are then cut into consecutive runs of that order
 (always as good as any other grouping) computing the fewest padded tokens.
 
+One shape per window. A pipeline schedule runs micro-batches of one shape per step
+(``engine.pipeline_windows``), so there rows are not grouped by length: every micro-batch of
+a window is cut to one bucket length (the longest row rounded up to a power of two, at most
+T, at most N when that row fits N: few distinct shapes, so few schedules) and holds
+⌊N / length⌋ rows or fewer, the rows split evenly (:func:`group_uniformly`). Every rank runs
+the same shape, the largest any rank needs: a schedule for a new shape infers its shapes by
+running the stages, which gathers sharded stages' parameters, so all replicas build it at once. Cutting at the bucket keeps a few columns of the
+batch's own padding, which the loss ignores as it does in the full batch.
+
 Equal micro-step counts. Every rank must run the same number k of micro-steps (ZeRO-3
 gathers parameters in each): each rank proposes its fewest, the engine takes the maximum
 over ranks, and every rank groups its rows into exactly k micro-batches. Cost model: a
@@ -331,6 +340,45 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | N
     return cuts[::-1]
 
 
+# -- one shape per window (a pipeline schedule) -------------------------------------------
+def bucket_length(longest: int, padded_length: int, budget: int) -> int:
+    """The length every micro-batch of a window is cut to when they must share one shape:
+    the longest row rounded up to a power of two, so that few lengths (schedules) occur; at
+    most the batch's padded length (no column exists past it), and at most the budget when
+    the longest row fits it (rounding never pushes a micro-batch over N)."""
+    longest = max(1, longest)
+    bucket = min(1 << (longest - 1).bit_length(), padded_length)
+    return min(bucket, budget) if longest <= budget else bucket
+
+
+def one_shape_micro_steps(rows: int, length: int, budget: int, max_rows: int | None = None) -> int:
+    """The fewest micro-batches of ``length`` columns that hold ``rows`` rows within ``budget``
+    padded tokens and ``max_rows`` rows (one row each when a row alone exceeds the budget)."""
+    _longest_first([length], budget, max_rows)  # checks the budget and the cap
+    return -(-rows // max(1, min(budget // length, max_rows or rows)))
+
+
+def group_uniformly(lengths: Sequence[int], length: int, budget: int, micro_steps: int) -> list[MicroGroup]:
+    """``lengths``' rows, in row order, in ``micro_steps`` micro-batches cut to ``length``
+    columns that differ by at most one row; zero-weight repeats of the last row when there
+    are fewer rows than micro-steps. For a schedule of one shape per step."""
+    _longest_first(lengths, budget, None)  # checks the budget and the rows
+    if length < max(lengths):
+        raise TokenBudgetError(f"micro-batches of {length} columns would cut rows of {max(lengths)} tokens")
+    if isinstance(micro_steps, bool) or not isinstance(micro_steps, int) or micro_steps < 1:
+        raise TokenBudgetError(f"micro_steps must be a positive integer; got {micro_steps!r}")
+    real = min(micro_steps, len(lengths))
+    base, extra = divmod(len(lengths), real)
+    groups, start = [], 0
+    for k in range(real):
+        rows = tuple(range(start, start + base + (k < extra)))
+        start += len(rows)
+        groups.append(MicroGroup(rows, length, sum(lengths[r] for r in rows),
+                                 over_budget=len(rows) == 1 and length > budget))
+    repeat = MicroGroup((len(lengths) - 1,), length, 0, zero_weight=True)
+    return groups + [repeat] * (micro_steps - real)
+
+
 def over_budget_message(groups: Sequence[MicroGroup], budget: int) -> str | None:
     """A warning for the log when some rows are longer than the budget, else None."""
     long = [g for g in groups if g.over_budget]
@@ -369,15 +417,22 @@ class TokenSplitter:
         self.sequence_keys = sequence_keys
         self._described = self._warned = False
 
+    def layout(self, batch: Any) -> SequenceLayout:
+        """``batch``'s row lengths and sequence tensors."""
+        return sequence_layout(batch, lengths=self.lengths, sequence_keys=self.sequence_keys)
+
     def read(self, batch: Any, budget: int, max_rows: int | None = None) -> tuple[SequenceLayout, int]:
         """``batch``'s layout and its fewest micro-steps (this rank's proposal)."""
-        layout = sequence_layout(batch, lengths=self.lengths, sequence_keys=self.sequence_keys)
+        layout = self.layout(batch)
         return layout, fewest_micro_steps(layout.lengths, budget, max_rows)
 
     def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
               max_rows: int | None = None) -> list[MicroGroup]:
         """The layout's rows in the ``micro_steps`` the ranks agreed on."""
-        groups = group_by_tokens(layout.lengths, budget, micro_steps, max_rows)
+        return self.logged(layout, group_by_tokens(layout.lengths, budget, micro_steps, max_rows), budget)
+
+    def logged(self, layout: SequenceLayout, groups: list[MicroGroup], budget: int) -> list[MicroGroup]:
+        """``groups``, after the run's first layout and its first rows over the budget are logged."""
         if not self._described:
             self._described = True
             log.info("%s", layout.describe())
@@ -420,3 +475,9 @@ class TokenCost:
 def token_cost(groups: Sequence[MicroGroup]) -> TokenCost:
     """Totals of ``groups`` (e.g. for the window report: padded vs real tokens)."""
     return TokenCost(len(groups), sum(g.real_tokens for g in groups), sum(g.padded_tokens for g in groups))
+
+
+def one_shape_cost(groups: Sequence[MicroGroup], rows: int) -> TokenCost:
+    """Totals of ``groups`` run as micro-batches of ``rows`` rows each (padded with copies of
+    their own rows) at their common length."""
+    return TokenCost(len(groups), sum(g.real_tokens for g in groups), len(groups) * rows * groups[0].length)
