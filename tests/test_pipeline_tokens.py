@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import engine
-from engine.batching.token_budget import bucket_length, group_uniformly, one_shape_cost, one_shape_micro_steps
+from engine.batching.token_budget import (MicroGroup, bucket_length, group_uniformly, one_shape_cost,
+                                         one_shape_micro_steps)
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, sgd, state
 
@@ -95,23 +96,25 @@ def reference(model, batches):
     return model, losses
 
 
-def share(batch, eng):
-    """This data-parallel rank's contiguous rows (every stage of a replica gets the same)."""
+def share(batch, eng, dynamic=False):
+    """This data-parallel rank's contiguous rows (every stage of a replica gets the same);
+    ``dynamic``: padded to its own longest row, as a collate padding each batch does."""
     sizes = engine.batching.plan.split_evenly(batch[0].shape[0], eng.plan.world_size)
     start = sum(sizes[:eng.plan.rank])
     rows = slice(start, start + sizes[eng.plan.rank])
-    return batch[0][rows], {key: value[rows] for key, value in batch[1].items()}
+    columns = slice(0, int(batch[1]["attention_mask"][rows].sum(1).max()) if dynamic else T)
+    return batch[0][rows, columns], {key: value[rows, columns] for key, value in batch[1].items()}
 
 
 def computed(batch, micro_steps, data_ranks):
     """Tokens a window computes: on every rank, its micro-batches cut to the bucket of the
     longest row of any rank and padded to the most rows any rank's micro-batches hold."""
-    length = bucket_length(int(batch[1]["attention_mask"].sum(1).max()), T, 32)
+    length = bucket_length(int(batch[1]["attention_mask"].sum(1).max()), 32)
     rows = -(-max(engine.batching.plan.split_evenly(batch[0].shape[0], data_ranks)) // micro_steps)
     return data_ranks * micro_steps * rows * length
 
 
-def train(rank, world, *, schedule="1f1b", zero=0, loss_fn=token_sum):
+def train(rank, world, *, schedule="1f1b", zero=0, loss_fn=token_sum, dynamic=False):
     data_ranks = world // 2
     batches, model = windows(data_ranks), causal_lm()
     expected, reference_losses = reference(model, batches)
@@ -120,7 +123,7 @@ def train(rank, world, *, schedule="1f1b", zero=0, loss_fn=token_sum):
     eng = engine.initialize(copy.deepcopy(model), settings, optimizer=sgd)
     losses, steps, built, tokens = [], [], [], []
     for batch in batches:
-        losses.append(eng.train_batch(share(batch, eng), loss_fn))
+        losses.append(eng.train_batch(share(batch, eng, dynamic), loss_fn))
         window = eng.last_window
         steps.append(window.micro_steps)
         built.append(eng.strategy.schedules_built)
@@ -131,7 +134,7 @@ def train(rank, world, *, schedule="1f1b", zero=0, loss_fn=token_sum):
               "real": [int(b[1]["attention_mask"].sum()) for b in batches],
               "computed": [computed(b, a, data_ranks) for b, a in zip(batches, steps)],
               "counters": (eng.global_steps, eng.micro_steps, eng.global_samples),
-              "eval_diff": abs(eng.eval_batch(share(batches[0], eng), token_sum)
+              "eval_diff": abs(eng.eval_batch(share(batches[0], eng, dynamic), token_sum)
                                - float(token_sum(expected(batches[0][0]), batches[0][1])[0]
                                        / batches[0][1]["attention_mask"].sum()))}
     eng.close()
@@ -172,19 +175,31 @@ def test_token_budget_under_two_stages_is_exact_and_builds_a_schedule_per_bucket
 @pytest.mark.timeout(300)
 def test_token_budget_under_pipeline_and_data_parallel_is_exact():
     scenarios = {f"zero {zero}": functools.partial(train, zero=zero) for zero in (0, 3)}
+    # each rank's batch padded to its own longest row: the shorter ones extended with their own padding
+    scenarios["zero 3, dynamic padding"] = functools.partial(train, zero=3, dynamic=True)
     scenarios["token mean per micro-batch"] = functools.partial(train, loss_fn=token_mean_per_micro_batch)
     results = run_scenarios(scenarios, world_size=4, timeout=280)
     # the second window: one data rank's rows are short (4 per micro-batch), the other's not; they agree on 4
-    for zero in (0, 3):
-        assert_exact(results[f"zero {zero}"], [4, 4, 4, 2])
+    for name in ("zero 0", "zero 3", "zero 3, dynamic padding"):
+        assert_exact(results[name], [4, 4, 4, 2])
     assert all(result["diff"] > MISSED for result in results["token mean per micro-batch"])
 
 
 def test_one_shape_per_window_keeps_the_budget_and_few_lengths():
-    assert [bucket_length(n, 16, 32) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
-    assert bucket_length(20, 24, 64) == 24  # never past the batch's padded length
-    assert bucket_length(600, 2048, 1000) == 1000  # rounding never pushes a row that fits over the budget
-    assert bucket_length(1200, 2048, 1000) == 2048  # a row over the budget runs alone, at a bucket length
+    # 2^k x (1, 1.25, 1.5, 1.75): at most a quarter more columns
+    assert [bucket_length(n, 4096) for n in (1, 3, 5, 9, 16, 17, 100, 512, 513, 1500)] == \
+        [1, 3, 5, 10, 16, 20, 112, 512, 640, 1536]
+    assert bucket_length(1500, 4096, cap=1500) == 1500  # a batch of full rows is not extended
+    assert bucket_length(600, 1000) == 640 and bucket_length(900, 1000) == 1000  # never over a budget it fits
+    assert bucket_length(1200, 1000) == 1280  # a row over the budget runs alone, at a bucket length
+    # a batch padded to fewer columns than the shape: extended with its own padding (a row not full)
+    tokens, labels = batch_of([5, 2, 3], seed=0)
+    batch = (tokens[:, :5], {key: value[:, :5] for key, value in labels.items()})
+    layout = engine.batching.token_budget.sequence_layout(batch)
+    inputs, extended = engine.batching.token_budget.take_rows(batch, layout, MicroGroup((0, 1), 8, 7))
+    assert inputs.shape == (2, 8) and inputs[:, 5:].eq(0).all() and inputs[:, :5].equal(tokens[:2, :5])
+    assert extended["labels"][:, 5:].eq(-100).all() and extended["attention_mask"][:, 5:].eq(0).all()
+    assert extended["labels"][:, :5].equal(labels["labels"][:2, :5])
     assert one_shape_micro_steps(8, 16, 32) == 4
     assert one_shape_micro_steps(8, 8, 32, max_rows=3) == 3  # the rows cap
     assert one_shape_micro_steps(3, 32, 16) == 3  # over the budget: one row each

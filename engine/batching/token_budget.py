@@ -41,12 +41,14 @@ For a given number of micro-steps the rows are then cut into consecutive runs of
 
 One shape per window. A pipeline schedule runs micro-batches of one shape per step
 (``engine.pipeline_windows``), so there rows are not grouped by length: every micro-batch of
-a window is cut to one bucket length (the longest row rounded up to a power of two, at most
-T, at most N when that row fits N: few distinct shapes, so few schedules) and holds
+a window is cut to one bucket length (the longest row rounded up to 2^k × 1, 1.25, 1.5 or
+1.75, at most N when that row fits N: few distinct shapes, so few schedules) and holds
 ⌊N / length⌋ rows or fewer, the rows split evenly (:func:`group_uniformly`). Every rank runs
 the same shape, the largest any rank needs: a schedule for a new shape infers its shapes by
-running the stages, which gathers sharded stages' parameters, so all replicas build it at once. Cutting at the bucket keeps a few columns of the
-batch's own padding, which the loss ignores as it does in the full batch.
+running the stages, which gathers sharded stages' parameters, so all replicas build it at once.
+Cutting at the bucket keeps a few columns of the batch's own padding, which the loss ignores
+as it does in the full batch; a rank whose batch is padded to fewer columns than the shape
+extends it with its own padding (:func:`padding_row`), which needs one row that is not full.
 
 Equal micro-step counts. Every rank must run the same number k of micro-steps (ZeRO-3
 gathers parameters in each): each rank proposes its fewest, the engine takes the maximum
@@ -341,13 +343,17 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | N
 
 
 # -- one shape per window (a pipeline schedule) -------------------------------------------
-def bucket_length(longest: int, padded_length: int, budget: int) -> int:
-    """The length every micro-batch of a window is cut to when they must share one shape:
-    the longest row rounded up to a power of two, so that few lengths (schedules) occur; at
-    most the batch's padded length (no column exists past it), and at most the budget when
-    the longest row fits it (rounding never pushes a micro-batch over N)."""
+def bucket_length(longest: int, budget: int, cap: int | None = None) -> int:
+    """The length every micro-batch of a window is cut to when they must share one shape: the
+    longest row rounded up to the ladder 2^k × (1, 1.25, 1.5, 1.75) (at most a quarter more
+    columns, and few distinct lengths, so few schedules); at most ``cap`` (a batch that cannot
+    be extended: every row full) and at most the budget when the longest row fits it
+    (rounding never pushes a micro-batch over N)."""
     longest = max(1, longest)
-    bucket = min(1 << (longest - 1).bit_length(), padded_length)
+    step = 1 << max(0, (longest - 1).bit_length() - 3)
+    bucket = -(-longest // step) * step
+    if cap is not None:
+        bucket = min(bucket, max(cap, longest))
     return min(bucket, budget) if longest <= budget else bucket
 
 
@@ -446,20 +452,34 @@ class TokenSplitter:
 # -- building a micro-batch ----------------------------------------------------------------
 def take_rows(batch: Any, layout: SequenceLayout, group: MicroGroup) -> Any:
     """``group``'s micro-batch of ``batch``: the group's rows, in its order, of every tensor
-    with a batch dimension, sequence tensors cut to their first ``group.length`` columns;
-    mappings and sequences keep their types (e.g. a ``BatchEncoding``)."""
+    with a batch dimension, sequence tensors cut to their first ``group.length`` columns (or,
+    longer than the batch, extended by :func:`padding_row`'s last column); mappings and
+    sequences keep their types (e.g. a ``BatchEncoding``)."""
     indices: dict[torch.device, torch.Tensor] = {}
+    extend = group.length - layout.padded_length
+    source = padding_row(layout) if extend > 0 else None
 
     def take(path: str, tensor: torch.Tensor):
         if tensor.dim() == 0:
             return tensor
         if path in layout.sequence_paths:
-            tensor = tensor[:, :group.length]  # a view: the copy below moves only what is kept
+            if extend > 0:
+                pad = tensor[source:source + 1, -1:]
+                tensor = torch.cat([tensor, pad.expand(tensor.shape[0], extend, *pad.shape[2:])], 1)
+            else:
+                tensor = tensor[:, :group.length]  # a view: the copy below moves only what is kept
         if tensor.device not in indices:
             indices[tensor.device] = torch.tensor(group.rows, device=tensor.device)
         return tensor.index_select(0, indices[tensor.device])
 
     return map_tensors(batch, take)
+
+
+def padding_row(layout: SequenceLayout) -> int | None:
+    """A row whose last column is padding (shorter than the batch's padded length): what its
+    last column holds in each sequence tensor is that tensor's padding (pad id, mask 0, the
+    ignored label), which extends the batch to a longer length. None when every row is full."""
+    return next((row for row, n in enumerate(layout.lengths) if n < layout.padded_length), None)
 
 
 # -- cost, for the window report ----------------------------------------------------------

@@ -53,12 +53,14 @@ from engine.errors import BatchConfigError, EngineUsageError
 from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
 from engine.batching.microbatch import batch_size, split_batch
 from engine.batching.token_budget import (LengthsFn, MicroGroup, TokenCost, TokenSplitter, bucket_length, group_uniformly,
-                                         one_shape_cost, one_shape_micro_steps, smaller_budget, take_rows, token_cost)
+                                         one_shape_cost, one_shape_micro_steps, padding_row, smaller_budget, take_rows,
+                                         token_cost)
 
 log = logging.getLogger("engine")
 
 MANUAL_SIZES = ("plan", "inputs")  # initialize(manual_sizes=...)
 _EVERY_RANK = "every rank must call train_batch() / eval_batch() for each step"
+_ANY_LENGTH = 2 ** 62
 
 
 class Split(NamedTuple):
@@ -339,17 +341,20 @@ class OneShapeTokenSplit(TokenSplit):
         budget, cap = budget or plan.micro_batch_tokens, plan.train_micro_batch_size_per_gpu
         try:
             layout = self.reader.layout(batch)
-            proposal = [bucket_length(max(layout.lengths), layout.padded_length, budget), len(layout.lengths),
-                        -layout.padded_length]
+            # the most columns this rank can give: any, extended with its own padding, unless every row is full
+            limit = layout.padded_length if padding_row(layout) is None else _ANY_LENGTH
+            bucket = bucket_length(max(layout.lengths), budget, None if limit == _ANY_LENGTH else limit)
+            proposal = [bucket, len(layout.lengths), -limit]
             problem = None
         except Exception as error:  # noqa: BLE001 - e.g. the user's lengths(): every rank must reach the agreement
-            layout, proposal, problem = None, [0, 0, 0], error
-        length, rows, shortest = _agreed(proposal, problem, plan)
-        if length > -shortest:
+            layout, proposal, problem = None, [0, 0, -_ANY_LENGTH], error
+        length, rows, negative_limit = _agreed(proposal, problem, plan)
+        if length > -negative_limit:
             raise EngineUsageError(
-                f"micro_batch_tokens under a pipeline: every rank runs micro-batches of {length} columns (the longest "
-                f"rows' bucket), but some rank's batch is padded to only {-shortest}; pad every rank's batches to one "
-                "length (e.g. the tokenizer's padding='max_length')")
+                f"micro_batch_tokens under a pipeline: every rank runs micro-batches of one shape, {length} columns here "
+                f"(the bucket of the longest row on any rank), but some rank's batch has {-negative_limit} columns and "
+                "no padding to extend it with (every row full); pad every rank's batches to one length (e.g. the "
+                "tokenizer's padding='max_length'), or leave one padded row")
         steps = self._schedule_steps(one_shape_micro_steps(rows, length, budget, cap))
         self.rows = -(-rows // steps)
         groups = self.groups = self.reader.logged(layout, group_uniformly(layout.lengths, length, budget, steps),
