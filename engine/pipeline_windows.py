@@ -26,8 +26,8 @@ infers its input and output shapes once, from the first micro-batch, and every m
 receive buffers are made from them; the schedule cuts its inputs into equal chunks), so
 micro-batches of different lengths cannot share a step. Shapes are bucketed instead
 (``window_split.OneShapeTokenSplit``): a window's micro-batches, on every rank, are cut to one
-bucket length (the longest row rounded up to 2^k × 1, 1.25, 1.5 or 1.75) and padded to one
-number of rows, and a window of another shape gets its own schedule (built once, kept for reuse). Each
+bucket length (the longest row rounded up to 2^k × 1 or 1.5) and padded to one number of
+rows, and a window of another shape gets its own schedule (built once, kept for reuse). Each
 micro-batch is weighted by its real tokens with ``(sum, count)`` losses, and a zero-weight
 step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
 """

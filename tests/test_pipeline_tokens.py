@@ -186,12 +186,12 @@ def test_token_budget_under_pipeline_and_data_parallel_is_exact():
 
 
 def test_one_shape_per_window_keeps_the_budget_and_few_lengths():
-    # 2^k x (1, 1.25, 1.5, 1.75): at most a quarter more columns
+    # 2^k x (1, 1.5): at most half more columns, two lengths per octave
     assert [bucket_length(n, 4096) for n in (1, 3, 5, 9, 16, 17, 100, 512, 513, 1500)] == \
-        [1, 3, 5, 10, 16, 20, 112, 512, 640, 1536]
+        [1, 3, 6, 12, 16, 24, 128, 512, 768, 1536]
     assert bucket_length(1500, 4096, cap=1500) == 1500  # a batch of full rows is not extended
-    assert bucket_length(600, 1000) == 640 and bucket_length(900, 1000) == 1000  # never over a budget it fits
-    assert bucket_length(1200, 1000) == 1280  # a row over the budget runs alone, at a bucket length
+    assert bucket_length(600, 1000) == 768 and bucket_length(900, 1000) == 1000  # never over a budget it fits
+    assert bucket_length(1200, 1000) == 1536  # a row over the budget runs alone, at a bucket length
     # a batch padded to fewer columns than the shape: extended with its own padding (a row not full)
     tokens, labels = batch_of([5, 2, 3], seed=0)
     batch = (tokens[:, :5], {key: value[:, :5] for key, value in labels.items()})

@@ -41,8 +41,8 @@ For a given number of micro-steps the rows are then cut into consecutive runs of
 
 One shape per window. A pipeline schedule runs micro-batches of one shape per step
 (``engine.pipeline_windows``), so there rows are not grouped by length: every micro-batch of
-a window is cut to one bucket length (the longest row rounded up to 2^k × 1, 1.25, 1.5 or
-1.75, at most N when that row fits N: few distinct shapes, so few schedules) and holds
+a window is cut to one bucket length (the longest row rounded up to 2^k × 1 or 1.5, at most
+N when that row fits N: few distinct shapes, so few schedules) and holds
 ⌊N / length⌋ rows or fewer, the rows split evenly (:func:`group_uniformly`). Every rank runs
 the same shape, the largest any rank needs: a schedule for a new shape infers its shapes by
 running the stages, which gathers sharded stages' parameters, so all replicas build it at once.
@@ -345,12 +345,12 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | N
 # -- one shape per window (a pipeline schedule) -------------------------------------------
 def bucket_length(longest: int, budget: int, cap: int | None = None) -> int:
     """The length every micro-batch of a window is cut to when they must share one shape: the
-    longest row rounded up to the ladder 2^k × (1, 1.25, 1.5, 1.75) (at most a quarter more
-    columns, and few distinct lengths, so few schedules); at most ``cap`` (a batch that cannot
-    be extended: every row full) and at most the budget when the longest row fits it
-    (rounding never pushes a micro-batch over N)."""
+    longest row rounded up to the ladder 2^k × (1, 1.5) (at most half more columns, and two
+    lengths per octave, so few schedules); at most ``cap`` (a batch that cannot be extended:
+    every row full) and at most the budget when the longest row fits it (rounding never
+    pushes a micro-batch over N)."""
     longest = max(1, longest)
-    step = 1 << max(0, (longest - 1).bit_length() - 3)
+    step = 1 << max(0, (longest - 1).bit_length() - 2)
     bucket = -(-longest // step) * step
     if cap is not None:
         bucket = min(bucket, max(cap, longest))
