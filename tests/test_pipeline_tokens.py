@@ -4,6 +4,8 @@ and pipeline 2 × data 2 on 4 ranks (ZeRO 0 and 3). torch's stages run one shape
 window's micro-batches are cut to its bucket length (``engine.batching.token_budget``, "One
 shape per window"); windows of other buckets build schedules of their own, counted here.
 The model mixes positions causally, so cutting at the bucket is exact only for right padding.
+Batches padded per rank (to their own longest row) are extended to the common shape with their
+own padding; a rank of full rows that would need extending stops every rank with an error.
 
 Broken variants that must miss the tolerance: each micro-batch's token mean (micro-batches
 weighted alike, DeepSpeed #4777's usual workaround) and a count that includes the padding."""
@@ -171,6 +173,21 @@ def test_token_budget_under_two_stages_is_exact_and_builds_a_schedule_per_bucket
         assert all(result["diff"] > MISSED for result in results[name]), name
 
 
+def full_rows_refused(rank, world):
+    """One data rank's batch of full rows (nothing to extend it with) shorter than the shape
+    another rank needs: every rank raises the same error, none waits in a collective."""
+    eng = engine.initialize(causal_lm(), {"train_batch_size": 8 * (world // 2), "micro_batch_tokens": 32,
+                                          "pipeline": {"stages": 2}}, optimizer=sgd)
+    tokens, labels = batch_of([16, 3, 5, 9] * 2 if eng.plan.rank == 0 else [6] * 8, seed=0)
+    width = T if eng.plan.rank == 0 else 6
+    try:
+        eng.train_batch((tokens[:, :width], {key: value[:, :width] for key, value in labels.items()}), token_sum)
+    except engine.errors.EngineUsageError as error:
+        return str(error)
+    finally:
+        eng.close()
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_token_budget_under_pipeline_and_data_parallel_is_exact():
@@ -178,7 +195,10 @@ def test_token_budget_under_pipeline_and_data_parallel_is_exact():
     # each rank's batch padded to its own longest row: the shorter ones extended with their own padding
     scenarios["zero 3, dynamic padding"] = functools.partial(train, zero=3, dynamic=True)
     scenarios["token mean per micro-batch"] = functools.partial(train, loss_fn=token_mean_per_micro_batch)
+    scenarios["full rows"] = full_rows_refused
     results = run_scenarios(scenarios, world_size=4, timeout=280)
+    assert all("16 columns here" in message and "has 6 columns and no padding to extend it with" in message
+               and "padding='max_length'" in message for message in results["full rows"]), results["full rows"]
     # the second window: one data rank's rows are short (4 per micro-batch), the other's not; they agree on 4
     for name in ("zero 0", "zero 3", "zero 3, dynamic padding"):
         assert_exact(results[name], [4, 4, 4, 2])
