@@ -90,8 +90,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit) if plan.is_provisional else None
+    # under a pipeline a token budget forms micro-batches of one shape, as many as the schedule runs
+    schedule_steps = strategy.fitting_micro_batches if setup.mesh.pipeline > 1 else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
-                                    sequence_keys=config.sequence_keys)
+                                    sequence_keys=config.sequence_keys, schedule_steps=schedule_steps)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=_window_runner(setup, strategy, plan, tuner),
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
@@ -107,7 +109,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
 def _window_runner(setup, strategy, plan, tuner: MicroBatchTuner | None) -> WindowRunner | None:
     """Who runs a window: the pipeline schedule, the micro-size tuner, or the engine itself (None)."""
     if setup.mesh.pipeline > 1:
-        return PipelineWindows(strategy, plan.gradient_accumulation_steps)
+        # a token budget chooses each window's micro-batches (as many as the schedule runs)
+        return PipelineWindows(strategy, None if plan.micro_batch_tokens else plan.gradient_accumulation_steps)
     return tuner
 
 

@@ -55,7 +55,7 @@ from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
 from engine.batching.token_budget import TokenCost
-from engine.batching.window_split import PlannedSplit
+from engine.batching.window_split import PlannedSplit, Split
 
 log = logging.getLogger("engine")
 
@@ -259,6 +259,11 @@ class Engine:
         self._recording = self._records(self.global_steps + 1)
         if self._recording:
             self._peak.start()
+
+    def planned_window(self, split: Split) -> None:
+        """The window's micro-steps and token cost as the window split cut its batch (a window
+        runner that splits the batch itself tells them here, for the window's report)."""
+        self._window.planned_steps, self._window.tokens = split.micro_steps, split.tokens
 
     def measured_forwards(self):
         """A context for the forwards of a window the monitor records: its peak memory is
@@ -537,7 +542,7 @@ class Engine:
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
         split = self.window_split.split(batch, self.plan)
-        self._window.planned_steps, self._window.tokens = split.micro_steps, split.tokens
+        self.planned_window(split)
         for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 

@@ -20,6 +20,16 @@ Shapes. The schedule needs micro-batches of one shape; when the plan's micro-bat
 in size (a balanced plan, a short window) each is padded to the largest with copies of its
 own first rows, whose outputs are cut off before ``loss_fn`` sees them: they take no part in
 the loss or the gradient (models whose rows do not interact, i.e. without batch statistics).
+
+Token budgets (``micro_batch_tokens``). torch's stages take one shape per step (a stage
+infers its input and output shapes once, from the first micro-batch, and every micro-batch's
+receive buffers are made from them; the schedule cuts its inputs into equal chunks), so
+micro-batches of different lengths cannot share a step. Shapes are bucketed instead
+(``window_split.OneShapeTokenSplit``): a window's micro-batches, on every rank, are cut to one
+bucket length (the longest row rounded up to 2^k × 1 or 1.5) and padded to one number of
+rows, and a window of another shape gets its own schedule (built once, kept for reuse). Each
+micro-batch is weighted by its real tokens with ``(sum, count)`` losses, and a zero-weight
+step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -40,21 +50,28 @@ if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torc
 class PipelineWindows(WindowRunner):
     """Runs training and evaluation windows through the pipeline schedule."""
 
-    def __init__(self, strategy: PipelineParallel, accumulation: int):
-        strategy.check_accumulation(accumulation)
+    def __init__(self, strategy: PipelineParallel, accumulation: int | None):
+        """``accumulation``: the plan's micro-batches per window; None when a token budget
+        chooses them per window (as many as the schedule runs)."""
+        if accumulation is not None:
+            strategy.check_accumulation(accumulation)
         self.strategy = strategy
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         inputs, _ = _inputs_and_labels(batch, "train_batch")
         loss_fn = outputs_loss_of(loss_fn)
-        pieces = list(engine.window_split.split(batch, engine.plan).pieces)
+        split = engine.window_split.split(batch, engine.plan)
+        pieces = list(split.pieces)
         sizes = [n for _, n in pieces]
         engine.start_window()
+        engine.planned_window(split)
         weight = self.strategy.mesh.data / engine.window_split.weighting_batch(engine.plan)
         records = _Records(len(pieces))
 
         def weighted_loss(outputs, index):
             k = int(index[0])
+            if not sizes[k]:  # a zero-weight step: only keeps the ranks' micro-step counts equal
+                return _zero_from(outputs)
             try:
                 seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))  # as the model returns them
                 loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
@@ -65,8 +82,9 @@ class PipelineWindows(WindowRunner):
             records.put(k, loss, sizes[k], count, item_weighted)
             return loss * ((1 if item_weighted else sizes[k]) * weight)
 
-        if any(n != sizes[0] for n in sizes):
-            inputs = _equal_chunks([piece[0] for piece, _ in pieces])
+        rows = engine.window_split.schedule_rows()
+        if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
+            inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
         with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
             self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
         for output, samples in records.shared(self.strategy):
@@ -99,8 +117,9 @@ class PipelineWindows(WindowRunner):
         module.eval()
         try:
             with torch.no_grad():
-                self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces]), len(pieces), loss_only,
-                                           train=False)
+                self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces],
+                                                         engine.window_split.schedule_rows()),
+                                           len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
         total = torch.zeros(2, dtype=torch.float64)
@@ -176,11 +195,11 @@ def _zero_from(outputs) -> torch.Tensor:
     return sum(t.sum() * 0 for t in tensors if t.is_floating_point())
 
 
-def _equal_chunks(inputs: list):
-    """The micro-batches' inputs, each padded to the largest with copies of its own rows, one
-    after the other: equal chunks for the schedule."""
-    largest = max(batch_size(piece) for piece in inputs)
-    return _concat([_repeat_rows(piece, largest) for piece in inputs])
+def _equal_chunks(inputs: list, rows: int | None = None):
+    """The micro-batches' inputs, each padded to ``rows`` (default: the largest's) with copies
+    of its own rows, one after the other: equal chunks for the schedule."""
+    rows = rows or max(batch_size(piece) for piece in inputs)
+    return _concat([_repeat_rows(piece, rows) for piece in inputs])
 
 
 def _repeat_rows(piece, size: int):

@@ -39,6 +39,17 @@ kind needs fewer. A row longer than N runs alone, flagged for a warning.
 For a given number of micro-steps the rows are then cut into consecutive runs of that order
 (always as good as any other grouping) computing the fewest padded tokens.
 
+One shape per window. A pipeline schedule runs micro-batches of one shape per step
+(``engine.pipeline_windows``), so there rows are not grouped by length: every micro-batch of
+a window is cut to one bucket length (the longest row rounded up to 2^k × 1 or 1.5, at most
+N when that row fits N: few distinct shapes, so few schedules) and holds
+⌊N / length⌋ rows or fewer, the rows split evenly (:func:`group_uniformly`). Every rank runs
+the same shape, the largest any rank needs: a schedule for a new shape infers its shapes by
+running the stages, which gathers sharded stages' parameters, so all replicas build it at once.
+Cutting at the bucket keeps a few columns of the batch's own padding, which the loss ignores
+as it does in the full batch; a rank whose batch is padded to fewer columns than the shape
+extends it with its own padding (:func:`padding_row`), which needs one row that is not full.
+
 Equal micro-step counts. Every rank must run the same number k of micro-steps (ZeRO-3
 gathers parameters in each): each rank proposes its fewest, the engine takes the maximum
 over ranks, and every rank groups its rows into exactly k micro-batches. Cost model: a
@@ -331,6 +342,49 @@ def _cheapest_cuts(widths: list[int], budget: int, parts: int, max_rows: int | N
     return cuts[::-1]
 
 
+# -- one shape per window (a pipeline schedule) -------------------------------------------
+def bucket_length(longest: int, budget: int, cap: int | None = None) -> int:
+    """The length every micro-batch of a window is cut to when they must share one shape: the
+    longest row rounded up to the ladder 2^k × (1, 1.5) (at most half more columns, and two
+    lengths per octave, so few schedules); at most ``cap`` (a batch that cannot be extended:
+    every row full) and at most the budget when the longest row fits it (rounding never
+    pushes a micro-batch over N)."""
+    longest = max(1, longest)
+    step = 1 << max(0, (longest - 1).bit_length() - 2)
+    bucket = -(-longest // step) * step
+    if cap is not None:
+        bucket = min(bucket, max(cap, longest))
+    return min(bucket, budget) if longest <= budget else bucket
+
+
+def one_shape_micro_steps(rows: int, length: int, budget: int, max_rows: int | None = None) -> int:
+    """The fewest micro-batches of ``length`` columns that hold ``rows`` rows within ``budget``
+    padded tokens and ``max_rows`` rows (one row each when a row alone exceeds the budget)."""
+    _longest_first([length], budget, max_rows)  # checks the budget and the cap
+    return -(-rows // max(1, min(budget // length, max_rows or rows)))
+
+
+def group_uniformly(lengths: Sequence[int], length: int, budget: int, micro_steps: int) -> list[MicroGroup]:
+    """``lengths``' rows, in row order, in ``micro_steps`` micro-batches cut to ``length``
+    columns that differ by at most one row; zero-weight repeats of the last row when there
+    are fewer rows than micro-steps. For a schedule of one shape per step."""
+    _longest_first(lengths, budget, None)  # checks the budget and the rows
+    if length < max(lengths):
+        raise TokenBudgetError(f"micro-batches of {length} columns would cut rows of {max(lengths)} tokens")
+    if isinstance(micro_steps, bool) or not isinstance(micro_steps, int) or micro_steps < 1:
+        raise TokenBudgetError(f"micro_steps must be a positive integer; got {micro_steps!r}")
+    real = min(micro_steps, len(lengths))
+    base, extra = divmod(len(lengths), real)
+    groups, start = [], 0
+    for k in range(real):
+        rows = tuple(range(start, start + base + (k < extra)))
+        start += len(rows)
+        groups.append(MicroGroup(rows, length, sum(lengths[r] for r in rows),
+                                 over_budget=len(rows) == 1 and length > budget))
+    repeat = MicroGroup((len(lengths) - 1,), length, 0, zero_weight=True)
+    return groups + [repeat] * (micro_steps - real)
+
+
 def over_budget_message(groups: Sequence[MicroGroup], budget: int) -> str | None:
     """A warning for the log when some rows are longer than the budget, else None."""
     long = [g for g in groups if g.over_budget]
@@ -369,15 +423,22 @@ class TokenSplitter:
         self.sequence_keys = sequence_keys
         self._described = self._warned = False
 
+    def layout(self, batch: Any) -> SequenceLayout:
+        """``batch``'s row lengths and sequence tensors."""
+        return sequence_layout(batch, lengths=self.lengths, sequence_keys=self.sequence_keys)
+
     def read(self, batch: Any, budget: int, max_rows: int | None = None) -> tuple[SequenceLayout, int]:
         """``batch``'s layout and its fewest micro-steps (this rank's proposal)."""
-        layout = sequence_layout(batch, lengths=self.lengths, sequence_keys=self.sequence_keys)
+        layout = self.layout(batch)
         return layout, fewest_micro_steps(layout.lengths, budget, max_rows)
 
     def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
               max_rows: int | None = None) -> list[MicroGroup]:
         """The layout's rows in the ``micro_steps`` the ranks agreed on."""
-        groups = group_by_tokens(layout.lengths, budget, micro_steps, max_rows)
+        return self.logged(layout, group_by_tokens(layout.lengths, budget, micro_steps, max_rows), budget)
+
+    def logged(self, layout: SequenceLayout, groups: list[MicroGroup], budget: int) -> list[MicroGroup]:
+        """``groups``, after the run's first layout and its first rows over the budget are logged."""
         if not self._described:
             self._described = True
             log.info("%s", layout.describe())
@@ -391,20 +452,34 @@ class TokenSplitter:
 # -- building a micro-batch ----------------------------------------------------------------
 def take_rows(batch: Any, layout: SequenceLayout, group: MicroGroup) -> Any:
     """``group``'s micro-batch of ``batch``: the group's rows, in its order, of every tensor
-    with a batch dimension, sequence tensors cut to their first ``group.length`` columns;
-    mappings and sequences keep their types (e.g. a ``BatchEncoding``)."""
+    with a batch dimension, sequence tensors cut to their first ``group.length`` columns (or,
+    longer than the batch, extended by :func:`padding_row`'s last column); mappings and
+    sequences keep their types (e.g. a ``BatchEncoding``)."""
     indices: dict[torch.device, torch.Tensor] = {}
+    extend = group.length - layout.padded_length
+    source = padding_row(layout) if extend > 0 else None
 
     def take(path: str, tensor: torch.Tensor):
         if tensor.dim() == 0:
             return tensor
         if path in layout.sequence_paths:
-            tensor = tensor[:, :group.length]  # a view: the copy below moves only what is kept
+            if extend > 0:
+                pad = tensor[source:source + 1, -1:]
+                tensor = torch.cat([tensor, pad.expand(tensor.shape[0], extend, *pad.shape[2:])], 1)
+            else:
+                tensor = tensor[:, :group.length]  # a view: the copy below moves only what is kept
         if tensor.device not in indices:
             indices[tensor.device] = torch.tensor(group.rows, device=tensor.device)
         return tensor.index_select(0, indices[tensor.device])
 
     return map_tensors(batch, take)
+
+
+def padding_row(layout: SequenceLayout) -> int | None:
+    """A row whose last column is padding (shorter than the batch's padded length): what its
+    last column holds in each sequence tensor is that tensor's padding (pad id, mask 0, the
+    ignored label), which extends the batch to a longer length. None when every row is full."""
+    return next((row for row, n in enumerate(layout.lengths) if n < layout.padded_length), None)
 
 
 # -- cost, for the window report ----------------------------------------------------------
@@ -420,3 +495,9 @@ class TokenCost:
 def token_cost(groups: Sequence[MicroGroup]) -> TokenCost:
     """Totals of ``groups`` (e.g. for the window report: padded vs real tokens)."""
     return TokenCost(len(groups), sum(g.real_tokens for g in groups), sum(g.padded_tokens for g in groups))
+
+
+def one_shape_cost(groups: Sequence[MicroGroup], rows: int) -> TokenCost:
+    """Totals of ``groups`` run as micro-batches of ``rows`` rows each (padded with copies of
+    their own rows) at their common length."""
+    return TokenCost(len(groups), sum(g.real_tokens for g in groups), len(groups) * rows * groups[0].length)

@@ -11,6 +11,8 @@ The engine asks it
   and ``manual_samples`` at each backward — what the micro-batch counts for — and
   ``counts_exactly``: whether those counts are real (summed over the ranks at the boundary)
   or the plan's (no collective);
+* ``schedule_rows()``: the rows every micro-batch of the latest split runs with in a schedule
+  of one shape (a pipeline's), when the split fixes them for every rank;
 * ``weighting_batch(plan)``: the G in the weights, and ``window_closed(samples)`` at each
   boundary; ``restored_plan(plan, saved)``: the plan a checkpoint's micro size or budget gives.
 
@@ -31,13 +33,16 @@ The kinds:
   (``engine.batching.token_budget``), every rank running as many as the rank that needs the most (one
   small agreement); the latest split's groups are kept for reports and for the micro-batch
   tuner. There is no manual loop: the script hands over whole per-device batches.
+* :class:`OneShapeTokenSplit` — ``micro_batch_tokens`` under a pipeline, whose schedule runs
+  micro-batches of one shape: all of a window's, on every rank, share one length and one
+  number of rows (``schedule_rows``), as many as the schedule runs.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -47,12 +52,15 @@ from engine.distributed.collectives import agreed_max
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
 from engine.batching.microbatch import batch_size, split_batch
-from engine.batching.token_budget import LengthsFn, MicroGroup, TokenCost, TokenSplitter, smaller_budget, take_rows, token_cost
+from engine.batching.token_budget import (LengthsFn, MicroGroup, TokenCost, TokenSplitter, bucket_length, group_uniformly,
+                                         one_shape_cost, one_shape_micro_steps, padding_row, smaller_budget, take_rows,
+                                         token_cost)
 
 log = logging.getLogger("engine")
 
 MANUAL_SIZES = ("plan", "inputs")  # initialize(manual_sizes=...)
 _EVERY_RANK = "every rank must call train_batch() / eval_batch() for each step"
+_ANY_LENGTH = 2 ** 62
 
 
 class Split(NamedTuple):
@@ -134,6 +142,11 @@ class PlannedSplit:
 
     def window_closed(self, samples: int) -> None:
         """A window of ``samples`` (over every rank) closed."""
+
+    def schedule_rows(self) -> int | None:
+        """The rows every micro-batch of the latest split runs with in a schedule of one shape,
+        when this split sets them (None: the most of any micro-batch of this rank)."""
+        return None
 
     def restored_plan(self, plan: BatchPlan, saved: dict) -> BatchPlan:
         """The plan to go on with after restoring a checkpoint's ``micro_batch`` state: a micro
@@ -251,15 +264,7 @@ class TokenSplit(PlannedSplit):
             problem = None
         except Exception as error:  # noqa: BLE001 - e.g. the user's lengths(): every rank must reach the agreement
             layout, fewest, problem = None, 0, error
-        steps, failed = agreed_max(
-            [fewest, plan.rank + 1 if problem else 0],
-            "not every rank reached the agreement to split its batch by tokens within distributed."
-            f"agreement_timeout_seconds ({{timeout}} s), or a rank stopped: {_EVERY_RANK}")
-        if problem is not None:
-            raise problem
-        if failed:
-            raise EngineUsageError(f"rank {failed - 1} could not split its batch by tokens (its error is in its "
-                                   "log); every rank stops at the same micro-step")
+        steps, = _agreed([fewest], problem, plan)
         groups = self.groups = self.reader.group(layout, budget, steps, cap)
         return Split(steps, ((take_rows(batch, layout, g), g.samples) for g in groups), token_cost(groups))
 
@@ -305,12 +310,73 @@ class TokenSplit(PlannedSplit):
         return max(layout.lengths)
 
 
+def _agreed(proposal: list[int], problem: Exception | None, plan: BatchPlan) -> list[int]:
+    """The maximum of each of ``proposal``'s numbers over every rank; every rank raises when one
+    could not read its batch (``problem``: this rank's error)."""
+    *agreed, failed = agreed_max(
+        [*proposal, plan.rank + 1 if problem else 0],
+        "not every rank reached the agreement to split its batch by tokens within distributed."
+        f"agreement_timeout_seconds ({{timeout}} s), or a rank stopped: {_EVERY_RANK}")
+    if problem is not None:
+        raise problem
+    if failed:
+        raise EngineUsageError(f"rank {failed - 1} could not split its batch by tokens (its error is in its "
+                               "log); every rank stops at the same micro-step")
+    return agreed
+
+
+class OneShapeTokenSplit(TokenSplit):
+    """``micro_batch_tokens`` for a schedule that runs micro-batches of one shape per step and
+    only some numbers of them (a pipeline's): every rank's micro-batches share one length (the
+    bucket of the longest row on any rank) and one number of rows (``rows``), and there are as
+    many as the schedule runs (``engine.batching.token_budget``, "One shape per window")."""
+
+    def __init__(self, schedule_steps: Callable[[int], int], lengths: LengthsFn | None = None,
+                 sequence_keys: Sequence[str] | None = None):
+        super().__init__(lengths, sequence_keys)
+        self._schedule_steps = schedule_steps
+        self.rows = 0  # rows of every micro-batch of the latest split, on every rank (copies pad them)
+
+    def split(self, batch, plan: BatchPlan, budget: int | None = None) -> Split:
+        budget, cap = budget or plan.micro_batch_tokens, plan.train_micro_batch_size_per_gpu
+        try:
+            layout = self.reader.layout(batch)
+            # the most columns this rank can give: any, extended with its own padding, unless every row is full
+            limit = layout.padded_length if padding_row(layout) is None else _ANY_LENGTH
+            bucket = bucket_length(max(layout.lengths), budget, None if limit == _ANY_LENGTH else limit)
+            proposal = [bucket, len(layout.lengths), -limit]
+            problem = None
+        except Exception as error:  # noqa: BLE001 - e.g. the user's lengths(): every rank must reach the agreement
+            layout, proposal, problem = None, [0, 0, -_ANY_LENGTH], error
+        length, rows, negative_limit = _agreed(proposal, problem, plan)
+        if length > -negative_limit:
+            raise EngineUsageError(
+                f"micro_batch_tokens under a pipeline: every rank runs micro-batches of one shape, {length} columns here "
+                f"(the bucket of the longest row on any rank), but some rank's batch has {-negative_limit} columns and "
+                "no padding to extend it with (every row full); pad every rank's batches to one length (e.g. the "
+                "tokenizer's padding='max_length'), or leave one padded row")
+        steps = self._schedule_steps(one_shape_micro_steps(rows, length, budget, cap))
+        self.rows = -(-rows // steps)
+        groups = self.groups = self.reader.logged(layout, group_uniformly(layout.lengths, length, budget, steps),
+                                                  budget)
+        return Split(steps, ((take_rows(batch, layout, g), g.samples) for g in groups),
+                     one_shape_cost(groups, self.rows))
+
+    def schedule_rows(self) -> int | None:
+        return self.rows
+
+
 def window_split_for(plan: BatchPlan, *, manual_sizes: str = "plan", lengths: LengthsFn | None = None,
-                     sequence_keys: Sequence[str] | None = None) -> PlannedSplit:
+                     sequence_keys: Sequence[str] | None = None,
+                     schedule_steps: Callable[[int], int] | None = None) -> PlannedSplit:
     """The window split for ``plan``; ``manual_sizes`` (one of ``MANUAL_SIZES``): how a manual
     loop counts a micro-batch of a plan with sizes, ``"plan"`` (its planned size) or
-    ``"inputs"`` (what ``eng(...)`` was given)."""
+    ``"inputs"`` (what ``eng(...)`` was given). ``schedule_steps``: under a pipeline, the
+    fewest micro-batches, at least n, its schedule runs (token budgets then form micro-batches
+    of one shape)."""
     if plan.micro_batch_tokens is not None:
+        if schedule_steps is not None:
+            return OneShapeTokenSplit(schedule_steps, lengths, sequence_keys)
         return TokenSplit(lengths, sequence_keys)
     if plan.is_data_defined:
         return DataDefinedSplit(plan)

@@ -14,7 +14,7 @@ both report the same problems, all at once:
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
   (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
-  batches whose micro-batches the plan does not fix).
+  batches whose micro-batches neither the plan nor a token budget fixes).
 """
 from __future__ import annotations
 
@@ -109,9 +109,6 @@ def _pipeline_problems(config: Config) -> list[str]:
     if config.train_micro_batch_size_per_gpu in ("auto", "explore"):
         problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
                         f"under a pipeline of {stages} stages yet; give a number")
-    if config.micro_batch_tokens is not None:
-        problems.append(f"micro_batch_tokens: not available under a pipeline of {stages} stages (the schedule "
-                        "needs A micro-batches of one shape); give train_micro_batch_size_per_gpu")
     if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
         problems.append(f"pipeline.stages: a pipeline of {stages} stages runs the plan's micro-batches; give "
                         "train_batch_size or train_micro_batch_size_per_gpu besides gradient_accumulation_steps")

@@ -14,8 +14,10 @@ this strategy adds the fp16 loss scale. What spans every stage is computed over 
 group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's
 discards the window everywhere) and ``full_state_dict`` (the stages' pieces joined).
 
-A window's micro-batches must share one shape (the schedule sizes its receive buffers at its
-first step): a schedule is built per shape and micro-batch count and kept for reuse.
+A window's micro-batches must share one shape (each stage infers its shapes once, at its
+first step, and sizes every micro-batch's receive buffers from them): a schedule is built per
+shape and micro-batch count, the most recent few kept for reuse; ``schedules_built`` counts
+them (a token budget's windows of other bucket lengths build others), each build is logged.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class PipelineParallel(TorchStrategy):
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
         self._schedules: dict[tuple, object] = {}
+        self.schedules_built = 0  # each new shape and micro-batch count (or one dropped and met again)
         self._step_options = _step_options(self.schedule_class)
         self._loss: LossFn | None = None
 
@@ -215,6 +218,10 @@ class PipelineParallel(TorchStrategy):
                       for module, index in zip(self.stage_modules, self.stage_indices)]
             first = stages[0] if self.stages_per_rank == 1 else stages
             schedule = self.schedule_class(first, n_microbatches=key[1], loss_fn=self._scaled_loss, scale_grads=False)
+            self.schedules_built += 1
+            log.info("pipeline: schedule %d built, %d micro-batches of shape %s (the %d most recent are kept)",
+                     self.schedules_built, key[1],
+                     ", ".join(str([shape[0] // key[1], *shape[1:]]) for shape in key[0]), _KEPT_SCHEDULES)
             if len(self._schedules) >= _KEPT_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
         self._schedules[key] = schedule  # most recently used last
