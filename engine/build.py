@@ -89,11 +89,14 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
-    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit) if plan.is_provisional else None
+    pipeline = PipelineWindows(strategy, None if plan.is_provisional else plan.gradient_accumulation_steps) \
+        if setup.mesh.pipeline > 1 else None
+    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
+        if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
-                 window_runner=_window_runner(setup, strategy, plan, tuner),
+                 window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
@@ -102,13 +105,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if autosave is not None:
         autosave.start(eng)  # may resume: last
     return eng
-
-
-def _window_runner(setup, strategy, plan, tuner: MicroBatchTuner | None) -> WindowRunner | None:
-    """Who runs a window: the pipeline schedule, the micro-size tuner, or the engine itself (None)."""
-    if setup.mesh.pipeline > 1:
-        return PipelineWindows(strategy, plan.gradient_accumulation_steps)
-    return tuner
 
 
 def _configure_logging(rank: int) -> None:
