@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import engine
-from engine.errors import ConfigError
-from tests import broken
+from engine.errors import ConfigError, PeerError
+from tests.broken import intact, keeps_failed_windows, votes_alone
 from tests.dist_utils import run_scenarios
 from tests.oom_models import Tripwire
 from tests.reference import max_param_diff, regression_batches, sgd, state
@@ -40,7 +40,7 @@ def tripped_mlp(stage: int, **tripwire) -> torch.nn.Sequential:
 
 
 def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_ranks=None, after_calls=0,
-                  breaks="intact"):
+                  breaks=intact, evaluate=False):
     """Per-device batch 8: auto starts at 8 (A = 1, which 1F1B over 2 ranks cannot run: 4),
     out of memory above 2 on ``trip_ranks``: 4 -> 2, A = 4; three windows."""
     data_ranks = world // 2
@@ -51,7 +51,7 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
     settings = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": "auto",
                 "pipeline": {"stages": 2, "schedule": schedule, "split": SPLITS.get(schedule, ["3"])},
                 "distributed": {"agreement_timeout_seconds": 60}}
-    eng = getattr(broken, breaks)(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
+    eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     for batch in batches:
         eng.train_batch(data_share(batch, eng), mse_outputs)
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
@@ -60,5 +60,107 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
               "changes": [(c["old"], c["new"], c["ranks"]) for c in eng.micro_batch_tuner.changes],
               "counters": (eng.global_steps, eng.micro_steps, eng.global_samples),
               "stage": eng.strategy.position}
+    if evaluate:
+        result["eval"] = eng.eval_batch(data_share(batches[0], eng), mse_outputs)
+        result["reference_eval"] = float(reference_mse(expected, batches[0]))
     eng.close()
     return result
+
+
+def alone(rank, world):
+    """The broken variant above cannot train on: the ranks that did not shrink closed a window
+    whose last stage counted nothing; every rank stops with an error."""
+    try:
+        auto_pipeline(rank, world, stage=1, trip_ranks=[1], breaks=votes_alone)
+    except Exception as error:  # noqa: BLE001 - whichever error, none trains on
+        return type(error).__name__
+    return "trained"
+
+
+def failing_loss(rank, world):
+    """Another error than an out-of-memory on one stage (loss_fn on the last): that rank raises
+    it, the others a PeerError naming it, at once."""
+    settings = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                "pipeline": {"stages": 2, "schedule": "1f1b", "split": ["3"]}}
+    eng = engine.initialize(tripped_mlp(0), settings, optimizer=sgd)
+
+    def broken_loss(outputs, labels):
+        raise ValueError("a broken loss")
+
+    try:
+        eng.train_batch(regression_batches(1, 8)[0], broken_loss)
+    except (ValueError, PeerError) as error:
+        return type(error).__name__, str(error)
+    finally:
+        eng.close()
+
+
+def assert_exact(per_rank, changes):
+    for result in per_rank:
+        assert result["diff"] < TOL, result
+        assert result["plan"][:2] == (2, 4) and result["changes"] == changes, result
+        assert result["counters"] == (3, 12, 3 * result["plan"][2]), result
+        if "eval" in result:
+            assert abs(result["eval"] - result["reference_eval"]) < TOL, result
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_else():
+    scenarios = {
+        "stage 2 (rank 1), forward": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], evaluate=True),
+        "stage 1 (rank 0), forward": functools.partial(auto_pipeline, stage=0, trip_ranks=[0]),
+        # after the schedule's metadata inference (torch 2.13): inside the schedule's first backward
+        "stage 2, backward": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], where="backward",
+                                               after_calls=1),
+        "stage 1, backward, gpipe": functools.partial(auto_pipeline, stage=0, trip_ranks=[0], where="backward",
+                                                      schedule="gpipe"),
+        "interleaved, rank 1's first stage": functools.partial(auto_pipeline, stage=0, trip_ranks=[1],
+                                                               schedule="interleaved"),
+        # fits in window 1 at 4, runs out of memory in window 2 in the same schedule
+        "after a step": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], after_calls=3),
+        "failed attempts kept": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], where="backward",
+                                                  after_calls=1, breaks=keeps_failed_windows),
+        "each rank alone": alone,
+        "another error": failing_loss,
+    }
+    results = run_scenarios(scenarios, world_size=2, timeout=280)
+    fit, shrunk = (8, 4, []), lambda ranks: (4, 2, ranks)
+    assert_exact(results["stage 2 (rank 1), forward"], [fit, shrunk([1])])
+    assert_exact(results["stage 1 (rank 0), forward"], [fit, shrunk([0])])
+    assert_exact(results["stage 2, backward"], [fit, shrunk([1])])
+    # gpipe runs A = 1: 8 runs out of memory too
+    assert_exact(results["stage 1, backward, gpipe"], [(8, 4, [0]), shrunk([0])])
+    assert_exact(results["interleaved, rank 1's first stage"], [(8, 4, [1]), shrunk([1])])
+    assert [r["changes"] for r in results["after a step"]] == [[fit, shrunk([1])]] * 2
+    assert all(r["diff"] < TOL for r in results["after a step"])
+    # broken variants: the failed attempt's partial gradients (stage 2's last layer) kept ...
+    assert all(r["diff"] > MISSED and r["plan"][:2] == (2, 4) for r in results["failed attempts kept"])
+    # ... the ranks shrinking alone: no rank trains on
+    assert "trained" not in results["each rank alone"]
+    (kind0, _), (kind1, message) = results["another error"]
+    assert (kind0, kind1) == ("PeerError", "ValueError") and "a broken loss" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_pipeline_times_data_an_out_of_memory_on_one_rank_shrinks_all_four():
+    scenarios = {"rank 3 (stage 2, replica 2), forward": functools.partial(auto_pipeline, stage=1, trip_ranks=[3]),
+                 "rank 0 (stage 1, replica 1), backward": functools.partial(
+                     auto_pipeline, stage=0, trip_ranks=[0], where="backward", after_calls=1, evaluate=True)}
+    results = run_scenarios(scenarios, world_size=4, timeout=180)
+    assert_exact(results["rank 3 (stage 2, replica 2), forward"], [(8, 4, []), (4, 2, [3])])
+    assert_exact(results["rank 0 (stage 1, replica 1), backward"], [(8, 4, []), (4, 2, [0])])
+    assert [r["stage"] for r in results["rank 3 (stage 2, replica 2), forward"]] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"train_micro_batch_size_per_gpu": "explore"}, "'explore' is not available under a pipeline"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage 0 only"),
+    ({"pipeline": {"stages": 2, "schedule": "zero_bubble"}}, "zero_bubble"),
+    ({"auto_memory_limit": 0.5}, "auto_memory_limit: not available"),
+])
+def test_what_auto_cannot_do_under_a_pipeline_is_refused(extra, problem):
+    settings = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto", "pipeline": {"stages": 2}, **extra}
+    with pytest.raises(ConfigError, match=problem):
+        engine.initialize(tripped_mlp(0), settings, optimizer=sgd)
