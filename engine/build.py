@@ -14,7 +14,7 @@ from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
-from engine.engine import Engine, LossFn, WindowRunner
+from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.pipeline_windows import PipelineWindows
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler

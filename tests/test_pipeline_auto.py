@@ -42,7 +42,8 @@ def tripped_mlp(stage: int, **tripwire) -> torch.nn.Sequential:
 def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_ranks=None, after_calls=0,
                   breaks=intact, evaluate=False, agreement_timeout=60, timeout=60):
     """Per-device batch 8: auto starts at 8 (A = 1, which 1F1B over 2 ranks cannot run: 4),
-    out of memory above 2 on ``trip_ranks``: 4 -> 2, A = 4; three windows."""
+    out of memory above 2 on ``trip_ranks``: 4 -> 2, A = 4; three windows. ``evaluate``: an
+    evaluation before training (micro-batches of 8, then 4, run out of memory: 2) and after."""
     data_ranks = world // 2
     global_batch = 8 * data_ranks
     model = tripped_mlp(stage, max_micro=2, ranks=trip_ranks, where=where, after_calls=after_calls)
@@ -52,9 +53,14 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
                 "pipeline": {"stages": 2, "schedule": schedule, "split": SPLITS.get(schedule, ["3"])},
                 "distributed": {"agreement_timeout_seconds": agreement_timeout, "timeout_seconds": timeout}}
     eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
+    result = {}
+    if evaluate:
+        result["eval_first"] = eng.eval_batch(data_share(batches[0], eng), mse_outputs)
+        result["reference_eval_first"] = float(reference_mse(tripped_mlp(stage), batches[0]).detach())
+        result["eval_size"] = eng.micro_batch_tuner.eval_micro_batch_size
     for batch in batches:
         eng.train_batch(data_share(batch, eng), mse_outputs)
-    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+    result |= {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "plan": (eng.plan.train_micro_batch_size_per_gpu, eng.plan.gradient_accumulation_steps,
                        eng.plan.train_batch_size),
               "changes": [(c["old"], c["new"], c["ranks"]) for c in eng.micro_batch_tuner.changes],
@@ -62,7 +68,7 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
               "stage": eng.strategy.position}
     if evaluate:
         result["eval"] = eng.eval_batch(data_share(batches[0], eng), mse_outputs)
-        result["reference_eval"] = float(reference_mse(expected, batches[0]))
+        result["reference_eval"] = float(reference_mse(expected, batches[0]).detach())
     eng.close()
     return result
 
@@ -103,6 +109,8 @@ def assert_exact(per_rank, changes):
         assert result["counters"] == (3, 12, 3 * result["plan"][2]), result
         if "eval" in result:
             assert abs(result["eval"] - result["reference_eval"]) < TOL, result
+            assert abs(result["eval_first"] - result["reference_eval_first"]) < TOL, result
+            assert result["eval_size"] == 2, result
 
 
 @pytest.mark.distributed
@@ -146,9 +154,10 @@ def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_el
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_pipeline_times_data_an_out_of_memory_on_one_rank_shrinks_all_four():
-    scenarios = {"rank 3 (stage 2, replica 2), forward": functools.partial(auto_pipeline, stage=1, trip_ranks=[3]),
+    scenarios = {"rank 3 (stage 2, replica 2), forward": functools.partial(auto_pipeline, stage=1, trip_ranks=[3],
+                                                                                      evaluate=True),
                  "rank 0 (stage 1, replica 1), backward": functools.partial(
-                     auto_pipeline, stage=0, trip_ranks=[0], where="backward", after_calls=1, evaluate=True)}
+                     auto_pipeline, stage=0, trip_ranks=[0], where="backward", after_calls=1)}
     results = run_scenarios(scenarios, world_size=4, timeout=180)
     assert_exact(results["rank 3 (stage 2, replica 2), forward"], [(8, 4, []), (4, 2, [3])])
     assert_exact(results["rank 0 (stage 1, replica 1), backward"], [(8, 4, []), (4, 2, [0])])
