@@ -40,7 +40,7 @@ def tripped_mlp(stage: int, **tripwire) -> torch.nn.Sequential:
 
 
 def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_ranks=None, after_calls=0,
-                  breaks=intact, evaluate=False, agreement_timeout=60, timeout=60, zero=0):
+                  breaks=intact, evaluate=False, agreement_timeout=60, timeout=60):
     """Per-device batch 8: auto starts at 8 (A = 1, which 1F1B over 2 ranks cannot run: 4),
     out of memory above 2 on ``trip_ranks``: 4 -> 2, A = 4; three windows. ``evaluate``: an
     evaluation before training (micro-batches of 8, then 4, run out of memory: 2) and after."""
@@ -51,8 +51,7 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
     expected, _ = reference_run(tripped_mlp(stage), batches, reference_mse, 0.0)  # the same weights, no trip
     settings = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": "auto",
                 "pipeline": {"stages": 2, "schedule": schedule, "split": SPLITS.get(schedule, ["3"])},
-                "distributed": {"agreement_timeout_seconds": agreement_timeout, "timeout_seconds": timeout},
-                "zero_optimization": {"stage": zero}}
+                "distributed": {"agreement_timeout_seconds": agreement_timeout, "timeout_seconds": timeout}}
     eng = breaks(engine.initialize(copy.deepcopy(model), settings, optimizer=sgd))
     result = {}
     if evaluate:
