@@ -102,6 +102,15 @@ def failing_loss(rank, world):
         eng.close()
 
 
+def too_small(rank, world):
+    """1F1B over 2 ranks runs at least 2 micro-batches: a per-device batch of 1 has no size."""
+    settings = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": "auto", "pipeline": {"stages": 2}}
+    try:
+        engine.initialize(tripped_mlp(0), settings, optimizer=sgd)
+    except ConfigError as error:
+        return str(error)
+
+
 def assert_exact(per_rank, changes):
     for result in per_rank:
         assert result["diff"] < TOL, result
@@ -131,6 +140,7 @@ def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_el
         "failed attempts kept": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], where="backward",
                                                   after_calls=1, breaks=keeps_failed_windows),
         "another error": failing_loss,
+        "a per-device batch too small for 1F1B": too_small,
         "each rank alone": alone,
     }
     results = run_scenarios(scenarios, world_size=2, timeout=280)
@@ -149,6 +159,8 @@ def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_el
     assert "trained" not in results["each rank alone"]
     (kind0, _), (kind1, message) = results["another error"]
     assert (kind0, kind1) == ("PeerError", "ValueError") and "a broken loss" in message
+    assert all("no micro-batch size of at most 1 gives a number of micro-batches the pipeline schedule runs" in m
+               for m in results["a per-device batch too small for 1F1B"])
 
 
 @pytest.mark.distributed
@@ -171,7 +183,9 @@ def test_pipeline_times_data_an_out_of_memory_on_one_rank_shrinks_all_four():
     ({"auto_memory_limit": 0.5}, "auto_memory_limit: not available"),
 ])
 def test_what_auto_cannot_do_under_a_pipeline_is_refused(extra, problem):
+    """Before anything starts, each with the reason and what to do instead."""
     settings = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto", "pipeline": {"stages": 2}, **extra}
     with pytest.raises(ConfigError, match=problem):
         engine.initialize(tripped_mlp(0), settings, optimizer=sgd)
+
 

@@ -36,4 +36,3 @@ class GuardedPipelineStage(PipelineStage):
         base = super()._compute_input_grads
         grads, _ = self.guard.backward(lambda: (base(outputs, inputs, *args, **kwargs), None), inputs)
         return grads
-

@@ -166,6 +166,11 @@ class MicroBatchTuner(WindowRunner):
         # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline_windows), or,
         # when None, the engine's own micro-steps.
         self.windows = windows
+        if self._runnable(plan) is None:
+            raise ConfigError([
+                f"train_micro_batch_size_per_gpu: 'auto': no micro-batch size of at most "
+                f"{plan.train_micro_batch_size_per_gpu} gives a number of micro-batches the pipeline schedule runs; "
+                "give a larger per-device batch, or use pipeline.schedule gpipe"])
         self.meter = PeakMeter(strategy)
         self.limit = memory_limit_bytes(memory_limit, self.meter.device)
         self.warmup, self.repeats = warmup, repeats
@@ -237,14 +242,10 @@ class MicroBatchTuner(WindowRunner):
 
     def _fit_windows(self, eng) -> None:
         """A plan whose windows ``self.windows`` runs (a pipeline schedule's rule on its number
-        of micro-batches): the largest micro size at most the plan's."""
+        of micro-batches): the largest micro size at most the plan's (one exists: checked at
+        construction, and every size the tuner moves to is one)."""
         old = eng.plan
         plan = self._runnable(old)
-        if plan is None:
-            raise ConfigError([
-                f"train_micro_batch_size_per_gpu: 'auto': no micro-batch size of at most "
-                f"{old.train_micro_batch_size_per_gpu} gives a number of micro-batches the pipeline schedule runs; "
-                "give a larger per-device batch, or use pipeline.schedule gpipe"])
         if plan != old:
             eng.replan(plan)
             self._record(eng, old, plan, "a number of micro-batches the pipeline schedule runs")

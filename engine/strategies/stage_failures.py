@@ -74,31 +74,35 @@ class StageFailures:
         if rows is None or any(t.dim() == 0 or t.shape[0] != rows for t in tensors):
             return
         self._outputs[_signature(inputs)] = (isinstance(outputs, torch.Tensor),
-                                             tuple((tuple(t.shape[1:]), t.dtype, t.requires_grad) for t in tensors))
+                                             tuple((tuple(t.shape[1:]), t.dtype) for t in tensors))
 
     def _stand_in(self, run: Callable, module: torch.nn.Module, inputs: tuple):
         """Zeros of the outputs' shapes; those that carry gradients are tied to the inputs that
         do, so that the backward gives them zero gradients of their own shapes."""
         rows = _rows(inputs)
-        known = self._outputs.get(_signature(inputs)) or self._one_row(run, module, inputs)
+        known = self._outputs.get(_signature(inputs)) or self._one_row(run, inputs)
         if rows is None or known is None:
             raise self.error  # cannot stand in (see the module's doc): as without the guard
         single, metas = known
+        # as the layers' outputs: floating ones carry gradients when the stage learns
+        learns = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in module.parameters())
+            or any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs))
         tie = None
         for value in inputs:
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 tie = value.sum() * 0 if tie is None else tie + value.sum() * 0
         outputs = []
-        for shape, dtype, requires_grad in metas:
+        for shape, dtype in metas:
             zeros = torch.zeros((rows, *shape), dtype=dtype, device=self.device)
-            if requires_grad:
+            if learns and zeros.is_floating_point():
                 zeros = zeros + tie.to(dtype) if tie is not None else zeros.requires_grad_()
             outputs.append(zeros)
         return outputs[0] if single else tuple(outputs)
 
-    def _one_row(self, run: Callable, module: torch.nn.Module, inputs: tuple):
-        """The outputs' kinds for the inputs' first row, computed without gradients (None when
-        that fails too, or the outputs do not keep the row along dimension 0)."""
+    def _one_row(self, run: Callable, inputs: tuple):
+        """The outputs' shapes and dtypes for the inputs' first row, computed without gradients
+        (None when that fails too, or the outputs do not keep the row along dimension 0)."""
         try:
             with torch.no_grad():
                 outputs = run(*(value[:1] if isinstance(value, torch.Tensor) else value for value in inputs))
@@ -107,11 +111,7 @@ class StageFailures:
         tensors = _tensors(outputs)
         if any(t.dim() == 0 or t.shape[0] != 1 for t in tensors):
             return None
-        learns = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in module.parameters())
-            or any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs))
-        return (isinstance(outputs, torch.Tensor),
-                tuple((tuple(t.shape[1:]), t.dtype, learns and t.is_floating_point()) for t in tensors))
+        return isinstance(outputs, torch.Tensor), tuple((tuple(t.shape[1:]), t.dtype) for t in tensors)
 
     # -- backward ---------------------------------------------------------------------------
     def backward(self, run: Callable[[], tuple], inputs) -> tuple:
