@@ -22,6 +22,12 @@ fastest one that fits, then behaves like ``auto``.
 With ``micro_batch_tokens`` the same machinery moves the token budget instead of the micro
 size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or more rows on
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
+
+Under a pipeline (``auto`` only) an attempt is one run of the schedule
+(``engine.pipeline_windows``, handed in as ``windows``): a stage that fails stands in for the
+rest of the schedule and raises after the window's collectives
+(``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
+those whose number of micro-batches the schedule runs.
 """
 
 from __future__ import annotations
