@@ -1,10 +1,11 @@
 """The automatic micro size under a pipeline: an out-of-memory injected on one stage (one
-rank) in its forward or backward, inside the schedule, makes every rank of the pipeline ×
-data mesh discard the window, halve the micro size (A doubles, the global batch stays) and
-re-run the same batch through a schedule built for the new number of micro-batches. No rank
-waits for another (the failed stage stands in for the rest of the schedule), and the final
-parameters equal the float64 full-batch reference. The broken variant that keeps the failed
-attempt's gradients misses it."""
+rank) in its forward, its backward or the last stage's loss_fn, inside the schedule, makes
+every rank of the pipeline × data mesh discard the window, halve the micro size (A doubles,
+the global batch stays) and re-run the same batch through a schedule built for the new number
+of micro-batches. No rank waits for another (the failed stage stands in for the rest of the
+schedule; every collective runs under a 60 s timeout), and the final parameters equal the
+float64 full-batch reference. Broken variants: keeping the failed attempt's gradients misses
+the tolerance; ranks deciding alone (only the failing one shrinks) stop with an error."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def tripped_mlp(stage: int, **tripwire) -> torch.nn.Sequential:
 
 
 def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_ranks=None, after_calls=0,
-                  breaks=intact, evaluate=False, agreement_timeout=60, timeout=60):
+                  breaks=intact, evaluate=False, agreement_timeout=60, timeout=60, loss_fn=mse_outputs):
     """Per-device batch 8: auto starts at 8 (A = 1, which 1F1B over 2 ranks cannot run: 4),
     out of memory above 2 on ``trip_ranks``: 4 -> 2, A = 4; three windows. ``evaluate``: an
     evaluation before training (micro-batches of 8, then 4, run out of memory: 2) and after."""
@@ -59,7 +60,7 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
         result["reference_eval_first"] = float(reference_mse(tripped_mlp(stage), batches[0]).detach())
         result["eval_size"] = eng.micro_batch_tuner.eval_micro_batch_size
     for batch in batches:
-        eng.train_batch(data_share(batch, eng), mse_outputs)
+        eng.train_batch(data_share(batch, eng), loss_fn)
     result |= {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "plan": (eng.plan.train_micro_batch_size_per_gpu, eng.plan.gradient_accumulation_steps,
                        eng.plan.train_batch_size),
@@ -71,6 +72,13 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
         result["reference_eval"] = float(reference_mse(expected, batches[0]).detach())
     eng.close()
     return result
+
+
+def loss_out_of_memory(outputs, labels):
+    """The mean squared error, out of memory for more than 2 rows (e.g. a large vocabulary)."""
+    if outputs.shape[0] > 2:
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {outputs.shape[0]} MiB (loss)")
+    return mse_outputs(outputs, labels)
 
 
 def alone(rank, world):
@@ -135,6 +143,7 @@ def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_el
                                                       schedule="gpipe"),
         "interleaved, rank 1's first stage": functools.partial(auto_pipeline, stage=0, trip_ranks=[1],
                                                                schedule="interleaved"),
+        "the last stage's loss_fn": functools.partial(auto_pipeline, stage=1, loss_fn=loss_out_of_memory),
         # fits in window 1 at 4, runs out of memory in window 2 in the same schedule
         "after a step": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], after_calls=3),
         "failed attempts kept": functools.partial(auto_pipeline, stage=1, trip_ranks=[1], where="backward",
@@ -148,6 +157,7 @@ def test_an_out_of_memory_on_one_stage_shrinks_every_rank_and_changes_nothing_el
     assert_exact(results["stage 2 (rank 1), forward"], [fit, shrunk([1])])
     assert_exact(results["stage 1 (rank 0), forward"], [fit, shrunk([0])])
     assert_exact(results["stage 2, backward"], [fit, shrunk([1])])
+    assert_exact(results["the last stage's loss_fn"], [fit, shrunk([1])])
     # gpipe runs A = 1: 8 runs out of memory too
     assert_exact(results["stage 1, backward, gpipe"], [(8, 4, [0]), shrunk([0])])
     assert_exact(results["interleaved, rank 1's first stage"], [(8, 4, [1]), shrunk([1])])
