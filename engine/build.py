@@ -14,7 +14,7 @@ from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
-from engine.engine import Engine, LossFn, WindowRunner
+from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.pipeline_windows import PipelineWindows
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
@@ -89,13 +89,19 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     strategy.setup(model, _materialise_optimizer(optimizer, model, config))
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
-    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit) if plan.is_provisional else None
-    # under a pipeline a token budget forms micro-batches of one shape, as many as the schedule runs
-    schedule_steps = strategy.fitting_micro_batches if setup.mesh.pipeline > 1 else None
+    pipeline = schedule_steps = None
+    if setup.mesh.pipeline > 1:
+        # a token budget (micro-batches of one shape, as many as the schedule runs) or the
+        # automatic micro size chooses A per window
+        chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
+        pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps)
+        schedule_steps = strategy.fitting_micro_batches
+    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
+        if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
-                 window_runner=_window_runner(setup, strategy, plan, tuner),
+                 window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
@@ -104,14 +110,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if autosave is not None:
         autosave.start(eng)  # may resume: last
     return eng
-
-
-def _window_runner(setup, strategy, plan, tuner: MicroBatchTuner | None) -> WindowRunner | None:
-    """Who runs a window: the pipeline schedule, the micro-size tuner, or the engine itself (None)."""
-    if setup.mesh.pipeline > 1:
-        # a token budget chooses each window's micro-batches (as many as the schedule runs)
-        return PipelineWindows(strategy, None if plan.micro_batch_tokens else plan.gradient_accumulation_steps)
-    return tuner
 
 
 def _configure_logging(rank: int) -> None:

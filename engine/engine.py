@@ -28,7 +28,8 @@ Collaborators are handed in by ``engine.initialize``, never attached afterwards:
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
 schedule, ``engine.pipeline_windows``, which runs a window's micro-steps itself and tells the
-engine with ``start_window`` / ``record_micro_step``), the hooks
+engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
+schedule's windows), the hooks
 (``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
 a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the

@@ -51,11 +51,15 @@ class PipelineWindows(WindowRunner):
     """Runs training and evaluation windows through the pipeline schedule."""
 
     def __init__(self, strategy: PipelineParallel, accumulation: int | None):
-        """``accumulation``: the plan's micro-batches per window; None when a token budget
-        chooses them per window (as many as the schedule runs)."""
+        """``accumulation``: the plan's, checked against the schedule; None when a token budget
+        chooses it per window (as many as the schedule runs) or the automatic micro size does
+        (``runs_plan``)."""
         if accumulation is not None:
             strategy.check_accumulation(accumulation)
         self.strategy = strategy
+
+    def runs_plan(self, plan) -> bool:
+        return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         inputs, _ = _inputs_and_labels(batch, "train_batch")
@@ -70,14 +74,16 @@ class PipelineWindows(WindowRunner):
 
         def weighted_loss(outputs, index):
             k = int(index[0])
-            if not sizes[k]:  # a zero-weight step: only keeps the ranks' micro-step counts equal
+            # a zero-weight step only keeps the ranks' micro-step counts equal; a failed stage
+            # stands in for the rest of the schedule
+            if not sizes[k] or self.strategy.stage_failed:
                 return _zero_from(outputs)
             try:
                 seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))  # as the model returns them
                 loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
                 check_loss(loss)
-            except Exception as error:  # raised on every rank once the schedule is through
-                records.fail(error)
+            except Exception as error:  # raised once the schedule is through
+                self._failed(records, error)
                 return _zero_from(outputs)
             records.put(k, loss, sizes[k], count, item_weighted)
             return loss * ((1 if item_weighted else sizes[k]) * weight)
@@ -87,14 +93,21 @@ class PipelineWindows(WindowRunner):
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
         with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
             self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
-        for output, samples in records.shared(self.strategy):
+        rows = records.shared(self.strategy)
+        self.strategy.raise_stage_failure()  # after the window's last collective: the tuner's vote follows
+        for output, samples in rows:
             engine.record_micro_step(output, samples)
 
     def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
+        return self.evaluate(engine, batch, loss_fn)
+
+    def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
+        """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
+        samples (default: the plan's)."""
         _inputs_and_labels(batch, "eval_batch")
         loss_fn = outputs_loss_of(loss_fn)
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
-        pieces = list(engine.window_split.eval_pieces(batch, engine.plan))
+        pieces = list(engine.window_split.eval_pieces(batch, engine.plan, size))
         # as many as the schedule runs: the last one repeated with 0 samples
         pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
@@ -102,12 +115,12 @@ class PipelineWindows(WindowRunner):
 
         def loss_only(outputs, index):
             k = int(index[0])
-            if sizes[k]:
+            if sizes[k] and not self.strategy.stage_failed:
                 try:
                     seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
                     loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
-                except Exception as error:  # raised on every rank once the schedule is through
-                    records.fail(error)
+                except Exception as error:  # raised once the schedule is through
+                    self._failed(records, error)
                     return _zero_from(outputs)
                 records.put(k, loss, sizes[k], count, item_weighted)
             return _zero_from(outputs)
@@ -128,7 +141,14 @@ class PipelineWindows(WindowRunner):
             total[0] += loss.double() * (1 if item_weighted else samples)
             total[1] += float(units)
         total = self.strategy.all_reduce_sum(total.to(self.strategy.device))
+        self.strategy.raise_stage_failure()  # after the last collective: the tuner's vote follows
         return float(total[0] / total[1])
+
+    def _failed(self, records: _Records, error: Exception) -> None:
+        """``loss_fn`` failed on this last stage: kept by the failure guard and raised here
+        alone (the tuner's vote tells the others), or raised on every rank after the schedule."""
+        if not self.strategy.keep_failure(error):
+            records.fail(error)
 
 
 class _Records:

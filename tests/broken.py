@@ -77,6 +77,13 @@ def keeps_failed_windows(eng):
 
 
 
+def votes_alone(eng):
+    """The automatic micro size deciding on each rank's own failures (no vote): only the rank
+    that ran out of memory shrinks."""
+    eng.strategy.agree_on_failures = lambda failure: {eng.rank: failure} if failure else {}
+    return eng
+
+
 def summed_micro_batches(eng):
     """Under a pipeline, micro-batch gradients summed instead of averaged (DeepSpeed #7773): every
     micro-batch loss counted A times too much, so the gradient (and its norm) is A times too large."""

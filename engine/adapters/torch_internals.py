@@ -54,6 +54,7 @@ def _required():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.pipelining import PipelineStage
     from torch.nn.parallel import DistributedDataParallel
 
     for name in ("_get_fsdp_state", "set_custom_all_gather", "set_custom_reduce_scatter", "set_is_last_backward",
@@ -69,6 +70,8 @@ def _required():
     yield "FSDPParamGroup._register_state_dict_hooks", hasattr(_fsdp_param_group.FSDPParamGroup,
                                                                  "_register_state_dict_hooks")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    # overridden by engine.adapters.pipelining (a pipeline's failure guard)
+    yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
     yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
 
 

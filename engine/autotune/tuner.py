@@ -22,6 +22,12 @@ fastest one that fits, then behaves like ``auto``.
 With ``micro_batch_tokens`` the same machinery moves the token budget instead of the micro
 size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or more rows on
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
+
+Under a pipeline (``auto`` only) an attempt is one run of the schedule
+(``engine.pipeline_windows``, handed in as ``windows``): a stage that fails stands in for the
+rest of the schedule and raises after the window's collectives
+(``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
+those whose number of micro-batches the schedule runs.
 """
 
 from __future__ import annotations
@@ -30,14 +36,18 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.distributed.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
 from engine.engine import WindowRunner
-from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
+from engine.errors import ConfigError, OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
 from engine.batching.token_budget import budget_candidates
+
+if TYPE_CHECKING:
+    from engine.pipeline_windows import PipelineWindows
 
 log = logging.getLogger("engine")
 
@@ -156,8 +166,17 @@ class MicroBatchTuner(WindowRunner):
     chooses_micro_size = True
     clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
-    def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2):
+    def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2,
+                 windows: PipelineWindows | None = None):
         self.strategy = strategy
+        # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline_windows), or,
+        # when None, the engine's own micro-steps.
+        self.windows = windows
+        if self._runnable(plan) is None:
+            raise ConfigError([
+                f"train_micro_batch_size_per_gpu: 'auto': no micro-batch size of at most "
+                f"{plan.train_micro_batch_size_per_gpu} gives a number of micro-batches the pipeline schedule runs; "
+                "give a larger per-device batch, or use pipeline.schedule gpipe"])
         self.meter = PeakMeter(strategy)
         self.limit = memory_limit_bytes(memory_limit, self.meter.device)
         self.warmup, self.repeats = warmup, repeats
@@ -187,10 +206,11 @@ class MicroBatchTuner(WindowRunner):
         """Forward and backward of a whole window, shrinking the micro size until it fits."""
         if self.pending_explore:
             self.explore(eng, batch, loss_fn)
+        self._fit_windows(eng)
         metered = self._metered(loss_fn)
         while True:
             try:
-                eng.run_window(batch, metered)
+                self._attempt(eng, batch, metered)
                 return
             except WindowFailed as failure:
                 eng.discard_window()
@@ -201,7 +221,7 @@ class MicroBatchTuner(WindowRunner):
         value = getattr(self, knob.eval_attribute) or knob.value(eng.plan)
         while True:
             try:
-                loss = eng.evaluate(batch, loss_fn, value)
+                loss = self._evaluate(eng, batch, loss_fn, value)
             except WindowFailed as failure:
                 eng.discard_window()
                 smaller = knob.smaller_for_eval(eng, value)
@@ -212,6 +232,38 @@ class MicroBatchTuner(WindowRunner):
                 continue
             setattr(self, knob.eval_attribute, value)
             return loss
+
+    def _attempt(self, eng, batch, loss_fn) -> None:
+        if self.windows is None:
+            eng.run_window(batch, loss_fn)  # guarded by this tuner (the engine's window runner)
+        else:
+            self.guard(lambda: self.windows.run_window(eng, batch, loss_fn))
+
+    def _evaluate(self, eng, batch, loss_fn, value: int) -> float:
+        if self.windows is None:
+            return eng.evaluate(batch, loss_fn, value)
+        result = []
+        self.guard(lambda: result.append(self.windows.evaluate(eng, batch, loss_fn, value)))
+        return result[0]
+
+    def _fit_windows(self, eng) -> None:
+        """A plan whose windows ``self.windows`` runs (a pipeline schedule's rule on its number
+        of micro-batches): the largest micro size at most the plan's (one exists: checked at
+        construction, and every size the tuner moves to is one)."""
+        old = eng.plan
+        plan = self._runnable(old)
+        if plan != old:
+            eng.replan(plan)
+            self._record(eng, old, plan, "a number of micro-batches the pipeline schedule runs")
+
+    def _runnable(self, plan):
+        """``plan``, or the next smaller micro size whose windows ``self.windows`` runs; None if none."""
+        while self.windows is not None and not self.windows.runs_plan(plan):
+            smaller = plan.next_smaller_micro_size()
+            if smaller is None:
+                return None
+            plan = plan.with_micro_batch_size(smaller)
+        return plan
 
     # -- the agreement --------------------------------------------------------------------
     def guard(self, work) -> None:
@@ -269,9 +321,10 @@ class MicroBatchTuner(WindowRunner):
         knob = self.knob
         old = eng.plan
         smaller = knob.smaller(eng)
-        if smaller is None:
+        new = None if smaller is None else self._runnable(knob.with_value(old, smaller))
+        if new is None:
             raise self._too_large(eng, failure) from None
-        eng.replan(knob.with_value(old, smaller))
+        eng.replan(new)
         self._record(eng, old, eng.plan, failure.reason, failure.ranks)
 
     def _record(self, eng, old, new, reason: str, ranks=()) -> None:

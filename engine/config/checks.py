@@ -106,12 +106,40 @@ def _pipeline_problems(config: Config) -> list[str]:
                         "zero_optimization.stage 2, or another schedule")
     if config.zero_optimization.stage >= 2 and torch_offload(config.zero_optimization).to_host:
         problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages")
-    if config.train_micro_batch_size_per_gpu in ("auto", "explore"):
-        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
-                        f"under a pipeline of {stages} stages yet; give a number")
+    problems += _automatic_micro_size_problems(config)
     if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
         problems.append(f"pipeline.stages: a pipeline of {stages} stages runs the plan's micro-batches; give "
                         "train_batch_size or train_micro_batch_size_per_gpu besides gradient_accumulation_steps")
+    return problems
+
+
+def _automatic_micro_size_problems(config: Config) -> list[str]:
+    """What ``auto`` cannot do under a pipeline (docs/autotune.md): a stage that fails stands in
+    for its layers for the rest of the schedule (engine.strategies.stage_failures), which the
+    collectives inside a sharded or tensor-split stage, and the zero-bubble schedule's split
+    backward, do not allow; ``explore`` is not built for a schedule."""
+    mode, stages = config.train_micro_batch_size_per_gpu, config.pipeline.stages
+    if mode not in ("auto", "explore"):
+        return []
+    where = f"under a pipeline of {stages} stages"
+    if mode == "explore":
+        return [f"train_micro_batch_size_per_gpu: 'explore' is not available {where} (it measures candidate sizes "
+                "outside the schedule); use 'auto' (an out-of-memory on any stage halves the micro size) or a number"]
+    problems = []
+    if config.zero_optimization.stage >= 2:
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} runs with zero_optimization.stage 0 only "
+                        "(a stage that runs out of memory skips its layers for the rest of the window, which FSDP's "
+                        "collectives inside them do not allow); use stage 0, or give a number")
+    if config.tensor_parallel.size > 1:
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} is not available with tensor_parallel.size "
+                        f"{config.tensor_parallel.size} (the layers a failed stage skips hold tensor-parallel "
+                        "collectives); give a number")
+    if config.pipeline.schedule == "zero_bubble":
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} is not available with pipeline.schedule "
+                        "zero_bubble (its split backward); use gpipe, 1f1b or interleaved, or give a number")
+    if config.auto_memory_limit is not None:
+        problems.append(f"auto_memory_limit: not available {where} (it measures one process's forward); remove it, "
+                        "out-of-memory errors on any stage still shrink the micro size")
     return problems
 
 

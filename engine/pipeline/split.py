@@ -181,8 +181,17 @@ class StageModule(nn.Module):
         # Zero-bubble schedules detach a stage's outputs in place, which a view does not allow
         # (e.g. a Linear's output on 3-d inputs): such outputs are copied.
         self._own_outputs = own_outputs
+        # With the automatic micro size's failure guard: the stage's forward runs through it
+        # (engine.strategies.stage_failures), which stands in for it after a failure.
+        self.failures = None
 
     def forward(self, *inputs):
+        if self.failures is not None:
+            return self.failures.forward(self.run_parts, self, inputs)
+        return self.run_parts(*inputs)
+
+    def run_parts(self, *inputs):
+        """The parts in order on ``inputs``."""
         value = inputs[0] if len(inputs) == 1 else inputs
         with self._forward_context():
             for name in self.part_names:

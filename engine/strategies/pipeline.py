@@ -34,12 +34,14 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from engine.adapters.pipelining import GuardedPipelineStage
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import average_used_gradients_, broadcast_, sum_of_squares
 from engine.errors import ConfigError, EngineUsageError
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
+from engine.strategies.stage_failures import StageFailures
 from engine.strategies.torch_checkpoint import load_training_state
 
 log = logging.getLogger("engine")
@@ -78,6 +80,7 @@ class PipelineParallel(TorchStrategy):
         self.schedules_built = 0  # each new shape and micro-batch count (or one dropped and met again)
         self._step_options = _step_options(self.schedule_class)
         self._loss: LossFn | None = None
+        self._failures: StageFailures | None = None  # the automatic micro size's failure guard
 
     def _stage_indices(self) -> list[int]:
         p, count = self.position, self.mesh.pipeline
@@ -180,6 +183,37 @@ class PipelineParallel(TorchStrategy):
             f"({_RULES[self.schedule_class]}); nearest: {nearest} (change train_micro_batch_size_per_gpu or "
             "train_batch_size), or schedule gpipe"])
 
+    # -- surviving a failed stage (automatic micro size) -----------------------------------------
+    def enable_failure_guard(self):
+        """A stage that fails in a window keeps its error and stands in for the rest of the
+        schedule (``engine.strategies.stage_failures``): no peer is left in a send or receive.
+        The window runner raises it with ``raise_stage_failure`` once the schedule and its
+        collectives are through; the tuner's vote follows. ZeRO 0 only (engine.config.checks):
+        FSDP's collectives inside a stage's forward and backward would not pair up."""
+        self._failures = StageFailures(self.device)
+        for stage in self.stage_modules:
+            stage.failures = self._failures
+
+    def keep_failure(self, error: BaseException) -> bool:
+        """With the failure guard: keep ``error`` (raised by this rank's part of a schedule,
+        e.g. its ``loss_fn``) until ``raise_stage_failure``, the rest of the schedule standing
+        in (True). Without it: False, nothing kept."""
+        if self._failures is None:
+            return False
+        self._failures.keep(error)
+        return True
+
+    @property
+    def stage_failed(self) -> bool:
+        """Whether this rank's stages failed in the schedule now running (they stand in)."""
+        return self._failures is not None and self._failures.error is not None
+
+    def raise_stage_failure(self) -> None:
+        """Raise the error this rank's stages kept in the last schedule, if any (on this rank
+        only: call it after every collective of the window, before the vote)."""
+        if self._failures is not None:
+            self._failures.raise_kept()
+
     # -- running a window --------------------------------------------------------------------
     def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool) -> None:
         """Run ``micro_batches`` micro-batches through the stages: ``inputs`` (a tensor or a tuple
@@ -191,6 +225,8 @@ class PipelineParallel(TorchStrategy):
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
         schedule = self._schedule((shapes, micro_batches))
         self._loss = loss_fn
+        if self._failures is not None:
+            self._failures.clear()
         target = torch.arange(micro_batches, device=self.device)
         args = _as_tuple(inputs) if self.holds_first_stage else ()
         try:
@@ -214,8 +250,7 @@ class PipelineParallel(TorchStrategy):
     def _schedule(self, key):
         schedule = self._schedules.pop(key, None)
         if schedule is None:
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
-                      for module, index in zip(self.stage_modules, self.stage_indices)]
+            stages = [self._stage(module, index) for module, index in zip(self.stage_modules, self.stage_indices)]
             first = stages[0] if self.stages_per_rank == 1 else stages
             schedule = self.schedule_class(first, n_microbatches=key[1], loss_fn=self._scaled_loss, scale_grads=False)
             self.schedules_built += 1
@@ -231,6 +266,12 @@ class PipelineParallel(TorchStrategy):
         """What ``loss_fn`` sees of the last stage's ``outputs`` (a Hugging Face model's own output
         type around its logits; other models' outputs as they are)."""
         return self._last_stage.model_outputs(outputs)
+
+    def _stage(self, module, index: int) -> PipelineStage:
+        if self._failures is None:
+            return PipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
+        return GuardedPipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group,
+                                    guard=self._failures)
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage of this replica (in place)."""
