@@ -22,6 +22,12 @@ fastest one that fits, then behaves like ``auto``.
 With ``micro_batch_tokens`` the same machinery moves the token budget instead of the micro
 size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or more rows on
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
+
+With ``activation_checkpointing: auto`` checkpointing is a second lever (the strategy's
+``checkpoint_switch``, flipped between windows): ``explore`` measures every candidate with it
+off and on and keeps the fastest pair that fits; ``auto`` walks down the ladder (size, off) ->
+(size, on) -> (next smaller size, off) -> ... Every rank flips it at the same agreed point, so
+the choice is the same everywhere.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Candidate:
     relative_speed: float | None = None
     recommended: bool = False
     micro_batch_tokens: int | None = None
+    checkpointing: bool | None = None  # activation checkpointing on / off (None: not a lever, not auto)
 
 
 class MicroSize:
@@ -168,19 +175,27 @@ class MicroBatchTuner(WindowRunner):
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
         self.last_memory_error = ""  # this rank's last out-of-memory message, for the error at the smallest size
+        self.switch = strategy.checkpoint_switch  # activation_checkpointing: auto (else None)
         strategy.enable_failure_guard()
+
+    @property
+    def checkpointing(self) -> bool | None:
+        """Whether the model's blocks checkpoint now; None when that is not the tuner's choice."""
+        return None if self.switch is None else self.switch.on
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the current size itself lives in the plan)."""
         return {"pending_explore": self.pending_explore, "changes": list(self.changes),
                 "eval_micro_batch_size": self.eval_micro_batch_size,
-                "eval_micro_batch_tokens": self.eval_micro_batch_tokens}
+                "eval_micro_batch_tokens": self.eval_micro_batch_tokens, "checkpointing": self.checkpointing}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending_explore = state["pending_explore"]
         self.changes = list(state["changes"])
         self.eval_micro_batch_size = state["eval_micro_batch_size"]
         self.eval_micro_batch_tokens = state.get("eval_micro_batch_tokens")
+        if self.switch is not None:  # a run saved before checkpointing was a lever, or without it: off
+            self.switch.on = bool(state.get("checkpointing"))
 
     # -- training -----------------------------------------------------------------------
     def run_window(self, eng, batch, loss_fn) -> None:
@@ -194,7 +209,7 @@ class MicroBatchTuner(WindowRunner):
                 return
             except WindowFailed as failure:
                 eng.discard_window()
-                self._shrink(eng, failure)
+                self._next_lever(eng, failure)
 
     def run_eval(self, eng, batch, loss_fn) -> float:
         knob = self.knob
@@ -265,47 +280,74 @@ class MicroBatchTuner(WindowRunner):
 
         return metered
 
+    def _next_lever(self, eng, failure: WindowFailed) -> None:
+        """After a failed window: checkpointing on at the same size when it is off and a lever,
+        else the next smaller size (with checkpointing off again: at a size, off is faster)."""
+        if self.switch is not None and not self.switch.on:
+            self.switch.on = True
+            self._record(eng, eng.plan, eng.plan, failure.reason, failure.ranks, checkpointing_was=False)
+            return
+        self._shrink(eng, failure)
+
     def _shrink(self, eng, failure: WindowFailed) -> None:
         knob = self.knob
-        old = eng.plan
+        old, was = eng.plan, self.checkpointing
         smaller = knob.smaller(eng)
         if smaller is None:
             raise self._too_large(eng, failure) from None
         eng.replan(knob.with_value(old, smaller))
-        self._record(eng, old, eng.plan, failure.reason, failure.ranks)
+        if self.switch is not None:
+            self.switch.on = False
+        self._record(eng, old, eng.plan, failure.reason, failure.ranks, checkpointing_was=was)
 
-    def _record(self, eng, old, new, reason: str, ranks=()) -> None:
-        step, knob = eng.global_steps + 1, self.knob
-        self.changes.append({"global_step": step, "old": knob.value(old), "new": knob.value(new),
-                             "ranks": list(ranks), "reason": reason})
+    def _record(self, eng, old, new, reason: str, ranks=(), checkpointing_was: bool | None = None) -> None:
+        step, knob, now = eng.global_steps + 1, self.knob, self.checkpointing
+        change = {"global_step": step, "old": knob.value(old), "new": knob.value(new),
+                  "ranks": list(ranks), "reason": reason}
+        if now is not None:
+            change["checkpointing"] = now
+        self.changes.append(change)
         where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
-        log.warning("%s %d -> %d (%s%s, global step %d); %sglobal batch %d unchanged", knob.name, knob.value(old),
-                    knob.value(new), reason, where, step, knob.consequence(old, new), new.train_batch_size)
+        resized = knob.value(old) != knob.value(new)
+        what = f"{knob.name} {knob.value(old)} -> {knob.value(new)}" if resized else f"{knob.name} {knob.value(new)} kept"
+        if now is not None and now != checkpointing_was:
+            what += f", activation checkpointing {'on' if now else 'off'}"
+        consequence = knob.consequence(old, new) if resized else ""
+        log.warning("%s (%s%s, global step %d); %sglobal batch %d unchanged", what, reason, where, step,
+                    consequence, new.train_batch_size)
 
     def _too_large(self, eng, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
         here = f" (this rank's last error: {self.last_memory_error})" if self.last_memory_error else ""
+        checkpointed = " and activation checkpointing" if self.checkpointing else ""
         return OutOfMemoryAtMicroBatchOne(
-            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest} "
+            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest}{checkpointed} "
             f"(global step {eng.global_steps + 1}): one sample does not fit{here}. Use a higher "
             "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
         )
 
     # -- explore --------------------------------------------------------------------------
     def explore(self, eng, batch, loss_fn) -> list[Candidate]:
-        """Measure the candidate micro sizes of engine ``eng`` on ``batch`` and switch to the
-        fastest that fits. Parameters, buffers, optimizer state and RNG are left as they were."""
+        """Measure the candidate micro sizes of engine ``eng`` on ``batch`` (each with
+        checkpointing off and on when it is a lever) and switch to the fastest that fits.
+        Parameters, buffers, optimizer state and RNG are left as they were."""
         knob = self.knob
-        start = eng.plan
+        start, started_with = eng.plan, self.checkpointing
         snapshot = _Snapshot(eng.module)
         rows = []
+        series = [False, True] if self.switch is not None else [None]  # checkpointing off, on
         try:
             for value in knob.candidates(eng, batch):
                 eng.replan(knob.with_value(start, value))
-                rows.append(self._measure(eng, batch, loss_fn))
-                if not rows[-1].fits:
-                    break  # larger sizes need more memory still
+                for checkpointing in list(series):
+                    self._switch_to(checkpointing)
+                    rows.append(self._measure(eng, batch, loss_fn))
+                    if not rows[-1].fits:
+                        series.remove(checkpointing)  # larger sizes need more memory still
+                if not series:
+                    break
         finally:
             eng.replan(start)
+            self._switch_to(started_with)
             snapshot.restore()
         self.pending_explore = False
         fitting = [row for row in rows if row.fits]
@@ -318,10 +360,15 @@ class MicroBatchTuner(WindowRunner):
         best.recommended = True
         self.explored = rows
         chosen = knob.with_value(start, best.micro_batch_tokens or best.micro_batch_size)
-        if chosen != start:
+        if chosen != start or best.checkpointing != started_with:
             eng.replan(chosen)
-            self._record(eng, start, chosen, "explore: fastest that fits")
+            self._switch_to(best.checkpointing)
+            self._record(eng, start, eng.plan, "explore: fastest that fits", checkpointing_was=started_with)
         return rows
+
+    def _switch_to(self, checkpointing: bool | None) -> None:
+        if self.switch is not None:
+            self.switch.on = checkpointing
 
     def _measure(self, eng, batch, loss_fn) -> Candidate:
         plan = eng.plan
@@ -334,7 +381,7 @@ class MicroBatchTuner(WindowRunner):
             except WindowFailed:
                 eng.discard_window()
                 return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=False,
-                                 micro_batch_tokens=plan.micro_batch_tokens)
+                                 micro_batch_tokens=plan.micro_batch_tokens, checkpointing=self.checkpointing)
             elapsed = self.clock() - began
             eng.discard_window()
             if attempt >= self.warmup:
@@ -344,7 +391,8 @@ class MicroBatchTuner(WindowRunner):
                                                          dtype=torch.float64, device=self.meter.device))
         return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=True,
                          samples_per_second=plan.train_batch_size / float(stats[0]),
-                         peak_memory_bytes=int(stats[1]), micro_batch_tokens=plan.micro_batch_tokens)
+                         peak_memory_bytes=int(stats[1]), micro_batch_tokens=plan.micro_batch_tokens,
+                         checkpointing=self.checkpointing)
 
 
 def _capped(sizes: tuple[int, ...], plan) -> list[int]:
