@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from engine.config.torch_features import without_our_keys
 from tests.broken import checkpointing_switch_ignored
 from tests.dist_utils import run_scenarios
 from tests.oom_models import BlockMLP
+from tests.scenarios import needs_deepspeed
+from tests.test_deepspeed import ENV
 from tests.reference import max_param_diff, mse, reference_train, regression_batches, state
 
 TOL = 1e-10
@@ -33,6 +36,7 @@ def plain_sgd(params):
 
 
 def tuned(model, mode="auto", limit=None, **extra):
+    """``model`` (a BlockMLP) under ``mode`` with ``activation_checkpointing: auto``."""
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": mode, "activation_checkpointing": "auto",
               **({"auto_memory_limit": float(limit)} if limit else {}), **extra}
     eng = engine.initialize(model, config, optimizer=plain_sgd)
@@ -70,8 +74,12 @@ def test_auto_needs_the_automatic_micro_size_and_both_spellings_are_one_request(
 
 def test_deepspeed_gets_neither_spelling():
     for section, left in (("auto", None), ({"enabled": "auto", "cpu_checkpointing": True}, {"cpu_checkpointing": True})):
-        config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
-                              "activation_checkpointing": section})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                                  "activation_checkpointing": section})
+        # DeepSpeed's own key is named as unused on the torch backend, Microstep's auto is not
+        assert [("cpu_checkpointing configure DeepSpeed" in str(w.message)) for w in caught] == ([True] if left else [])
         assert without_our_keys(config.deepspeed_extras).get("activation_checkpointing") == left
         assert deepspeed_config(config, 1).get("activation_checkpointing") == left
 
@@ -225,11 +233,13 @@ def test_the_report_shows_both_series(tmp_path):
 
 
 # -- two ranks ------------------------------------------------------------------------------------
-def agreeing_ranks(rank, world, stage, mode, broken=False):
-    """8 rows per rank; the limit (the same on both ranks) lets 8 fit only with checkpointing, 4 without."""
-    zero = {"zero_optimization": {"stage": stage}}
-    probe = tuned(BlockMLP(**COST), "explore", **zero)
-    train(probe, regression_batches(1, 16))
+def agreeing_ranks(rank, world, stage, mode, broken=False, backend="torch"):
+    """8 rows per rank; the limit (the same on both ranks) lets 8 fit only with checkpointing, 4 without.
+    DeepSpeed trains fp32 parameters (float64 is refused there)."""
+    zero = {"zero_optimization": {"stage": stage}, "backend": backend}
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    probe = tuned(BlockMLP(**COST).to(dtype), "explore", **zero)
+    train(probe, regression_batches(1, 16, dtype=dtype))
     peaks = {(r.micro_batch_size, r.checkpointing): r.peak_memory_bytes for r in probe.micro_batch_tuner.explored}
     probe.close()
     # one limit for both ranks (their shards may differ in size)
@@ -237,14 +247,15 @@ def agreeing_ranks(rank, world, stage, mode, broken=False):
     torch.distributed.all_reduce(limit, op=torch.distributed.ReduceOp.MAX)
     limit = int(limit)
     assert max(peaks[(8, True)], peaks[(4, False)]) < limit < peaks[(8, False)], (limit, peaks)
-    batches = regression_batches(2, 16)
-    eng = tuned(BlockMLP(**COST), mode, limit=limit, **zero)
+    exact = regression_batches(2, 16)
+    batches = [(x.to(dtype), y.to(dtype)) for x, y in exact]
+    eng = tuned(BlockMLP(**COST).to(dtype), mode, limit=limit, **zero)
     if broken:
         checkpointing_switch_ignored(eng, ranks=(1,))
     train(eng, batches)
     result = {"micro": eng.plan.train_micro_batch_size_per_gpu, "checkpointing": eng.strategy.checkpoint_switch.on,
               "changes": eng.micro_batch_tuner.changes,
-              "diff": max_param_diff(eng.full_state_dict(), state(reference_train(BlockMLP(), batches, mse, plain_sgd)))}
+              "diff": max_param_diff(eng.full_state_dict(), state(reference_train(BlockMLP(), exact, mse, plain_sgd)))}
     eng.close()
     return result
 
@@ -265,3 +276,16 @@ def test_ranks_agree_on_the_choice_at_zero_stages_0_and_3():
         assert first["changes"] == second["changes"], case
     # checkpointing on rank 0 only: rank 1 still breaches the limit and both ranks halve
     assert [result["micro"] for result in broken] == [4, 4]
+
+
+@needs_deepspeed
+@pytest.mark.deepspeed
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_ranks_agree_on_the_backend_deepspeed_too():
+    """Microstep wraps the blocks before deepspeed.initialize: the same switch, fp32 (to rounding)."""
+    (first, second), = run_scenarios({"auto": functools.partial(agreeing_ranks, stage=0, mode="auto",
+                                                                 backend="deepspeed")},
+                                     world_size=2, timeout=200, env=ENV).values()
+    assert (first["micro"], first["checkpointing"]) == (8, True) == (second["micro"], second["checkpointing"])
+    assert first["changes"] == second["changes"] and max(first["diff"], second["diff"]) < 1e-5
