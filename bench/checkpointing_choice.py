@@ -9,7 +9,7 @@ on CPU, the LM example (examples/gpt.py, 4 layers, width 64, 192 tokens, global 
    ``explore`` with the lever and without it (then the choice is among the sizes that fit off);
 3. the two choices trained interleaved: steady-state time per step, as a ratio.
 
-Results: bench/results/checkpointing_choice.json (and its explore.png next to it).
+Results: bench/results/checkpointing_choice.json (``python -m engine explore`` plots such series).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import functools
 import torch
 
 import engine
-from bench.common import RESULTS, interleaved, save
+from bench.common import interleaved, save
 from bench.model_transforms import lm, lm_loss, tokens
-from engine.autotune.report import format_table, save_plot
+from engine.autotune.report import format_table
 
 GLOBAL = 32
 
@@ -58,7 +58,6 @@ def main(argv=None):
         eng = explored(model, batch, limit, lever, args.repeats)
         chosen[name] = eng
         print(f"\nlimit {limit:,} B, {name}:\n" + format_table(eng.micro_batch_tuner.explored))
-    save_plot(chosen["with the checkpointing lever"].micro_batch_tuner.explored, RESULTS / "checkpointing_choice.png")
 
     times = interleaved({name: functools.partial(eng.train_batch, batch, lm_loss) for name, eng in chosen.items()},
                         args.rounds, 1)

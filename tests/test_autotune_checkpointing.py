@@ -20,8 +20,10 @@ from engine.config.schema import load_config
 from engine.config.torch_features import without_our_keys
 from tests.broken import checkpointing_switch_ignored
 from tests.dist_utils import run_scenarios
-from tests.oom_models import BlockMLP
+from tests.oom_models import Block, BlockMLP
 from tests.scenarios import needs_deepspeed
+from tests.test_token_budget import TinyCausalLM, loss_sum_and_count
+from tests.test_token_engine import lm_batches, token_mean
 from tests.test_deepspeed import ENV
 from tests.reference import max_param_diff, mse, reference_train, regression_batches, state
 
@@ -70,6 +72,10 @@ def test_auto_needs_the_automatic_micro_size_and_both_spellings_are_one_request(
     assert eng.strategy.checkpoint_switch is eng.micro_batch_tuner.switch and not eng.micro_batch_tuner.checkpointing
     with pytest.raises(engine.ConfigError, match="activation_checkpointing.enabled: expected true, false or auto"):
         tuned(BlockMLP(), activation_checkpointing={"enabled": "sometimes"})
+    with pytest.raises(engine.ConfigError, match="enabled: auto is not available under a pipeline of 2 stages"):
+        engine.initialize(BlockMLP(), {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                       "pipeline": {"stages": 2}, "activation_checkpointing": "auto"},
+                          optimizer=plain_sgd)
 
 
 def test_deepspeed_gets_neither_spelling():
@@ -179,6 +185,45 @@ def test_the_choice_survives_a_checkpoint(tmp_path):
     train(resumed, batches[2:])
     assert resumed.micro_batch_tuner.changes == eng.micro_batch_tuner.changes  # no failed window after resuming
     assert max_param_diff(state(resumed.module), state(reference_train(BlockMLP(), batches, mse, plain_sgd))) < TOL
+
+
+class BlockLM(TinyCausalLM):
+    """TinyCausalLM with a residual Block of width 64 on its running means: something to checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([Block(6, 64), Block(6, 64)])
+        self.double()
+
+    def forward(self, input_ids, attention_mask):
+        h = self.tokens(input_ids) + self.positions(torch.arange(input_ids.shape[1]))
+        h = h.cumsum(1) / torch.arange(1, input_ids.shape[1] + 1, dtype=h.dtype)[:, None]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(torch.tanh(h))
+
+
+def test_a_token_budget_is_kept_with_checkpointing_too():
+    """micro_batch_tokens under auto: the budget is the size; checkpointing comes before halving it."""
+    def token_engine(mode, limit=None):
+        config = {"train_batch_size": 8, "micro_batch_tokens": 64, "train_micro_batch_size_per_gpu": mode,
+                  "activation_checkpointing": "auto", **({"auto_memory_limit": float(limit)} if limit else {})}
+        eng = engine.initialize(BlockLM(), config, optimizer=plain_sgd, loss_fn=loss_sum_and_count)
+        eng.micro_batch_tuner.warmup, eng.micro_batch_tuner.repeats = 0, 1
+        return eng
+
+    batches = lm_batches()
+    probe = token_engine("explore")
+    probe.train_batch(batches[0])
+    peaks = {(row.micro_batch_tokens, row.checkpointing): row.peak_memory_bytes for row in probe.micro_batch_tuner.explored}
+    assert peaks[(64, True)] < peaks[(32, False)], peaks
+    eng = token_engine("auto", (peaks[(64, True)] + peaks[(32, False)]) // 2)  # 64 fits only with checkpointing
+    for batch in batches:
+        eng.train_batch(batch)
+    assert (eng.plan.micro_batch_tokens, eng.micro_batch_tuner.checkpointing) == (64, True)
+    assert [(c["old"], c["new"], c["checkpointing"]) for c in eng.micro_batch_tuner.changes] == [(64, 64, True)]
+    assert max_param_diff(state(eng.module), state(reference_train(BlockLM(), batches, token_mean, plain_sgd))) < TOL
 
 
 # -- explore --------------------------------------------------------------------------------------

@@ -56,7 +56,13 @@ def check_without_model(config: Config) -> list[str]:
 
 def _automatic_checkpointing_problems(config: Config) -> list[str]:
     checkpointing = model_transforms_requested(config.deepspeed_extras)[0]
-    if checkpointing is None or not checkpointing.automatic or config.train_micro_batch_size_per_gpu in SEARCH_MODES:
+    if checkpointing is None or not checkpointing.automatic:
+        return []
+    if config.pipeline.stages > 1:
+        return [f"activation_checkpointing.enabled: auto is not available under a pipeline of {config.pipeline.stages} "
+                "stages (it is chosen by the automatic micro-batch size, which a pipeline does not have yet); write "
+                "true or false"]
+    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
         return []
     return ["activation_checkpointing.enabled: auto is chosen by the automatic micro-batch size (it measures or "
             "tries each micro size with and without checkpointing); set train_micro_batch_size_per_gpu: auto or "
