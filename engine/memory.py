@@ -85,22 +85,26 @@ class PeakMeter:
         if self.device.type == "cuda":  # the allocator keeps the peak itself
             yield
             return
-        saved: dict[int, int] = {}
+        # Storages are read once the forward is through: ZeRO-3 has freed the gathered weights a
+        # block saved by then (and a freed address may have been reused, so none is keyed early).
+        saved_storages = []
+        wrappers: dict[int, int] = {}
 
         def pack(tensor):
             # A DTensor saved by a tensor-parallel layer holds this rank's piece only.
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             try:
-                storage = local.untyped_storage()
-                saved[storage.data_ptr()] = storage.nbytes()
+                saved_storages.append(local.untyped_storage())
             except RuntimeError:  # a wrapper without a storage of its own (an async collective's result)
-                saved[id(local)] = local.numel() * local.element_size()
+                wrappers[id(local)] = local.numel() * local.element_size()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
+        saved = {storage.data_ptr(): storage.nbytes() for storage in saved_storages if storage.nbytes()}
         # distinct storages: a weight saved for backward is a parameter already held, not an activation
-        now = sum({**storages(self.strategy.held_tensors()), **saved}.values()) + self._gradients_to_come()
+        now = (sum({**storages(self.strategy.held_tensors()), **saved}.values()) + sum(wrappers.values())
+               + self._gradients_to_come())
         self._cpu_peak = max(self._cpu_peak, now)
 
     @property

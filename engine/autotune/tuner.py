@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.distributed.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
+from engine.distributed.collectives import MEMORY_LIMIT, OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
 from engine.engine import WindowRunner
 from engine.errors import OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
@@ -50,6 +50,7 @@ log = logging.getLogger("engine")
 _OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory",
                  "Failed to allocate", "DefaultCPUAllocator: not enough memory")
 MAX_CANDIDATES = 12
+_REASONS = {OUT_OF_MEMORY: "out of memory", MEMORY_LIMIT: "memory limit exceeded"}
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -234,29 +235,32 @@ class MicroBatchTuner(WindowRunner):
         guarded ones) and vote: raises WindowFailed on every rank when any rank ran out of
         memory. Any other error is voted too, so the peers stop with PeerError instead of
         waiting, and is re-raised here."""
-        reason = None
+        failure = 0
         try:
             work()
         except PeerError as peer:
-            self._raise_for(peer.failures, "out of memory")
+            self._raise_for(peer.failures)
         except BaseException as error:
             if not isinstance(error, Exception) or not is_out_of_memory(error):
                 self.strategy.agree_on_failures(OTHER_ERROR)
                 raise
-            reason = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
-            self.last_memory_error = str(error).strip().splitlines()[0][:300] if str(error).strip() else reason
-        if reason:  # outside the except block: the traceback's activations are freed
+            failure = MEMORY_LIMIT if isinstance(error, MemoryLimitExceeded) else OUT_OF_MEMORY
+            message = str(error).strip()
+            self.last_memory_error = message.splitlines()[0][:300] if message else _REASONS[failure]
+        if failure:  # outside the except block: the traceback's activations are freed
             _release_memory()
-        failures = self.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
+        failures = self.strategy.agree_on_failures(failure)
         if failures:
-            self._raise_for(failures, reason or "out of memory")
+            self._raise_for(failures)
 
     @staticmethod
-    def _raise_for(failures: dict[int, int], reason: str):
+    def _raise_for(failures: dict[int, int]):
+        """WindowFailed with a reason every rank words alike (from the votes), or PeerError."""
         broken = [rank for rank, failure in failures.items() if failure == OTHER_ERROR]
         if broken:
             raise PeerError(failures, f"rank(s) {', '.join(map(str, broken))} stopped with an error in this "
                                       "window (see that rank's traceback); this rank stops too") from None
+        reason = _REASONS[MEMORY_LIMIT] if set(failures.values()) == {MEMORY_LIMIT} else _REASONS[OUT_OF_MEMORY]
         raise WindowFailed(tuple(failures), reason) from None
 
     def _metered(self, loss_fn, *, track_peak: bool = False):
