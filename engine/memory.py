@@ -7,8 +7,9 @@ parameters, gradients, optimizer state and a sharding framework's gathered copie
 
 *Peak of a micro-step*: on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
 CPU has no allocator peak counter, so there it is the held bytes at the end of the forward,
-plus the activations the forward saved for backward (storages not held already: a weight
-saved for backward counts once), plus the gradients the backward has yet to allocate. Both are bytes of tensors (never the process's resident set size).
+plus the activations the forward saved for backward (storages not held already and not freed
+by then: a weight saved for backward counts once, a gathered copy ZeRO-3 freed not at all), plus
+the gradients the backward has yet to allocate. Both are bytes of tensors (never the process's resident set size).
 """
 
 from __future__ import annotations
