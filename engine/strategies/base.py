@@ -168,7 +168,7 @@ class Strategy(ABC):
 
     def agree_on_failures(self, failure: int) -> dict[int, int]:
         """Every rank calls this once per window attempt (a rank that raised PeerError from a
-        guard already has) with its failure: 0 none, ``OUT_OF_MEMORY`` or ``OTHER_ERROR``.
+        guard already has) with its failure: 0 none, ``OUT_OF_MEMORY``, ``MEMORY_LIMIT`` or ``OTHER_ERROR``.
         Returns {rank: failure} of the ranks that failed, the same everywhere."""
         if self.world_size == 1:
             return {self.rank: failure} if failure else {}
