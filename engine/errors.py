@@ -72,8 +72,8 @@ class OutOfMemoryAtMicroBatchOne(MicrostepError, RuntimeError):
 class PeerError(MicrostepError, RuntimeError):
     """Another rank failed in this window; this rank stops with it instead of waiting.
 
-    ``failures``: {rank: what it reported} (``collectives.OUT_OF_MEMORY`` or
-    ``collectives.OTHER_ERROR``), the same on every rank."""
+    ``failures``: {rank: what it reported} (``collectives.OUT_OF_MEMORY``,
+    ``collectives.MEMORY_LIMIT`` or ``collectives.OTHER_ERROR``), the same on every rank."""
 
     def __init__(self, failures: dict[int, int], message: str | None = None):
         super().__init__(message or f"rank(s) {', '.join(map(str, failures))} failed in this window")

@@ -7,8 +7,9 @@ parameters, gradients, optimizer state and a sharding framework's gathered copie
 
 *Peak of a micro-step*: on CUDA, the allocator's peak (``torch.cuda.max_memory_allocated``).
 CPU has no allocator peak counter, so there it is the held bytes at the end of the forward,
-plus the activations the forward saved for backward, plus the gradients the backward has
-yet to allocate. Both are bytes of tensors (never the process's resident set size).
+plus the activations the forward saved for backward (storages not held already and not freed
+by then: a weight saved for backward counts once, a gathered copy ZeRO-3 freed not at all), plus
+the gradients the backward has yet to allocate. Both are bytes of tensors (never the process's resident set size).
 """
 
 from __future__ import annotations
@@ -19,17 +20,22 @@ import os
 import torch
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard;
-    None entries are skipped; views of one storage count once)."""
-    storages: dict[int, int] = {}
+def storages(tensors) -> dict[int, int]:
+    """{address: bytes} of the distinct storages behind ``tensors`` (DTensors count their local
+    shard; None entries are skipped; views of one storage count once)."""
+    found: dict[int, int] = {}
     for tensor in tensors:
         if tensor is None:
             continue
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+        found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (see ``storages``)."""
+    return sum(storages(tensors).values())
 
 
 def format_bytes(value: int | None) -> str:
@@ -80,21 +86,26 @@ class PeakMeter:
         if self.device.type == "cuda":  # the allocator keeps the peak itself
             yield
             return
-        saved: dict[int, int] = {}
+        # Storages are read once the forward is through: ZeRO-3 has freed the gathered weights a
+        # block saved by then (and a freed address may have been reused, so none is keyed early).
+        saved_storages = []
+        wrappers: dict[int, int] = {}
 
         def pack(tensor):
             # A DTensor saved by a tensor-parallel layer holds this rank's piece only.
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             try:
-                storage = local.untyped_storage()
-                saved[storage.data_ptr()] = storage.nbytes()
+                saved_storages.append(local.untyped_storage())
             except RuntimeError:  # a wrapper without a storage of its own (an async collective's result)
-                saved[id(local)] = local.numel() * local.element_size()
+                wrappers[id(local)] = local.numel() * local.element_size()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
-        now = held_bytes(self.strategy) + sum(saved.values()) + self._gradients_to_come()
+        saved = {storage.data_ptr(): storage.nbytes() for storage in saved_storages if storage.nbytes()}
+        # distinct storages: a weight saved for backward is a parameter already held, not an activation
+        now = (sum({**storages(self.strategy.held_tensors()), **saved}.values()) + sum(wrappers.values())
+               + self._gradients_to_come())
         self._cpu_peak = max(self._cpu_peak, now)
 
     @property

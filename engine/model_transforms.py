@@ -11,7 +11,11 @@ dicts and checkpoints do not change, and the hooks FSDP2 or DDP add run around t
 
 Checkpointing: ``torch.utils.checkpoint`` (non-reentrant) saves only a block's inputs and
 recomputes the rest during the backward; RNG state is restored for the recomputation, so
-dropout draws the same masks and gradients equal the run without it.
+dropout draws the same masks and gradients equal the run without it. With
+``activation_checkpointing: auto`` each block is wrapped once, switchably: a shared
+``CheckpointSwitch`` (the strategy's ``checkpoint_switch``) that the micro-size tuner turns on
+and off between windows, without rebuilding or re-sharding anything. A compiled block then
+compiles the switchable forward: one graph per switch position (dynamo guards on it).
 """
 
 from __future__ import annotations
@@ -81,6 +85,32 @@ def _checkpointed(forward):
     return run
 
 
+class CheckpointSwitch:
+    """Whether switchably checkpointed blocks checkpoint now (off until the tuner turns it on).
+    Flip it only between windows: a forward and its backward must see the same position."""
+
+    def __init__(self):
+        self.on = False
+
+
+def _switchable(forward, switch: CheckpointSwitch):
+    checkpointed = _checkpointed(forward)
+
+    def run(*args, **kwargs):
+        return (checkpointed if switch.on else forward)(*args, **kwargs)
+
+    return run
+
+
+def apply_switchable_checkpointing(blocks: list[torch.nn.Module], every: int = 1) -> CheckpointSwitch:
+    """Wrap every ``every``-th of ``blocks`` (the first included) in checkpointing that the
+    returned switch turns on and off."""
+    switch = CheckpointSwitch()
+    for block in blocks[::every]:
+        block.forward = _switchable(block.forward, switch)
+    return switch
+
+
 def apply_activation_checkpointing(blocks: list[torch.nn.Module], every: int = 1) -> list[torch.nn.Module]:
     """Checkpoint every ``every``-th of ``blocks`` (the first included); the checkpointed ones."""
     chosen = blocks[::every]
@@ -97,17 +127,21 @@ def apply_compile(blocks: list[torch.nn.Module], request) -> None:
                                       backend=request.backend, fullgraph=request.fullgraph)
 
 
-def transform_model(module: torch.nn.Module, checkpointing, compile) -> None:
+def transform_model(module: torch.nn.Module, checkpointing, compile) -> CheckpointSwitch | None:
     """Checkpoint, then compile, ``module``'s blocks as the setup asks (each may be None: off).
-    A compiled block that is also checkpointed compiles its checkpointed forward."""
-    if checkpointing is None and compile is None:
-        return
+    A compiled block that is also checkpointed compiles its checkpointed forward. Returns the
+    switch of ``activation_checkpointing: auto`` (else None)."""
+    switch = None
     if checkpointing is not None:
         blocks = repeated_blocks(module, checkpointing.blocks)
         if not blocks:
             raise ConfigError("activation_checkpointing.blocks: auto found no repeated blocks (no ModuleList or "
                               "Sequential of layers with parameters, no _no_split_modules); name the blocks' "
                               "classes: blocks: [MyBlock]")
-        apply_activation_checkpointing(blocks, checkpointing.every)
+        if checkpointing.automatic:
+            switch = apply_switchable_checkpointing(blocks, checkpointing.every)
+        else:
+            apply_activation_checkpointing(blocks, checkpointing.every)
     if compile is not None:
         apply_compile(repeated_blocks(module, "auto") or [module], compile)
+    return switch

@@ -104,3 +104,38 @@ def explore_model() -> torch.nn.Module:
 def explore_batch(size: int):
     g = torch.Generator().manual_seed(0)
     return torch.randn(size, 8, generator=g, dtype=DTYPE), torch.randn(size, 3, generator=g, dtype=DTYPE)
+
+
+class Block(torch.nn.Module):
+    """``x + down(tanh(up(x)))``, after an optional CostPerCall: what it saves for backward (its
+    input, the wide hidden activation) a checkpoint drops to its input; a recomputed forward
+    costs its virtual time again."""
+
+    def __init__(self, width: int, hidden: int, cost: CostPerCall | None = None):
+        super().__init__()
+        self.cost = cost if cost is not None else torch.nn.Identity()
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.cost(x))))
+
+
+class BlockMLP(torch.nn.Module):
+    """8 inputs -> ``blocks`` residual Blocks (``activation_checkpointing.blocks: auto`` finds
+    them) -> 3 outputs; ``clock``: the VirtualClock its blocks' CostPerCall advance (or None)."""
+
+    def __init__(self, seed: int = 0, blocks: int = 3, width: int = 8, hidden: int = 64,
+                 overhead: float = 0.0, per_square: float = 0.0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.clock = VirtualClock()
+        self.blocks = torch.nn.ModuleList(
+            Block(width, hidden, CostPerCall(self.clock, overhead, per_square) if overhead or per_square else None)
+            for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 3)
+        self.to(DTYPE)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

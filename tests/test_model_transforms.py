@@ -82,7 +82,7 @@ def test_unknown_block_classes_and_models_without_blocks_are_clear_errors():
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"enabled": "yes"}, "activation_checkpointing.enabled: expected true or false"),
+    ({"enabled": "yes"}, "activation_checkpointing.enabled: expected true, false or auto"),
     ({"enabled": True, "blocks": "Block"}, "activation_checkpointing.blocks: expected auto or a list"),
     ({"enabled": True, "every": 0}, "activation_checkpointing.every: expected a positive integer"),
 ])

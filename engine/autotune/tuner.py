@@ -28,6 +28,12 @@ Under a pipeline (``auto`` only) an attempt is one run of the schedule
 rest of the schedule and raises after the window's collectives
 (``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
 those whose number of micro-batches the schedule runs.
+
+With ``activation_checkpointing: auto`` checkpointing is a second lever (the strategy's
+``checkpoint_switch``, flipped between windows): ``explore`` measures every candidate with it
+off and on and keeps the fastest pair that fits; ``auto`` walks down the ladder (size, off) ->
+(size, on) -> (next smaller size, off) -> ... Every rank flips it at the same agreed point, so
+the choice is the same everywhere.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.distributed.collectives import OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
+from engine.distributed.collectives import MEMORY_LIMIT, OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
 from engine.engine import WindowRunner
 from engine.errors import ConfigError, OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
@@ -54,6 +60,7 @@ log = logging.getLogger("engine")
 _OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory",
                  "Failed to allocate", "DefaultCPUAllocator: not enough memory")
 MAX_CANDIDATES = 12
+_REASONS = {OUT_OF_MEMORY: "out of memory", MEMORY_LIMIT: "memory limit exceeded"}
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -93,6 +100,7 @@ class Candidate:
     relative_speed: float | None = None
     recommended: bool = False
     micro_batch_tokens: int | None = None
+    checkpointing: bool | None = None  # activation checkpointing on / off (None: not a lever, not auto)
 
 
 class MicroSize:
@@ -187,19 +195,27 @@ class MicroBatchTuner(WindowRunner):
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
         self.last_memory_error = ""  # this rank's last out-of-memory message, for the error at the smallest size
+        self.switch = strategy.checkpoint_switch  # activation_checkpointing: auto (else None)
         strategy.enable_failure_guard()
+
+    @property
+    def checkpointing(self) -> bool | None:
+        """Whether the model's blocks checkpoint now; None when that is not the tuner's choice."""
+        return None if self.switch is None else self.switch.on
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the current size itself lives in the plan)."""
         return {"pending_explore": self.pending_explore, "changes": list(self.changes),
                 "eval_micro_batch_size": self.eval_micro_batch_size,
-                "eval_micro_batch_tokens": self.eval_micro_batch_tokens}
+                "eval_micro_batch_tokens": self.eval_micro_batch_tokens, "checkpointing": self.checkpointing}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending_explore = state["pending_explore"]
         self.changes = list(state["changes"])
         self.eval_micro_batch_size = state["eval_micro_batch_size"]
         self.eval_micro_batch_tokens = state.get("eval_micro_batch_tokens")
+        if self.switch is not None:  # a run saved before checkpointing was a lever, or without it: off
+            self.switch.on = bool(state.get("checkpointing"))
 
     # -- training -----------------------------------------------------------------------
     def run_window(self, eng, batch, loss_fn) -> None:
@@ -214,7 +230,7 @@ class MicroBatchTuner(WindowRunner):
                 return
             except WindowFailed as failure:
                 eng.discard_window()
-                self._shrink(eng, failure)
+                self._next_lever(eng, failure)
 
     def run_eval(self, eng, batch, loss_fn) -> float:
         knob = self.knob
@@ -271,29 +287,32 @@ class MicroBatchTuner(WindowRunner):
         guarded ones) and vote: raises WindowFailed on every rank when any rank ran out of
         memory. Any other error is voted too, so the peers stop with PeerError instead of
         waiting, and is re-raised here."""
-        reason = None
+        failure = 0
         try:
             work()
         except PeerError as peer:
-            self._raise_for(peer.failures, "out of memory")
+            self._raise_for(peer.failures)
         except BaseException as error:
             if not isinstance(error, Exception) or not is_out_of_memory(error):
                 self.strategy.agree_on_failures(OTHER_ERROR)
                 raise
-            reason = "memory limit exceeded" if isinstance(error, MemoryLimitExceeded) else "out of memory"
-            self.last_memory_error = str(error).strip().splitlines()[0][:300] if str(error).strip() else reason
-        if reason:  # outside the except block: the traceback's activations are freed
+            failure = MEMORY_LIMIT if isinstance(error, MemoryLimitExceeded) else OUT_OF_MEMORY
+            message = str(error).strip()
+            self.last_memory_error = message.splitlines()[0][:300] if message else _REASONS[failure]
+        if failure:  # outside the except block: the traceback's activations are freed
             _release_memory()
-        failures = self.strategy.agree_on_failures(OUT_OF_MEMORY if reason else 0)
+        failures = self.strategy.agree_on_failures(failure)
         if failures:
-            self._raise_for(failures, reason or "out of memory")
+            self._raise_for(failures)
 
     @staticmethod
-    def _raise_for(failures: dict[int, int], reason: str):
+    def _raise_for(failures: dict[int, int]):
+        """WindowFailed with a reason every rank words alike (from the votes), or PeerError."""
         broken = [rank for rank, failure in failures.items() if failure == OTHER_ERROR]
         if broken:
             raise PeerError(failures, f"rank(s) {', '.join(map(str, broken))} stopped with an error in this "
                                       "window (see that rank's traceback); this rank stops too") from None
+        reason = _REASONS[MEMORY_LIMIT] if set(failures.values()) == {MEMORY_LIMIT} else _REASONS[OUT_OF_MEMORY]
         raise WindowFailed(tuple(failures), reason) from None
 
     def _metered(self, loss_fn, *, track_peak: bool = False):
@@ -317,48 +336,75 @@ class MicroBatchTuner(WindowRunner):
 
         return metered
 
+    def _next_lever(self, eng, failure: WindowFailed) -> None:
+        """After a failed window: checkpointing on at the same size when it is off and a lever,
+        else the next smaller size (with checkpointing off again: at a size, off is faster)."""
+        if self.switch is not None and not self.switch.on:
+            self.switch.on = True
+            self._record(eng, eng.plan, eng.plan, failure.reason, failure.ranks, checkpointing_was=False)
+            return
+        self._shrink(eng, failure)
+
     def _shrink(self, eng, failure: WindowFailed) -> None:
         knob = self.knob
-        old = eng.plan
+        old, was = eng.plan, self.checkpointing
         smaller = knob.smaller(eng)
         new = None if smaller is None else self._runnable(knob.with_value(old, smaller))
         if new is None:
             raise self._too_large(eng, failure) from None
         eng.replan(new)
-        self._record(eng, old, eng.plan, failure.reason, failure.ranks)
+        if self.switch is not None:
+            self.switch.on = False
+        self._record(eng, old, eng.plan, failure.reason, failure.ranks, checkpointing_was=was)
 
-    def _record(self, eng, old, new, reason: str, ranks=()) -> None:
-        step, knob = eng.global_steps + 1, self.knob
-        self.changes.append({"global_step": step, "old": knob.value(old), "new": knob.value(new),
-                             "ranks": list(ranks), "reason": reason})
+    def _record(self, eng, old, new, reason: str, ranks=(), checkpointing_was: bool | None = None) -> None:
+        step, knob, now = eng.global_steps + 1, self.knob, self.checkpointing
+        change = {"global_step": step, "old": knob.value(old), "new": knob.value(new),
+                  "ranks": list(ranks), "reason": reason}
+        if now is not None:
+            change["checkpointing"] = now
+        self.changes.append(change)
         where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
-        log.warning("%s %d -> %d (%s%s, global step %d); %sglobal batch %d unchanged", knob.name, knob.value(old),
-                    knob.value(new), reason, where, step, knob.consequence(old, new), new.train_batch_size)
+        resized = knob.value(old) != knob.value(new)
+        what = f"{knob.name} {knob.value(old)} -> {knob.value(new)}" if resized else f"{knob.name} {knob.value(new)} kept"
+        if now is not None and now != checkpointing_was:
+            what += f", activation checkpointing {'on' if now else 'off'}"
+        consequence = knob.consequence(old, new) if resized else ""
+        log.warning("%s (%s%s, global step %d); %sglobal batch %d unchanged", what, reason, where, step,
+                    consequence, new.train_batch_size)
 
     def _too_large(self, eng, failure: WindowFailed) -> OutOfMemoryAtMicroBatchOne:
         here = f" (this rank's last error: {self.last_memory_error})" if self.last_memory_error else ""
+        checkpointed = " and activation checkpointing" if self.checkpointing else ""
         return OutOfMemoryAtMicroBatchOne(
-            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest} "
+            f"{failure.reason} on rank(s) {', '.join(map(str, failure.ranks))} even with {self.knob.smallest}{checkpointed} "
             f"(global step {eng.global_steps + 1}): one sample does not fit{here}. Use a higher "
             "zero_optimization.stage, bf16/fp16, shorter sequences, a smaller model, or raise auto_memory_limit"
         )
 
     # -- explore --------------------------------------------------------------------------
     def explore(self, eng, batch, loss_fn) -> list[Candidate]:
-        """Measure the candidate micro sizes of engine ``eng`` on ``batch`` and switch to the
-        fastest that fits. Parameters, buffers, optimizer state and RNG are left as they were."""
+        """Measure the candidate micro sizes of engine ``eng`` on ``batch`` (each with
+        checkpointing off and on when it is a lever) and switch to the fastest that fits.
+        Parameters, buffers, optimizer state and RNG are left as they were."""
         knob = self.knob
-        start = eng.plan
+        start, started_with = eng.plan, self.checkpointing
         snapshot = _Snapshot(eng.module)
         rows = []
+        series = [False, True] if self.switch is not None else [None]  # checkpointing off, on
         try:
             for value in knob.candidates(eng, batch):
                 eng.replan(knob.with_value(start, value))
-                rows.append(self._measure(eng, batch, loss_fn))
-                if not rows[-1].fits:
-                    break  # larger sizes need more memory still
+                for checkpointing in list(series):
+                    self._switch_to(checkpointing)
+                    rows.append(self._measure(eng, batch, loss_fn))
+                    if not rows[-1].fits:
+                        series.remove(checkpointing)  # larger sizes need more memory still
+                if not series:
+                    break
         finally:
             eng.replan(start)
+            self._switch_to(started_with)
             snapshot.restore()
         self.pending_explore = False
         fitting = [row for row in rows if row.fits]
@@ -371,10 +417,15 @@ class MicroBatchTuner(WindowRunner):
         best.recommended = True
         self.explored = rows
         chosen = knob.with_value(start, best.micro_batch_tokens or best.micro_batch_size)
-        if chosen != start:
+        if chosen != start or best.checkpointing != started_with:
             eng.replan(chosen)
-            self._record(eng, start, chosen, "explore: fastest that fits")
+            self._switch_to(best.checkpointing)
+            self._record(eng, start, eng.plan, "explore: fastest that fits", checkpointing_was=started_with)
         return rows
+
+    def _switch_to(self, checkpointing: bool | None) -> None:
+        if self.switch is not None:
+            self.switch.on = checkpointing
 
     def _measure(self, eng, batch, loss_fn) -> Candidate:
         plan = eng.plan
@@ -387,7 +438,7 @@ class MicroBatchTuner(WindowRunner):
             except WindowFailed:
                 eng.discard_window()
                 return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=False,
-                                 micro_batch_tokens=plan.micro_batch_tokens)
+                                 micro_batch_tokens=plan.micro_batch_tokens, checkpointing=self.checkpointing)
             elapsed = self.clock() - began
             eng.discard_window()
             if attempt >= self.warmup:
@@ -397,7 +448,8 @@ class MicroBatchTuner(WindowRunner):
                                                          dtype=torch.float64, device=self.meter.device))
         return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=True,
                          samples_per_second=plan.train_batch_size / float(stats[0]),
-                         peak_memory_bytes=int(stats[1]), micro_batch_tokens=plan.micro_batch_tokens)
+                         peak_memory_bytes=int(stats[1]), micro_batch_tokens=plan.micro_batch_tokens,
+                         checkpointing=self.checkpointing)
 
 
 def _capped(sizes: tuple[int, ...], plan) -> list[int]:

@@ -14,7 +14,8 @@ both report the same problems, all at once:
 * token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
   (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
-  batches whose micro-batches neither the plan nor a token budget fixes).
+  batches whose micro-batches neither the plan nor a token budget fixes);
+* ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from importlib.util import find_spec
 import torch
 
 from engine.adapters.deepspeed_internals import INSTALL_HINT
-from engine.batching.plan import token_budget_conflicts
+from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
 from engine.config.schema import Config, half_precision, locate
 from engine.config.offload import torch_offload
@@ -40,6 +41,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _pipeline_problems(config)
     problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
+    problems += _automatic_checkpointing_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -50,6 +52,22 @@ def check_without_model(config: Config) -> list[str]:
         problems += torch_features(config.deepspeed_extras, half_precision(config)).problems
         problems += torch_overlap(config.zero_optimization.model_extra or {}).problems
     return locate(config, problems)
+
+
+def _automatic_checkpointing_problems(config: Config) -> list[str]:
+    checkpointing = model_transforms_requested(config.deepspeed_extras)[0]
+    if checkpointing is None or not checkpointing.automatic:
+        return []
+    if config.pipeline.stages > 1:
+        return [f"activation_checkpointing.enabled: auto is not available under a pipeline of {config.pipeline.stages} "
+                "stages (it is chosen by the automatic micro-batch size, which a pipeline does not have yet); write "
+                "true or false"]
+    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
+        return []
+    return ["activation_checkpointing.enabled: auto is chosen by the automatic micro-batch size (it measures or "
+            "tries each micro size with and without checkpointing); set train_micro_batch_size_per_gpu: auto or "
+            "explore (with micro_batch_tokens too: the budget is then tuned), or activation_checkpointing.enabled: "
+            "true or false"]
 
 
 def _tensor_problems(config: Config) -> list[str]:

@@ -6,7 +6,7 @@
 |---|---|---|
 | ``data_types`` | ``grad_accum_dtype``: fp32 (default) or the enabled half precision | the others |
 | ``torch_autocast`` | ``enabled``, ``dtype``: autocast over fp32 parameters instead of low-precision parameters | ``lower_precision_safe_modules`` |
-| ``activation_checkpointing`` | ``enabled``, ``blocks`` (``auto`` or class names), ``every`` | ``partition_activations``, ``cpu_checkpointing``, ... |
+| ``activation_checkpointing`` | ``enabled`` (true, false or ``auto``), ``blocks`` (``auto`` or class names), ``every``; the whole section may be ``auto`` (``{enabled: auto}``) | ``partition_activations``, ``cpu_checkpointing``, ... |
 | ``compile`` | ``enabled``, ``mode``, ``dynamic``, ``backend``, ``fullgraph`` | ``deepcompile``, ``offload_activation``, ... |
 
 And under ``zero_optimization`` the sizes that map onto torch's overlap knobs (``torch_overlap``):
@@ -25,6 +25,7 @@ OUR_KEYS = {"activation_checkpointing": frozenset({"enabled", "blocks", "every"}
 _GRAD_ACCUM = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 _AUTOCAST_DTYPE = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "bf16": "bf16",
                    "float16": "fp16", "torch.float16": "fp16", "fp16": "fp16", "half": "fp16"}
+AUTO = "auto"
 _COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -34,6 +35,9 @@ class CheckpointingRequest:
 
     blocks: str | tuple[str, ...] = "auto"  # "auto" or class names
     every: int = 1
+    # enabled: auto: the blocks are wrapped switchably and the micro-size tuner turns
+    # checkpointing on and off by measurement (engine.autotune.tuner)
+    automatic: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,23 @@ def _autocast(extras: dict, half: str | None, problems: list[str], notes: list[s
     return dtype or half or "bf16"
 
 
+def _checkpointing_enabled(section: dict, problems: list[str]) -> bool | str:
+    """true, false or "auto" (the tuner decides)."""
+    value = section.get("enabled", False)
+    if value == AUTO:
+        return AUTO
+    if not isinstance(value, bool):
+        problems.append(f"activation_checkpointing.enabled: expected true, false or auto, got {value!r}")
+        return False
+    return value
+
+
 def _checkpointing(extras: dict, problems: list[str], notes: list[str]) -> CheckpointingRequest | None:
-    section = _section(extras, "activation_checkpointing", problems)
+    # the short spelling `activation_checkpointing: auto` is `{enabled: auto}`
+    written = extras.get("activation_checkpointing")
+    section = {"enabled": AUTO} if written == AUTO else _section(extras, "activation_checkpointing", problems)
     theirs = sorted(set(section) - OUR_KEYS["activation_checkpointing"])
-    enabled = _flag(section, "activation_checkpointing", problems)
+    enabled = _checkpointing_enabled(section, problems)
     if theirs:
         notes.append(
             f"activation_checkpointing: {', '.join(theirs)} configure DeepSpeed's own checkpoint function (which a "
@@ -132,7 +149,7 @@ def _checkpointing(extras: dict, problems: list[str], notes: list[str]) -> Check
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         problems.append(f"activation_checkpointing.every: expected a positive integer, got {every!r}")
         return None
-    return CheckpointingRequest("auto" if blocks == "auto" else tuple(blocks), every)
+    return CheckpointingRequest("auto" if blocks == "auto" else tuple(blocks), every, automatic=enabled == AUTO)
 
 
 def _compile(extras: dict, problems: list[str], notes: list[str]) -> CompileRequest | None:
@@ -186,6 +203,8 @@ def model_transforms_requested(extras: dict):
 def without_our_keys(extras: dict) -> dict:
     """``extras`` as DeepSpeed reads it: Microstep's own keys taken out of its sections."""
     cleaned = dict(extras)
+    if cleaned.get("activation_checkpointing") == AUTO:  # Microstep's short spelling of {enabled: auto}
+        del cleaned["activation_checkpointing"]
     for name, ours in OUR_KEYS.items():
         if isinstance(cleaned.get(name), dict):
             theirs = {k: v for k, v in cleaned[name].items() if k not in ours}

@@ -24,7 +24,8 @@ from engine.distributed.process_group import agreement_timeout_seconds, control_
 from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
 
 BUCKET_BYTES = 25 * 1024 * 1024
-OUT_OF_MEMORY, OTHER_ERROR = 1, 2  # what a rank reports in a failure vote
+# what a rank reports in a failure vote (MEMORY_LIMIT: a measured peak over auto_memory_limit)
+OUT_OF_MEMORY, OTHER_ERROR, MEMORY_LIMIT = 1, 2, 3
 
 
 # -- many tensors ------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
 # -- failures inside a window ---------------------------------------------------------------
 def failure_vote(failure: int, rank: int, world_size: int, device, group=None) -> dict[int, int]:
     """One all-reduce of a per-rank vector: {rank: failure} of the ranks reporting one
-    (0 = none, ``OUT_OF_MEMORY``, ``OTHER_ERROR``); the same on every rank."""
+    (0 = none, ``OUT_OF_MEMORY``, ``OTHER_ERROR``, ``MEMORY_LIMIT``); the same on every rank."""
     votes = torch.zeros(world_size, dtype=torch.int32, device=device)
     votes[rank] = int(failure)
     dist.all_reduce(votes, group=group)

@@ -67,6 +67,8 @@ class Strategy(ABC):
     # Whether a forward issues collectives (parameters gathered): the engine then has the ranks
     # compare their positions before every training forward, not only at a window's first.
     forward_communicates = False
+    # activation_checkpointing: auto: the switch of the model's checkpointed blocks (the tuner flips it)
+    checkpoint_switch = None
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
@@ -166,7 +168,7 @@ class Strategy(ABC):
 
     def agree_on_failures(self, failure: int) -> dict[int, int]:
         """Every rank calls this once per window attempt (a rank that raised PeerError from a
-        guard already has) with its failure: 0 none, ``OUT_OF_MEMORY`` or ``OTHER_ERROR``.
+        guard already has) with its failure: 0 none, ``OUT_OF_MEMORY``, ``MEMORY_LIMIT`` or ``OTHER_ERROR``.
         Returns {rank: failure} of the ranks that failed, the same everywhere."""
         if self.world_size == 1:
             return {self.rank: failure} if failure else {}
@@ -196,7 +198,7 @@ class TorchStrategy(Strategy):
 
     def transform(self, module: torch.nn.Module) -> None:
         """Checkpoint and compile ``module``'s blocks as the setup asks, before it is wrapped or sharded."""
-        transform_model(module, self.settings.checkpointing, self.settings.compile)
+        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
 
     def forward(self, *args, **kwargs):
         with self.precision.autocast():

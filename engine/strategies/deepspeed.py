@@ -99,7 +99,7 @@ class DeepSpeedStrategy(Strategy):
                 "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
         gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         # Microstep's activation_checkpointing / compile keys: the blocks, before DeepSpeed wraps them.
-        transform_model(module, self.settings.checkpointing, self.settings.compile)
+        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
         ds_config = json.loads(json.dumps(self.settings.deepspeed))  # a deep copy: DeepSpeed may edit it
         try:
             # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets
