@@ -17,6 +17,9 @@ What it runs:
    attention over the device's dense bf16 peak, where known), peak memory
    (``torch.cuda.max_memory_allocated``; on CPU the counted peak of bench/model_transforms.py),
    for each ZeRO stage (and ``defer_reduction`` setting at 2/3) the process count allows.
+4. ``checkpointing choice``: ``explore`` with ``activation_checkpointing: auto`` on the same
+   model (eager): each micro size with checkpointing off and on (a real out-of-memory where one
+   does not fit), and which the tuner chose.
 
 Writes ``gpu_<device>.json`` and ``gpu_<device>.md`` (a markdown table) into --out
 (default bench/results/).
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 import engine
 from bench.common import RESULTS
 from bench.model_transforms import lm, saved_activation_bytes, tokens
+from engine.autotune.report import format_table
 from engine.memory import held_bytes, storage_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,6 +294,28 @@ def measure_setting(model, batch, size: dict, device: torch.device, compiled: bo
             "engine_over_hand": seconds / hand_seconds if hand_seconds else None, "hand_peak_bytes": hand_peak}
 
 
+# -- 4. checkpointing or a smaller micro size, by measurement ------------------------------------
+def checkpointing_choice(device: torch.device, size: dict) -> dict:
+    """``explore`` with ``activation_checkpointing: auto`` on the throughput model (eager, bf16):
+    every micro size up to the whole per-device batch, checkpointing off and on, a real
+    out-of-memory where a size does not fit; the fastest pair that fits is the choice."""
+    model = lm(size["layers"], size["width"], time=size["time"], heads=size["heads"])
+    rows = size["micro"] * size["accumulation"]
+    batch = tokens(rows, size["time"] + 1).to(device)
+    config = {"train_batch_size": rows, "train_micro_batch_size_per_gpu": "explore", "auto_max": rows,
+              "bf16": {"enabled": True}, "activation_checkpointing": "auto"}
+    eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    eng.train_batch(batch, lm_loss)  # explores first, then trains the window at the choice
+    tuner = eng.micro_batch_tuner
+    result = {"status": "passed", "micro_size": eng.plan.train_micro_batch_size_per_gpu,
+              "checkpointing": tuner.checkpointing, "table": format_table(tuner.explored),
+              "candidates": [dataclasses.asdict(candidate) for candidate in tuner.explored]}
+    eng.close()
+    del eng
+    release(device)
+    return result
+
+
 def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']} x{report['world_size']}, torch {report['torch']}; model: "
              f"{report['size']['layers']} blocks, width {report['size']['width']}, {report['size']['time']} tokens, "
@@ -311,6 +337,11 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['stage']} | {row['defer']} | {row['checkpointing']} | {row['precision']} | "
                      f"{row['tokens_per_s_per_device']:,.0f} | {mfu} | {row['peak_bytes'] / 2**20:,.1f} MiB | {ratio} "
                      f"| {hand_peak} |")
+    choice = report["checkpointing_choice"]
+    lines += ["", f"Checkpointing or a smaller micro size (explore, eager): {choice['status']}"]
+    if "table" in choice:
+        lines += [f"chose micro size {choice['micro_size']} with checkpointing "
+                  f"{'on' if choice['checkpointing'] else 'off'}", "", "```text", choice["table"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +358,7 @@ def main(argv=None) -> dict:
               "torch": torch.__version__, "size": size, "compile": not args.no_compile,
               "cuda_tests": cuda_tests(device), "out_of_memory": reported_failure(out_of_memory, device)}
     report["throughput"] = throughput(device, size, not args.no_compile, args.steps)
+    report["checkpointing_choice"] = reported_failure(checkpointing_choice, device, size)
     report["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
