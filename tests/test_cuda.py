@@ -20,7 +20,7 @@ def cpu_state(eng) -> dict:
 
 def test_train_batch_moves_a_host_batch_to_the_device_and_equals_the_reference():
     model, batches = mlp(), regression_batches(3, 8)
-    expected = reference_train(model, batches, mse, sgd)
+    expected = state(reference_train(model, batches, mse, sgd))
     eng = engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},
                             optimizer=sgd)
     assert eng.device.type == "cuda"
@@ -32,7 +32,7 @@ def test_train_batch_moves_a_host_batch_to_the_device_and_equals_the_reference()
 
 def test_a_manual_loop_with_host_inputs_runs_on_the_device():
     model, batches = mlp(), regression_batches(2, 8)
-    expected = reference_train(model, batches, mse, sgd)
+    expected = state(reference_train(model, batches, mse, sgd))
     eng = engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4},
                             optimizer=sgd)
     for x, y in batches:

@@ -280,3 +280,28 @@ def test_defer_reduction_values_are_checked():
         engine.load_config({"zero_optimization": {"stage": 2, "reduce_every_micro_step": True}})
 
 
+
+
+# -- an evaluation forward between windows ------------------------------------------------------------
+def held_after_evaluation(rank, world, defer):
+    eng = make_engine(world, 3, defer)
+    batch = window(world)
+    eng.train_batch(batch, mse)
+    after_step = held_bytes(eng.strategy)
+    with torch.no_grad():
+        eng(batch[0][:MICRO])
+    after_forward = held_bytes(eng.strategy)
+    eng.eval_batch(batch, mse)
+    return {"after_step": after_step, "after_forward": after_forward, "after_eval": held_bytes(eng.strategy)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_evaluation_forward_after_a_deferred_window_leaves_zero3_sharded():
+    """ZeRO-3 with defer_reduction keeps what a window's forwards gather until its step; a
+    forward without gradients between windows has no step to free it: it reshards itself."""
+    results = run_scenarios({f"defer={defer}": functools.partial(held_after_evaluation, defer=defer)
+                             for defer in (False, True)}, world_size=2)
+    for name, ranks in results.items():
+        for held in ranks:
+            assert held["after_forward"] == held["after_eval"] == held["after_step"], (name, held)

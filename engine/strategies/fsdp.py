@@ -200,6 +200,16 @@ class FullyShardedDataParallel(TorchStrategy):
                 unit.set_reshard_after_forward(after_forward, recurse=False)
         self._flags = flags
 
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        if not torch.is_grad_enabled() and self._window_defers is None and not self.rests_gathered:
+            # A forward without gradients between windows (evaluation): no backward or step will
+            # free what it gathered, the root unit's parameters (and after a deferred window every
+            # unit's: ZeRO-3 held the whole model until the next window; found on a GPU with
+            # offload, where the parameters then stayed on the device).
+            self._reshard()
+        return output
+
     def backward(self, loss, weight):
         super().backward(loss, weight)
         self.deferral.observe()
