@@ -36,11 +36,12 @@ class DataParallel(TorchStrategy):
         # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
         # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
         # a synced backward); otherwise the closing backward's all-reduce is the window's first.
-        return not self._buckets_rebuilt or any(True for _ in self.module.buffers())
+        return not self._buckets_rebuilt or self._has_buffers
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
         self.transform(self.module)
+        self._has_buffers = any(True for _ in self.module.buffers())
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
