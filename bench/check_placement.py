@@ -7,6 +7,10 @@ and against the hand-written loops of bench/distributed.py, all interleaved in o
 
 Workload and hand loops: bench/distributed.py's (accumulation 4, global batch 64, AdamW, fp32,
 gloo; DDP with ``no_sync`` at ZeRO-0/1, FSDP2 with the engine's reduce-scatter at ZeRO-2/3).
+On a machine shared with other jobs the load drifts during a run, so besides each variant's
+median time (and the ratio of medians, as bench/distributed.py reports) every ratio is also
+taken round by round — the variants of one round run seconds apart — with its median and
+quartiles over the rounds; "now / third round" compares the two engines directly that way.
 Results: bench/results/check_placement_w<W>.json.
 """
 
@@ -18,9 +22,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
 
 import engine
-from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
+from bench.common import GLOBAL_BATCH, adamw, mse, save, start_ranks
 from bench.distributed import ACCUMULATION, engine_config, hand_ddp, hand_fsdp
 from engine.engine import WINDOW_START
 
@@ -69,19 +78,58 @@ def rows(model, data):
     return table
 
 
+def timed_rounds(runs: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each variant in every round (slowest rank), the variants in a rotating
+    order (as bench.common.interleaved, which keeps only the medians), after one warm-up call."""
+    for run in runs.values():
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                runs[name]()
+            elapsed = torch.tensor((time.perf_counter() - start) / steps)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            samples[name].append(float(elapsed))
+    return samples
+
+
+def per_round(samples: dict, name: str, baseline: str) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) over the rounds of ``name``'s time / ``baseline``'s."""
+    ratios = [a / b for a, b in zip(samples[name], samples[baseline])]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return q1, median, q3
+
+
 def main(argv=None):
     args, info, model, data = start_ranks(__doc__.splitlines()[0], rounds=16, argv=argv)
     table = rows(model, data)
     runs = {name: build(copy.deepcopy(model)) for name, (_, build) in table.items()}
-    times = interleaved(runs, args.rounds, args.steps, warmup=1, distributed=True)
+    samples = timed_rounds(runs, args.rounds, args.steps)
     if info.rank != 0:
         return
-    print(f"{'variant':58s} {'ms/step':>8s} {'vs':>6s}  baseline")
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    print(f"{'variant':62s} {'ms/step':>8s} {'vs':>6s}  {'round by round (quartiles)':>26s}")
     result = {}
     for name, (baseline, _) in table.items():
-        ratio = times[name] / times[baseline] if baseline else None
-        result[name] = {"ms_per_step": times[name] * 1e3, "baseline": baseline, "ratio": ratio}
-        print(f"{name:58s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s}  {baseline or ''}")
+        entry = {"ms_per_step": times[name] * 1e3, "baseline": baseline}
+        line = f"{name:62s} {times[name] * 1e3:8.1f}"
+        if baseline:
+            entry["ratio"] = times[name] / times[baseline]
+            entry["ratio_per_round"] = q1, median, q3 = per_round(samples, name, baseline)
+            line += f" {entry['ratio']:6.3f}  {median:6.3f} ({q1:.3f}-{q3:.3f})"
+        result[name] = entry
+        print(line)
+    print("\nnow / third round's checks, round by round: median (quartiles)")
+    for name in table:
+        if name.endswith(", third round's checks"):
+            now = name.removesuffix(", third round's checks")
+            q1, median, q3 = per_round(samples, now, name)
+            result[name]["now_over_this_per_round"] = (q1, median, q3)
+            print(f"  {now:60s} {median:6.3f} ({q1:.3f}-{q3:.3f})")
     save(f"check_placement_w{info.world_size}", {
         "workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW fp32, "
                     f"{info.world_size} ranks gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
