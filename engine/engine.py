@@ -16,12 +16,21 @@ which kind it runs. A micro-batch of 0 samples is a zero-weight step: its loss c
 nothing, its collectives still run (ranks with fewer micro-batches than their peers). When
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
-Ranks in step. Before a window's first forward, before every forward whose strategy gathers
-parameters in it (ZeRO-3), before the backward that closes a window, in ``flush()`` and in
-``close()``, the ranks compare where they are (global step, windows begun, micro-steps and
-forwards in the window: one small all-gather on the control group). A rank whose data ended,
-or that skipped a window or micro-step after catching its own error, is found there, before
-the windows' collectives pair up: every rank raises ``RankDisagreementError``.
+Ranks in step. Before the backward that closes a window, before a window's first forward
+when its strategy communicates earlier in the window (ZeRO-2's reduction in every backward, a
+gather in a forward, DDP's buffer broadcast) or a micro size is being chosen, before every
+forward whose strategy gathers parameters in it (ZeRO-3), in ``flush()`` and in ``close()``,
+the ranks compare where they are (global step, windows begun, micro-steps and forwards in the
+window: one small all-gather on the control group). A rank whose data ended, or that skipped a
+window or micro-step after catching its own error, is found there, before the windows'
+collectives pair up: every rank raises ``RankDisagreementError``. Each check is a point where
+every rank waits for the slowest, so the engine makes none that an earlier or later one covers:
+at ZeRO-0/1 the check before the closing backward is the window's only one.
+
+The non-finite gradient check (``faults.non_finite_gradient``) reads the global gradient norm;
+where the window's statistics are summed over ranks anyway (``train_batch``, exact counts), the
+strategy's share of the squared norm travels in that all-reduce and the one host read of the
+statistics decides both (no pass, collective or sync of its own in the step).
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
 (how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
@@ -254,7 +263,10 @@ class Engine:
         hooks, start measuring memory when it is recorded. (Called at the window's first
         forward; a window runner whose micro-steps do not go through ``eng(...)`` calls it itself.)"""
         self.windows_started += 1
-        self._agree_on_position(WINDOW_START)  # before the window's first collective
+        if self.strategy.communicates_before_closing_backward or self.window_runner.chooses_micro_size:
+            # Before the window's first collective. Otherwise the check before the closing backward
+            # (which the automatic micro size replaces by its failure votes) comes first.
+            self._agree_on_position(WINDOW_START)
         for hook in self.hooks:
             hook.on_window_start(self)
         self._recording = self._records(self.global_steps + 1)
@@ -590,9 +602,10 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
-        loss, units, samples, tokens = self._window_totals(window, over_all_ranks=window.exact_counts or recorded)
+        loss, units, samples, tokens, squares = self._window_totals(
+            window, over_all_ranks=window.exact_counts or recorded)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
-        result = self._apply_update(window, units, samples,
+        result = self._apply_update(window, units, samples, squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))
         self.window_split.window_closed(samples)
         if result.applied:
@@ -649,26 +662,34 @@ class Engine:
         return self.window_split.weighting_batch(self.plan)
 
     def _window_totals(self, window: _Window, *, over_all_ranks: bool):
-        """(mean loss, units, samples, (real, padded) tokens) of the window. Over all ranks: one
-        small all-reduce (real counts, or a record the monitor makes). Otherwise the manual
-        loop's planned sizes: no collective, no host sync, and the loss is this rank's."""
+        """(mean loss, units, samples, (real, padded) tokens, Σ squares of the reduced gradient or
+        None) of the window. Over all ranks: one small all-reduce (real counts, or a record the
+        monitor makes), which carries the strategy's share of the squared gradient norm too
+        (``Strategy.grad_squares_share``). Otherwise the manual loop's planned sizes: no
+        collective, no host sync, and the loss is this rank's."""
         if not over_all_ranks:
             samples = self.plan.window_samples(window.micro_steps)
-            return window.loss_total() / window.samples, samples, samples, (None, None)
+            return window.loss_total() / window.samples, samples, samples, (None, None), None
         device = self.strategy.device
         cost = window.tokens
-        values = (window.loss_total(), window.units(), float(window.samples),
-                  float(cost.real_tokens if cost else 0), float(cost.padded_tokens if cost else 0))
+        values = [window.loss_total(), window.units(), float(window.samples),
+                  float(cost.real_tokens if cost else 0), float(cost.padded_tokens if cost else 0)]
+        share = self.strategy.grad_squares_share()
+        if share is not None:
+            values.append(share)
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
                              for value in values])
         stats = self.strategy.all_reduce_sum(stats)
-        samples, real, padded = (int(n) for n in stats[2:].tolist())
+        counts = stats[2:].tolist()  # the step's one host sync
+        samples, real, padded = (int(n) for n in counts[:3])
         tokens = (real, padded) if cost else (None, None)
-        return stats[0] / stats[1], stats[1], samples, tokens
+        return stats[0] / stats[1], stats[1], samples, tokens, counts[3] if share is not None else None
 
-    def _apply_update(self, window: _Window, units, samples: int, *, want_norm: bool) -> StepResult:
+    def _apply_update(self, window: _Window, units, samples: int, squares: float | None, *,
+                      want_norm: bool) -> StepResult:
         """Multiply the reduced gradient to the global mean, clip, step — or skip the window
-        when it holds nothing to average or overflowed."""
+        when it holds nothing to average or overflowed. ``squares``: the reduced gradient's sum
+        of squares over ranks, when the window's statistics brought it."""
         if window.item_weighted and float(units) == 0:
             # Nothing to average (every label ignored): a step would divide by zero.
             self.strategy.discard_window()
@@ -680,7 +701,8 @@ class Engine:
             multiplier = target / units
         else:
             multiplier = 1.0 if samples == target else target / samples
-        result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm)
+        result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm,
+                                    grad_squares=squares)
         self.strategy.zero_grad()
         step = self.global_steps + 1
         if result.non_finite and self.config.faults.non_finite_gradient == "raise":

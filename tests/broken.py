@@ -2,7 +2,7 @@
 
 Each function takes an engine and breaks it in place, by wrapping one method of its strategy
 (the interface the engine drives: ``backward(loss, weight)``, ``step(multiplier, max_norm,
-want_norm)``, ``discard_window()``) on that one instance. A test runs its scenario once as it
+want_norm, grad_squares)``, ``discard_window()``) on that one instance. A test runs its scenario once as it
 is (within the tolerance of the full-batch reference) and once broken (outside it).
 """
 
@@ -25,7 +25,8 @@ def weighted_one_over_a(eng):
     strategy = eng.strategy
     backward, step = strategy.backward, strategy.step
     strategy.backward = lambda loss, weight: backward(loss, 1.0 / eng.plan.gradient_accumulation_steps)
-    strategy.step = lambda multiplier, max_norm, want_norm=False: step(1.0, max_norm, want_norm)
+    strategy.step = lambda multiplier, max_norm, want_norm=False, grad_squares=None: \
+        step(1.0, max_norm, want_norm, grad_squares)
     return eng
 
 
@@ -35,7 +36,8 @@ def ignores_window_total(eng):
     shrinks with it, as with a fixed 1/A over fewer micro-steps), token losses by samples."""
     strategy = eng.strategy
     step = strategy.step
-    strategy.step = lambda multiplier, max_norm, want_norm=False: step(1.0, max_norm, want_norm)
+    strategy.step = lambda multiplier, max_norm, want_norm=False, grad_squares=None: \
+        step(1.0, max_norm, want_norm, grad_squares)
     return eng
 
 

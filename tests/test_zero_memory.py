@@ -193,15 +193,15 @@ def with_extra_all_reduces(calls: dict, extra: int) -> dict:
     return calls
 
 
-def expected_window(stage, defer, units, *, train_batch, clipped):
-    """One whole window: the manual loop's micro-steps summed (the squared gradient norm of
-    sharded gradients included, clipped or not), plus one small all-reduce of the window's real
-    sample and loss totals (train_batch)."""
+def expected_train_batch_window(stage, defer, units):
+    """One whole train_batch window: the micro-steps' collectives summed, plus one small all-reduce
+    of the window's real sample and loss totals, which carries the squared gradient norm of sharded
+    gradients too (clipped or not): no all-reduce of its own."""
     total: dict = {}
-    for step in expected_collectives(stage, defer, units):
+    for step in _micro_step_collectives(stage, defer, units):
         for kind, count in step.items():
             total[kind] = total.get(kind, 0) + count
-    return with_extra_all_reduces(total, int(train_batch))
+    return with_extra_all_reduces(total, 1)
 
 
 @pytest.mark.distributed
@@ -223,9 +223,8 @@ def test_collectives_per_micro_step_are_pinned():
             case = (stage, defer, unit, got)
             assert got["manual"] == manual, case
             assert got["manual clipped"] == manual[:-1] + [clipped_boundary], case
-            assert got["train_batch"] == expected_window(stage, defer, units, train_batch=True, clipped=False), case
-            assert got["train_batch clipped"] == expected_window(stage, defer, units, train_batch=True,
-                                                                 clipped=True), case
+            assert got["train_batch"] == expected_train_batch_window(stage, defer, units), case
+            assert got["train_batch clipped"] == expected_train_batch_window(stage, defer, units), case
 
 
 def test_shard_units_group_consecutive_layers_by_size():

@@ -13,6 +13,7 @@ each rank's micro-batch loss by ``samples · world_size / global_samples``.
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -69,6 +70,10 @@ class Strategy(ABC):
     forward_communicates = False
     # activation_checkpointing: auto: the switch of the model's checkpointed blocks (the tuner flips it)
     checkpoint_switch = None
+    # Whether a window may issue collectives before the backward that closes it (a reduction in
+    # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
+    # positions at the window's start too, not only before that backward.
+    communicates_before_closing_backward = True
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
@@ -102,12 +107,22 @@ class Strategy(ABC):
         """At the boundary: finish any gradient reduction the backward did not do (a window
         closed early, or communication deliberately deferred)."""
 
+    def grad_squares_share(self) -> torch.Tensor | None:
+        """After ``reduce_gradients``: this rank's share of the sum of squares of the whole reduced
+        gradient (before the step's multiplier), such that ``all_reduce_sum`` over the shares gives
+        the total — the engine carries it in the window statistics' all-reduce and hands the total to
+        ``step``. None (the default): the step computes the norm itself."""
+        return None
+
     @abstractmethod
-    def step(self, multiplier: float | torch.Tensor, max_norm: float, want_norm: bool = False) -> StepResult:
+    def step(self, multiplier: float | torch.Tensor, max_norm: float, want_norm: bool = False,
+             grad_squares: float | None = None) -> StepResult:
         """Multiply the reduced gradient by ``multiplier``, clip it to ``max_norm`` (0 = off),
         update the parameters — or skip all of it when the gradient holds an inf or nan (an fp16
         overflow, or a non-finite gradient in any precision), decided alike on every rank. The
-        gradient norm is computed when clipping or when ``want_norm`` (identical on every rank)."""
+        gradient norm is computed when clipping or when ``want_norm`` (identical on every rank).
+        ``grad_squares``: the total of ``grad_squares_share`` over ranks, when the engine gathered
+        it (then neither the norm nor the non-finite check needs another pass or collective)."""
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -186,6 +201,9 @@ class TorchStrategy(Strategy):
     # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any
     # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
     checkpoint_format = "torch-dcp"
+    # Whether ``all_reduce_sum`` spans exactly the ranks whose gradient pieces make up the whole
+    # gradient, so that the norm can travel in the window statistics' all-reduce.
+    norm_in_statistics = False
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         torch_internals.check()
@@ -229,7 +247,13 @@ class TorchStrategy(Strategy):
         load_training_state(self.module, self.optimizer, directory)
 
     # -- shared boundary logic ----------------------------------------------------------
-    def step(self, multiplier, max_norm, want_norm=False):
+    def grad_squares_share(self):
+        if not self.norm_in_statistics or self.precision.scaler is not None:
+            return None  # the loss scaler checks overflow on the unscaled gradient, in step
+        squares = sum_of_squares(self.local_gradients(), self.device)
+        return squares if self.gradients_are_sharded() else squares / self.world_size  # replicas: W equal shares
+
+    def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
         grads = self.local_gradients()
         scaler = self.precision.scaler
         if scaler is not None:
@@ -242,9 +266,15 @@ class TorchStrategy(Strategy):
         elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
             scale_(grads, multiplier)
         # The global norm is the non-finite check too (an inf or nan anywhere makes it so, on every
-        # rank alike): one fused pass over the gradient and one host sync per optimizer step.
-        norm = self.global_grad_norm(grads) if scaler is None or max_norm > 0 or want_norm else None
-        if scaler is None and not bool(torch.isfinite(norm)):
+        # rank alike): one fused pass over the gradient and one host sync per optimizer step. Given
+        # ``grad_squares`` (only without a scaler), the engine's statistics brought both already.
+        if grad_squares is not None:
+            norm = torch.as_tensor(grad_squares, dtype=torch.float64, device=self.device).sqrt() * multiplier
+            non_finite = not math.isfinite(grad_squares)
+        else:
+            norm = self.global_grad_norm(grads) if scaler is None or max_norm > 0 or want_norm else None
+            non_finite = scaler is None and not bool(torch.isfinite(norm))
+        if non_finite:
             return StepResult(applied=False, grad_norm=norm, non_finite=True)
         if max_norm > 0:
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ rule

@@ -29,10 +29,19 @@ log = logging.getLogger("engine")
 
 class DataParallel(TorchStrategy):
     name = "ddp"
+    norm_in_statistics = True  # every rank holds the whole reduced gradient
+
+    @property
+    def communicates_before_closing_backward(self) -> bool:
+        # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
+        # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
+        # a synced backward); otherwise the closing backward's all-reduce is the window's first.
+        return not self._buckets_rebuilt or self._has_buffers
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
         self.transform(self.module)
+        self._has_buffers = any(True for _ in self.module.buffers())
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
@@ -41,6 +50,7 @@ class DataParallel(TorchStrategy):
         self._probing_usage = True  # the first window: which parameters get gradients
 
     def _wrap(self, find_unused_parameters: bool) -> DistributedDataParallel:
+        self._buckets_rebuilt = False
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views of DDP's buckets: one copy of the gradient instead of two.
         # zero_optimization.reduce_bucket_size: DDP's bucket (all-reduced as soon as the backward fills it)
@@ -50,6 +60,8 @@ class DataParallel(TorchStrategy):
                                        find_unused_parameters=find_unused_parameters, **buckets)
 
     def prepare_micro_step(self, closes_window):
+        if self._backward_syncs:  # this forward follows a synced backward: DDP rebuilds its buckets in it
+            self._buckets_rebuilt = True
         syncs = closes_window and not self._defer_reduction and not self._probing_usage
         set_ddp_gradient_sync(self.forward_module, syncs)
         self._backward_syncs = syncs

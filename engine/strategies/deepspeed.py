@@ -170,7 +170,8 @@ class DeepSpeedStrategy(Strategy):
         block, self._block = self._block, None
         block.__exit__(None, None, None)
 
-    def step(self, multiplier, max_norm, want_norm=False):
+    def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
+        # grad_squares is never given: DeepSpeed's optimizers compute their norms themselves.
         factor = float(multiplier)
         wants_norm = want_norm or max_norm > 0
         fp16 = self.settings.precision.dtype == torch.float16

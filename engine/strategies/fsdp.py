@@ -106,6 +106,7 @@ def _local_bytes(param: torch.Tensor, element_size: int | None = None) -> int:
 
 class FullyShardedDataParallel(TorchStrategy):
     name = "fsdp"
+    norm_in_statistics = True  # disjoint shards over the world, as the statistics are added up
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
@@ -175,6 +176,11 @@ class FullyShardedDataParallel(TorchStrategy):
         return init_device_mesh(self.device.type, (self.world_size,))
 
     @property
+    def communicates_before_closing_backward(self) -> bool:
+        # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for it.
+        return not (self.rests_gathered and self.deferral.deferring)
+
+    @property
     def forward_communicates(self) -> bool:
         # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers).
         return self.stage == 3 and not self._window_defers
@@ -222,8 +228,8 @@ class FullyShardedDataParallel(TorchStrategy):
         elif not after_backward:  # parameters still gathered: the step updates the shards
             self._reshard()
 
-    def step(self, multiplier, max_norm, want_norm=False):
-        result = super().step(multiplier, max_norm, want_norm)
+    def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
+        result = super().step(multiplier, max_norm, want_norm, grad_squares)
         self.deferral.review()
         self._window_defers = None
         return result

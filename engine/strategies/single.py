@@ -7,6 +7,7 @@ from engine.strategies.base import TorchStrategy
 
 class SingleProcess(TorchStrategy):
     name = "single"
+    norm_in_statistics = True  # the statistics' host read decides the non-finite check too
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)

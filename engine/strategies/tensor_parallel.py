@@ -86,6 +86,9 @@ class TensorMesh:
     """What a strategy on a mesh with a tensor dimension adds to a data-parallel one. Mixed in
     before the data-parallel strategy's class."""
 
+    communicates_before_closing_backward = True  # split layers communicate in every forward
+    norm_in_statistics = False  # the statistics add up over the data group, the norm over the world
+
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.layout = setup.mesh
@@ -138,8 +141,8 @@ class TensorMesh:
                 f"data-parallel index and size, {self.layout.describe()}), or use eng.batches(dataset). "
                 "(tensor_parallel.check_batches sets how many steps are checked)")
 
-    def step(self, multiplier, max_norm, want_norm=False):
-        result = super().step(multiplier, max_norm, want_norm)
+    def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
+        result = super().step(multiplier, max_norm, want_norm, grad_squares)
         self._steps_done += 1
         if self._batch_checks_left:
             self._batch_checks_left -= 1
