@@ -67,6 +67,18 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _still_held(saved_storages) -> dict[int, int]:
+    """Bytes by address of the storages a forward saved that are still held at its end."""
+    held = {}
+    for storage in saved_storages:
+        try:
+            if storage.nbytes():
+                held[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # invalidated since it was saved (a tensor-parallel layer's temporary): freed
+            continue
+    return held
+
+
 class PeakMeter:
     """Peak memory over a span of micro-steps: ``start()``, run each forward inside
     ``forward()``, then read ``peak`` (bytes, see the module docstring)."""
@@ -102,7 +114,7 @@ class PeakMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
-        saved = {storage.data_ptr(): storage.nbytes() for storage in saved_storages if storage.nbytes()}
+        saved = _still_held(saved_storages)
         # distinct storages: a weight saved for backward is a parameter already held, not an activation
         now = (sum({**storages(self.strategy.held_tensors()), **saved}.values()) + sum(wrappers.values())
                + self._gradients_to_come())

@@ -15,7 +15,7 @@ from tests import oom_models
 from tests.broken import keeps_failed_windows
 from tests.dist_utils import run_scenarios
 from tests.oom_models import CostPerCall, VirtualClock, tripwire_mlp
-from tests.reference import max_param_diff, mse, reference_train, regression_batches, sgd, state
+from tests.reference import max_param_diff, mse, rank_slice, reference_train, regression_batches, sgd, state
 
 TOL = 1e-10
 
@@ -28,11 +28,8 @@ def auto_engine(model, global_batch=16, split="strict", **extra):
 
 
 def train(eng, batches):
-    plan = eng.plan
-    sizes = plan.per_device_batch_sizes
-    start = sum(sizes[:plan.rank])
-    for x, y in batches:
-        eng.train_batch((x[start:start + sizes[plan.rank]], y[start:start + sizes[plan.rank]]), mse)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
 
 
 def reference(batches):

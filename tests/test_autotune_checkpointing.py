@@ -25,7 +25,7 @@ from tests.scenarios import needs_deepspeed
 from tests.test_token_budget import TinyCausalLM, loss_sum_and_count
 from tests.test_token_engine import lm_batches, token_mean
 from tests.test_deepspeed import ENV
-from tests.reference import max_param_diff, mse, reference_train, regression_batches, state
+from tests.reference import max_param_diff, mse, rank_slice, reference_train, regression_batches, state
 
 TOL = 1e-10
 # virtual seconds per block forward: 0.02 + 0.00005·rows² (a recomputed forward costs it again)
@@ -47,11 +47,8 @@ def tuned(model, mode="auto", limit=None, **extra):
 
 
 def train(eng, batches):
-    plan = eng.plan
-    sizes = plan.per_device_batch_sizes
-    start = sum(sizes[:plan.rank])
-    for x, y in batches:
-        eng.train_batch((x[start:start + sizes[plan.rank]], y[start:start + sizes[plan.rank]]), mse)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
 
 
 def measured_peaks(**extra) -> dict[tuple[int, bool], int]:
