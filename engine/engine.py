@@ -25,7 +25,8 @@ window: one small all-gather on the control group). A rank whose data ended, or 
 window or micro-step after catching its own error, is found there, before the windows'
 collectives pair up: every rank raises ``RankDisagreementError``. Each check is a point where
 every rank waits for the slowest, so the engine makes none that an earlier or later one covers:
-at ZeRO-0/1 the check before the closing backward is the window's only one.
+at ZeRO-0/1 in fp32 the check before the closing backward is the window's only one (the
+half-precision compute copy still checks at the window's start too).
 
 The non-finite gradient check (``faults.non_finite_gradient``) reads the global gradient norm;
 where the window's statistics are summed over ranks anyway (``train_batch``, exact counts), the
@@ -385,8 +386,8 @@ class Engine:
         return self.window_runner.run_eval(self, self._on_device(batch), self._loss_fn(loss_fn))
 
     def _on_device(self, batch):
-        """A host batch (a DataLoader's) copied to where this rank computes, once per window:
-        the loss function then meets outputs and labels on one device."""
+        """A host batch (a DataLoader's) copied to where this rank computes (tensors already there
+        are not copied): the loss function then meets outputs and labels on one device."""
         return batch if self.device.type == "cpu" else to_device(batch, self.device)
 
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,

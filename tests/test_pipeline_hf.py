@@ -284,3 +284,39 @@ def test_a_model_the_plan_cannot_cut_is_refused_naming_the_fix():
     tied.lm_head.weight = tied.model.embed_tokens.weight
     with pytest.raises(ConfigError, match="lm_head.weight is shared by stages 1 and 2 \\(tied weights\\)"):
         split_model(tied, 2, "auto")
+
+
+def out_of_memory_in_a_decoder_layer(rank, world):
+    """``auto`` on a per-device batch of 8 (1F1B over 2 ranks starts at 2 rows, A = 4): the last
+    stage's decoder layer runs out of memory above 1 row, so every rank shrinks to 1, A = 8."""
+    model, batches = llama(), token_batches(2, 8)
+    expected = reference_run(model, batches)
+    settings = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                "pipeline": {"stages": 2, "schedule": "1f1b", "split": "auto"},
+                "distributed": {"agreement_timeout_seconds": 60, "timeout_seconds": 60}}
+    eng = engine.initialize(copy.deepcopy(model), settings, optimizer=sgd)
+
+    def trip(_module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[0] > 1:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {hidden.shape[0]} MiB")
+
+    for name, module in eng.module.named_modules():  # the layer only the last stage holds
+        if name.endswith("layers.3") and rank == 1:
+            module.register_forward_pre_hook(trip, with_kwargs=True)
+    for batch in batches:
+        eng.train_batch(batch, token_sum)
+    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+              "plan": (eng.plan.train_micro_batch_size_per_gpu, eng.plan.gradient_accumulation_steps)}
+    eng.close()
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_an_out_of_memory_in_a_stage_cut_by_the_plan_shrinks_every_rank_under_auto():
+    """The stage a Hugging Face plan builds runs its forward through the failure guard too: no
+    rank is left waiting for the one that failed, and the result is the reference's."""
+    (first, last) = run_scenarios({"auto": out_of_memory_in_a_decoder_layer}, world_size=2, timeout=200)["auto"]
+    for result in (first, last):
+        assert result["plan"] == (1, 8) and result["diff"] < TOL, result

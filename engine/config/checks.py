@@ -60,7 +60,8 @@ def _automatic_checkpointing_problems(config: Config) -> list[str]:
         return []
     if config.pipeline.stages > 1:
         return [f"activation_checkpointing.enabled: auto is not available under a pipeline of {config.pipeline.stages} "
-                "stages (it is chosen by the automatic micro-batch size, which a pipeline does not have yet); write "
+                "stages (the pipeline's automatic micro size shrinks on an out-of-memory but does not switch "
+                "checkpointing, which its failed stages' stand-ins and cached schedules were not built for); write "
                 "true or false"]
     if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
         return []
@@ -144,6 +145,10 @@ def _automatic_micro_size_problems(config: Config) -> list[str]:
         return [f"train_micro_batch_size_per_gpu: 'explore' is not available {where} (it measures candidate sizes "
                 "outside the schedule); use 'auto' (an out-of-memory on any stage halves the micro size) or a number"]
     problems = []
+    if config.micro_batch_tokens is not None:
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} is not available with micro_batch_tokens (the "
+                        "token budget chooses each window's micro-batches for the schedule, which the automatic size "
+                        "would replace by a fixed plan); give a number")
     if config.zero_optimization.stage >= 2:
         problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} runs with zero_optimization.stage 0 only "
                         "(a stage that runs out of memory skips its layers for the rest of the window, which FSDP's "

@@ -190,8 +190,16 @@ class PlanStage(nn.Module):
         self._output_type = None  # the model's output class, seen on the last stage's forward
         self._forward_context = forward_context
         self._own_outputs = own_outputs
+        # With the automatic micro size's failure guard: the forward runs through it
+        # (engine.strategies.stage_failures), which stands in for it after a failure.
+        self.failures = None
 
     def forward(self, hidden):
+        if self.failures is not None:
+            return self.failures.forward(self.run_model, self, (hidden,))
+        return self.run_model(hidden)
+
+    def run_model(self, hidden):
         """``hidden``: the input_ids on the first stage (PlanSplit.check_inputs), else the hidden states."""
         with self._forward_context():
             if self._runs_head:
