@@ -86,12 +86,19 @@ def peak_flops(device: torch.device) -> float | None:
     return next((value for key, value in PEAK_BF16.items() if key in name), None)
 
 
-def reported_failure(section, *args) -> dict:
-    """Run one part of the report; a part that fails is reported as failed (with its traceback
-    printed) while the others still run: a GPU lease is too short to lose them."""
+def one_process() -> bool:
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+def run_reported(section, *args) -> dict:
+    """Run one part of the report. In one process a part that fails is reported as failed (its
+    traceback printed) while the others still run: a GPU lease is too short to lose them. With
+    several processes it raises: the other ranks would wait for this one in a collective."""
     try:
         return section(*args)
     except Exception as error:  # noqa: BLE001 - any failure is the finding
+        if not one_process():
+            raise
         traceback.print_exc()
         return {"status": f"failed: {type(error).__name__}: {error}"}
 
@@ -256,6 +263,8 @@ def throughput(device: torch.device, size: dict, compiled: bool, steps: int) -> 
             rows_out.append(measure_setting(model, batch, size, device, compiled, steps, setting,
                                             against_hand=setting == hand))
         except Exception as error:  # noqa: BLE001 - reported in the table; the other settings still run
+            if not one_process():
+                raise  # the other ranks would wait for this one
             traceback.print_exc()
             rows_out.append({**dataclasses.asdict(setting), "error": f"{type(error).__name__}: {error}"[:500]})
             release(device)
@@ -356,9 +365,9 @@ def main(argv=None) -> dict:
     size = sizes(device, args.toy)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "size": size, "compile": not args.no_compile,
-              "cuda_tests": cuda_tests(device), "out_of_memory": reported_failure(out_of_memory, device)}
+              "cuda_tests": cuda_tests(device), "out_of_memory": run_reported(out_of_memory, device)}
     report["throughput"] = throughput(device, size, not args.no_compile, args.steps)
-    report["checkpointing_choice"] = reported_failure(checkpointing_choice, device, size)
+    report["checkpointing_choice"] = run_reported(checkpointing_choice, device, size)
     report["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
