@@ -304,3 +304,9 @@ def run_scenarios(scenarios: Mapping[str, Callable], world_size: int = 2, *,
                                timeout=timeout, env=env)
     return {name: [per_rank[r][i] for r in range(world_size)]
             for i, name in enumerate(scenarios)}
+
+
+def repo_first_on_path(root) -> str:
+    """A child process's PYTHONPATH: the repository, then what this process's already held
+    (a machine's extra packages, e.g. a GPU machine's wheels under /tmp/site)."""
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))

@@ -11,13 +11,14 @@ import pytest
 
 from engine.cli import add_override_argument, main
 from engine.config.schema import load_config
+from tests.dist_utils import repo_first_on_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": repo_first_on_path(ROOT)}
     return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 

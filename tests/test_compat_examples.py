@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.dist_utils import repo_first_on_path
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_first_on_path(REPO)}
     result = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", "2", *argv], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"

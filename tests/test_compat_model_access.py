@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import engine.compat.deepspeed as deepspeed
 from engine.compat.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from tests.dist_utils import run_scenarios
+from tests.dist_utils import repo_first_on_path, run_scenarios
 from tests.reference import max_param_diff, mlp, regression_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_zero3_gathered_parameters_16bit_model_and_zero_to_fp32(tmp_path, bf16):
     command = [sys.executable, "-m", "engine.compat.deepspeed.utils.zero_to_fp32", str(tmp_path / "ckpt"),
                str(tmp_path / "fp32.bin")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": repo_first_on_path(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert max_param_diff(torch.load(tmp_path / "fp32.bin", weights_only=True), whole) < 1e-6
 
@@ -167,7 +167,7 @@ def test_zero3_gathered_parameters_16bit_model_and_zero_to_fp32(tmp_path, bf16):
 def test_zero_to_fp32_without_a_checkpoint_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "engine.compat.deepspeed.utils.zero_to_fp32", str(tmp_path),
                            str(tmp_path / "out.bin")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": repo_first_on_path(REPO)})
     assert done.returncode == 2 and "no latest file" in done.stderr and "Traceback" not in done.stderr
 
 

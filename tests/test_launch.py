@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import TORCHRUN_SIGNALS, LaunchError, build_command, build_parser, main, run
+from tests.dist_utils import repo_first_on_path
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = "examples/param_unchanged.py"  # any script: the command tests only build commands
@@ -226,7 +227,7 @@ DEMO_LINE = re.compile(r"rank (\d): iteration (\d), first 10 elements of param: 
 @pytest.fixture(scope="module")
 def launched():
     """The main demo under the three launchers, started together: they mostly wait on imports."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=repo_first_on_path(REPO))
     env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     commands = {
         "launch": [sys.executable, "-m", "launch", "--nproc-per-node", "2", DEMO],

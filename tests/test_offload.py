@@ -30,7 +30,7 @@ from engine.config.offload import torch_offload
 from engine.distributed.process_group import DistInfo
 from engine.setup import resolve_setup
 from engine.strategies import make_strategy
-from tests.dist_utils import run_scenarios
+from tests.dist_utils import repo_first_on_path, run_scenarios
 from tests.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,8 +218,7 @@ eng.close()
 def test_one_process_without_a_launcher_offloads_and_equals_the_reference():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     # the repository first, then whatever the machine already needs (a GPU machine's extra packages)
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=repo_first_on_path(REPO), OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", ONE_PROCESS], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -312,8 +311,7 @@ print("RESULT " + json.dumps(offload_on_one_gpu(sys.argv[1])))
 def test_offload_on_a_gpu_holds_shards_gradients_and_optimizer_state_on_the_host(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     # the repository first, then whatever the machine already needs (a GPU machine's extra packages)
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=repo_first_on_path(REPO), OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-c", CUDA_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -496,3 +496,17 @@ def test_plan_and_validate_show_the_mesh(capsys):
     assert "zero stage 0, pipeline 2 stages (1f1b, split auto), backend torch" in capsys.readouterr().out
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
     assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
+
+
+def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatch):
+    """Seen on torch 2.11 (docs/compatibility.md): refused up front there, not mid-training."""
+    from engine.adapters import torch_internals
+
+    config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                                 "fp16": {"enabled": True}, "pipeline": {"stages": 2}})
+    assert not any("needs torch 2.13" in line for line in engine.config.checks.check_without_model(config))
+    monkeypatch.setattr(torch_internals, "version", lambda: (2, 11))
+    problems = engine.config.checks.check_without_model(config)
+    assert any("'auto' under a pipeline needs torch 2.13 or later" in line for line in problems), problems
+    assert any("fp16.enabled: half precision under a pipeline needs torch 2.13 or later" in line
+               for line in problems), problems

@@ -34,6 +34,17 @@ def version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# Seen on torch 2.11 (docs/compatibility.md): a pipeline stage whose failure guard stands in
+# left the next stage without input gradients, and half precision under a schedule met fp32
+# gradient buffers; both run on 2.13.
+PIPELINE_GUARD_AND_HALF_PRECISION = (2, 13)
+
+
+def pipeline_guard_and_half_precision() -> bool:
+    """Whether this torch runs a pipeline's failure guard and half precision under a schedule."""
+    return version() >= PIPELINE_GUARD_AND_HALF_PRECISION
+
+
 def check() -> None:
     """Refuse a torch this adapter was not tested with, or one lacking a name it uses."""
     (low, high), found = TESTED, version()

@@ -24,6 +24,7 @@ from importlib.util import find_spec
 
 import torch
 
+from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
@@ -111,6 +112,16 @@ def _pipeline_problems(config: Config) -> list[str]:
     if stages == 1:
         return []
     problems = []
+    if not torch_internals.pipeline_guard_and_half_precision():
+        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_GUARD_AND_HALF_PRECISION)
+        if config.train_micro_batch_size_per_gpu == "auto":
+            problems.append(f"train_micro_batch_size_per_gpu: 'auto' under a pipeline needs {needs} (with torch "
+                            f"{torch.__version__} a stage standing in after an out-of-memory leaves the next stage "
+                            "without input gradients); give a number, or upgrade torch")
+        if half_precision(config) is not None:
+            problems.append(f"{half_precision(config)}.enabled: half precision under a pipeline needs {needs} (with "
+                            f"torch {torch.__version__} the schedule's gradient buffers are fp32 while the stages' "
+                            "outputs are half: the backward fails); disable it, or upgrade torch")
     if config.backend != "torch":
         problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
                         "set backend: torch")
