@@ -25,8 +25,7 @@ window: one small all-gather on the control group). A rank whose data ended, or 
 window or micro-step after catching its own error, is found there, before the windows'
 collectives pair up: every rank raises ``RankDisagreementError``. Each check is a point where
 every rank waits for the slowest, so the engine makes none that an earlier or later one covers:
-at ZeRO-0/1 in fp32 the check before the closing backward is the window's only one (the
-half-precision compute copy still checks at the window's start too).
+at ZeRO-0/1 the check before the closing backward is the window's only one.
 
 The non-finite gradient check (``faults.non_finite_gradient``) reads the global gradient norm;
 where the window's statistics are summed over ranks anyway (``train_batch``, exact counts), the

@@ -22,13 +22,14 @@ F32 = torch.float32
 WINDOWS = 5  # DDP agrees on rebuilt buckets in the third window's first forward: the last two are steady
 
 
-def waits_per_window(rank, world, stage, defer=False, buffer=False):
+def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None):
     """[(position checks, all-reduces on the training group)] of each train_batch window (2 micro-steps)."""
     model = mlp(dtype=F32)
     if buffer:  # DDP broadcasts buffers in a window's first forward
         model.register_buffer("seen", torch.zeros(1))
     eng = engine.initialize(model, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                                    "zero_optimization": {"stage": stage, "defer_reduction": defer}}, optimizer=sgd)
+                                    "zero_optimization": {"stage": stage, "defer_reduction": defer},
+                                    **({half: {"enabled": True}} if half else {})}, optimizer=sgd)
     checks = {"n": 0}
     original = dist.all_gather
 
@@ -79,3 +80,21 @@ def test_a_window_waits_only_where_no_other_check_covers():
             # The first windows check at their start too while DDP still communicates in a forward.
             assert per_window[-2:] == [expected[name]] * 2, (name, per_window)
             assert all(checks >= expected[name][0] for checks, _ in per_window), (name, per_window)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_the_half_precision_compute_copy_checks_once_per_window():
+    """bf16 / fp16 parameters from fp32 masters at ZeRO-0/1: no collective before the window's
+    end (the masters' gradients are all-reduced after the closing backward), so the check before
+    that backward is the only one; bf16's norm rides in the statistics' all-reduce (fp16's loss
+    scaler reads its own), which adds none."""
+    scenarios = {f"stage {stage}, {half}": functools.partial(waits_per_window, stage=stage, half=half)
+                 for stage in (0, 1) for half in ("bf16", "fp16")}
+    results = run_scenarios(scenarios, world_size=2, timeout=130)
+    for name, per_rank in results.items():
+        for per_window in per_rank:
+            assert [checks for checks, _ in per_window] == [1] * WINDOWS, (name, per_window)
+    # bf16's norm adds no all-reduce: the statistics, which parameters got gradients, one bucket
+    for stage in (0, 1):
+        assert results[f"stage {stage}, bf16"] == [[(1, 3)] * WINDOWS] * 2, results

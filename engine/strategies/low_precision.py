@@ -22,6 +22,12 @@ from engine.strategies.zero1 import OwnedOptimizerState
 class LowPrecisionReplicas(TorchStrategy):
     """The whole model on every rank (one process, or ZeRO-0)."""
 
+    # No collective inside a window (the masters' gradients are all-reduced after its closing
+    # backward): the check before that backward is its only one. After the reduction every rank
+    # holds the whole master gradient, so the norm's squares ride in the window statistics.
+    communicates_before_closing_backward = False
+    norm_in_statistics = True
+
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.name = "single" if self.world_size == 1 else "ddp"
