@@ -503,10 +503,11 @@ def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatc
     from engine.adapters import torch_internals
 
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
-                                 "fp16": {"enabled": True}, "pipeline": {"stages": 2}})
+                                 "fp16": {"enabled": True}, "pipeline": {"stages": 2, "schedule": "zero_bubble"}})
     assert not any("needs torch 2.13" in line for line in engine.config.checks.check_without_model(config))
     monkeypatch.setattr(torch_internals, "version", lambda: (2, 11))
     problems = engine.config.checks.check_without_model(config)
     assert any("'auto' under a pipeline needs torch 2.13 or later" in line for line in problems), problems
     assert any("fp16.enabled: half precision under a pipeline needs torch 2.13 or later" in line
                for line in problems), problems
+    assert any("pipeline.schedule: zero_bubble needs torch 2.13 or later" in line for line in problems), problems

@@ -35,14 +35,14 @@ def version() -> tuple[int, int]:
 
 
 # Seen on torch 2.11 (docs/compatibility.md): a pipeline stage whose failure guard stands in
-# left the next stage without input gradients, and half precision under a schedule met fp32
-# gradient buffers; both run on 2.13.
-PIPELINE_GUARD_AND_HALF_PRECISION = (2, 13)
+# left the next stage without input gradients, half precision under a schedule met fp32
+# gradient buffers, and the zero-bubble schedule's first step failed; all run on 2.13.
+PIPELINE_FEATURES_FROM = (2, 13)
 
 
-def pipeline_guard_and_half_precision() -> bool:
-    """Whether this torch runs a pipeline's failure guard and half precision under a schedule."""
-    return version() >= PIPELINE_GUARD_AND_HALF_PRECISION
+def pipeline_features_supported() -> bool:
+    """Whether this torch runs a pipeline's failure guard, half precision and the zero-bubble schedule."""
+    return version() >= PIPELINE_FEATURES_FROM
 
 
 def check() -> None:

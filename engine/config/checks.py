@@ -112,12 +112,16 @@ def _pipeline_problems(config: Config) -> list[str]:
     if stages == 1:
         return []
     problems = []
-    if not torch_internals.pipeline_guard_and_half_precision():
-        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_GUARD_AND_HALF_PRECISION)
+    if not torch_internals.pipeline_features_supported():
+        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_FEATURES_FROM)
         if config.train_micro_batch_size_per_gpu == "auto":
             problems.append(f"train_micro_batch_size_per_gpu: 'auto' under a pipeline needs {needs} (with torch "
                             f"{torch.__version__} a stage standing in after an out-of-memory leaves the next stage "
                             "without input gradients); give a number, or upgrade torch")
+        if config.pipeline.schedule == "zero_bubble":
+            problems.append(f"pipeline.schedule: zero_bubble needs {needs} (with torch {torch.__version__} its first "
+                            "step's shape exchange failed: a rank's send found no connection); use gpipe, 1f1b or "
+                            "interleaved, or upgrade torch")
         if half_precision(config) is not None:
             problems.append(f"{half_precision(config)}.enabled: half precision under a pipeline needs {needs} (with "
                             f"torch {torch.__version__} the schedule's gradient buffers are fp32 while the stages' "
