@@ -236,7 +236,8 @@ class Engine:
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
-        args, kwargs = self._on_device(args), self._on_device(kwargs)
+        if not self._splitting:  # train_batch / eval_batch moved their batch already
+            args, kwargs = self._on_device(args), self._on_device(kwargs)
         if not torch.is_grad_enabled():
             return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
