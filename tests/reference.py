@@ -47,15 +47,17 @@ class TinyLM(torch.nn.Module):
         return self.head(torch.tanh(self.hidden(self.embed(tokens))))
 
 
-def token_batches(steps: int, global_batch: int, seq: int = 6, vocab: int = 11, seed: int = 2):
-    """Token batches whose samples hold very different numbers of valid labels (-100 = padding)."""
+def token_batches(steps: int, global_batch: int, seq: int = 6, vocab: int = 11, seed: int = 2, dense: bool = False):
+    """Token batches whose samples hold very different numbers of valid labels (-100 = padding),
+    or (``dense``) all valid: a mean over a micro-batch's tokens is then its mean over samples."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
         labels = torch.randint(0, vocab, (global_batch, seq), generator=g)
         lengths = torch.randint(1, seq + 1, (global_batch,), generator=g)
-        labels[torch.arange(seq)[None, :] >= lengths[:, None]] = -100
+        if not dense:
+            labels[torch.arange(seq)[None, :] >= lengths[:, None]] = -100
         batches.append({"tokens": tokens, "labels": labels})
     return batches
 

@@ -264,6 +264,16 @@ def assert_precision_results(results: dict, backend: str) -> None:
 CHECKPOINTING = {"activation_checkpointing": {"enabled": True}}
 
 
+def two_windows(model, config: dict, share) -> dict:
+    """The full state after two windows of ``share`` on a copy of the LM ``model`` (SGD)."""
+    eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    for _ in range(2):
+        eng.train_batch(share, lm_loss)
+    state = eng.full_state_dict()
+    eng.close()
+    return state
+
+
 def checkpointing_case(rank, world, stage, precision, backend="torch"):
     """Two windows with and without checkpointing: the largest parameter difference."""
     model, batch = lm(layers=2, width=32), tokens(8, 16)
@@ -272,11 +282,7 @@ def checkpointing_case(rank, world, stage, precision, backend="torch"):
     for name, features in {"without": {}, "with": CHECKPOINTING}.items():
         config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2,
                   "zero_optimization": {"stage": stage}, **precision, **features}
-        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-        for _ in range(2):
-            eng.train_batch(share, lm_loss)
-        runs[name] = eng.full_state_dict()
-        eng.close()
+        runs[name] = two_windows(model, config, share)
     return max_param_diff(runs["with"], runs["without"])
 
 
@@ -291,9 +297,5 @@ def compiled_case(rank, world, stage, precision, backend="torch", checkpointing=
     for name, features in {"eager": {}, "compiled": {"compile": {"enabled": True, "backend": "aot_eager"}}}.items():
         config = {"backend": backend, "train_batch_size": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
                   "activation_checkpointing": {"enabled": checkpointing}, **precision, **features}
-        eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-        for _ in range(2):
-            eng.train_batch(share, lm_loss)
-        runs[name] = eng.full_state_dict()
-        eng.close()
+        runs[name] = two_windows(model, config, share)
     return max_param_diff(runs["compiled"], runs["eager"]), counters["stats"]["calls_captured"]

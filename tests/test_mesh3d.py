@@ -23,7 +23,7 @@ from engine.strategies.tensor_pipeline import stage_boundary_problems
 from tests.broken import intact, summed_micro_batches, unreduced_replicated_gradients
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import max_param_diff, mlp, sgd, state, token_batches
-from tests.test_pipeline import data_share, reference_run, token_sum
+from tests.test_pipeline import data_share, overflow_in_second_window, overflow_result, reference_run, token_sum
 from tests.tp_models import PLAN, TinyTransformer
 
 TOL = 1e-10
@@ -159,23 +159,10 @@ def fp16_overflow_on_one_stage(rank, world):
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2, "split": ["layers.1"]},
            "tensor_parallel": {"size": 2, "plan": PLAN}, "fp16": {"enabled": True, "initial_scale_power": 8}}
     eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
-    strategy, calls = eng.strategy, []
-    gradients = strategy.local_gradients
-
-    def overflowing():
-        grads = gradients()
-        calls.append(1)
-        if len(calls) == 2 and rank == 0:
-            grads[0].view(-1)[0] = float("inf")
-        return grads
-
-    strategy.local_gradients = overflowing
+    overflow_in_second_window(eng, rank == 0)
     for window in windows:
         eng.train_batch(data_share(window, eng), token_mean)
-    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "skipped": eng.skipped_steps,
-              "steps": eng.global_steps, "scale": strategy.loss_scaler.scale}
-    eng.close()
-    return result
+    return overflow_result(eng, expected)
 
 
 def readme_script_alone(rank, world):

@@ -25,6 +25,7 @@ from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.scenarios import halving_schedule
 from tests.reference import TinyLM, max_param_diff, mlp, regression_batches, sgd, state
+from tests.reference import token_batches as reference_token_batches
 
 TOL = 1e-10
 MISSED = 1e-4
@@ -87,16 +88,10 @@ def token_model(seed=0):
                                torch.nn.Linear(WIDTH, VOCAB)).double()
 
 
-def token_batches(steps, global_batch, seq=6, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (global_batch, seq), generator=g)
-        labels = torch.randint(0, VOCAB, (global_batch, seq), generator=g)
-        lengths = torch.randint(1, seq + 1, (global_batch,), generator=g)
-        labels[torch.arange(seq)[None, :] >= lengths[:, None]] = -100
-        batches.append((tokens, labels))
-    return batches
+def token_batches(steps, global_batch, seq=6, seed=2, vocab=VOCAB, dense=False):
+    """tests.reference's token batches as (input_ids, labels), the pipeline's convention."""
+    return [(batch["tokens"], batch["labels"])
+            for batch in reference_token_batches(steps, global_batch, seq, vocab, seed, dense=dense)]
 
 
 def token_sum(outputs, labels):
@@ -207,21 +202,31 @@ def fp16_overflow_on_first_stage(rank, world):
     expected, _ = reference_run(copy.deepcopy(model).double(), [doubled[0], doubled[2]], reference_mse, 0.0)
     eng = engine.initialize(copy.deepcopy(model), config(4, 1, fp16={"enabled": True, "initial_scale_power": 8}),
                             optimizer=sgd)
+    overflow_in_second_window(eng, eng.strategy.holds_first_stage)
+    for batch in batches:
+        eng.train_batch(data_share(batch, eng), mse_outputs)
+    return overflow_result(eng, expected)
+
+
+def overflow_in_second_window(eng, here: bool) -> None:
+    """An inf in this rank's gradient (when ``here``) at the second window's step (injected)."""
     strategy, calls = eng.strategy, []
     gradients = strategy.local_gradients
 
     def overflowing():
         grads = gradients()
         calls.append(1)
-        if len(calls) == 2 and strategy.holds_first_stage:
+        if len(calls) == 2 and here:
             grads[0].view(-1)[0] = float("inf")
         return grads
 
     strategy.local_gradients = overflowing
-    for batch in batches:
-        eng.train_batch(data_share(batch, eng), mse_outputs)
+
+
+def overflow_result(eng, expected) -> dict:
+    """After an overflow run: against the reference, the windows skipped and taken, the loss scale."""
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "skipped": eng.skipped_steps,
-              "steps": eng.global_steps, "scale": strategy.loss_scaler.scale}
+              "steps": eng.global_steps, "scale": eng.strategy.loss_scaler.scale}
     eng.close()
     return result
 

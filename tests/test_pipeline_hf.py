@@ -23,6 +23,7 @@ from engine.errors import ConfigError, EngineUsageError
 from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, sgd, state
+from tests.test_pipeline import token_batches as pipeline_token_batches
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")
@@ -53,19 +54,7 @@ def llama(layers=4, seed=0):
     return LlamaForCausalLM(llama_config(layers)).double()
 
 
-def token_batches(steps, global_batch, seq=6, seed=2, dense=False):
-    """(input_ids, labels): each sample with its own number of valid labels, or (``dense``) all
-    valid: a mean over a micro-batch's tokens is then its mean over samples, as a mean loss is."""
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (global_batch, seq), generator=g)
-        labels = torch.randint(0, VOCAB, (global_batch, seq), generator=g)
-        lengths = torch.randint(1, seq + 1, (global_batch,), generator=g)
-        if not dense:
-            labels[torch.arange(seq)[None, :] >= lengths[:, None]] = -100
-        batches.append((tokens, labels))
-    return batches
+token_batches = functools.partial(pipeline_token_batches, vocab=VOCAB)
 
 
 # The user's losses: on the model's outputs, the same with and without a pipeline.
