@@ -24,11 +24,12 @@ from tests.broken import unreduced_replicated_gradients
 from tests.dist_utils import run_scenarios
 from tests.reference import (
     max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state, token_batches,
+    token_loss_mean, token_loss_sum,
 )
 from tests.oom_models import tripwire_mlp
 from tests.test_token_budget import loss_sum_and_count, padded_batch
 from tests.test_token_engine import token_mean
-from tests.tp_models import PLAN, TinyTransformer, TinyTransformerLM, lm_loss_mean, lm_loss_sum
+from tests.tp_models import PLAN, TinyTransformer, TinyTransformerLM
 
 TOL = 1e-10
 MISSED = 1e-4
@@ -62,14 +63,14 @@ def clipped_mean(rank, world, stage, broken=False):
     expected_norms = []
     for batch in batches:
         optimizer.zero_grad()
-        lm_loss_mean(ref, batch).backward()
+        token_loss_mean(ref, batch).backward()
         expected_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
         optimizer.step()
     eng = engine.initialize(copy.deepcopy(model), config(stage, 2, gradient_clipping=0.5), optimizer=sgd,
                             tensor_plan=tensor_plan)
     norms = []
     for batch in batches:
-        eng.train_batch(rank_slice(batch, eng.plan), lm_loss_mean)
+        eng.train_batch(rank_slice(batch, eng.plan), token_loss_mean)
         norms.append(float(eng.last_window.step.grad_norm))
     full = eng.full_state_dict()
     return {"diff": max_param_diff(full, state(ref)), "norms": norms, "expected_norms": expected_norms,
@@ -80,12 +81,12 @@ def clipped_mean(rank, world, stage, broken=False):
 def balanced_tokens(rank, world, stage):
     """(sum, count) losses on a balanced plan: 7 sequences over the data ranks, unequal micro-batches."""
     model, batches = TinyTransformer(), lm_batches(3, 7)
-    expected = reference_train(model, batches, lm_loss_mean, sgd)
+    expected = reference_train(model, batches, token_loss_mean, sgd)
     eng = engine.initialize(copy.deepcopy(model), config(stage, 2, global_batch=7, batch_split="balanced"),
                             optimizer=sgd)
-    losses = [eng.train_batch(rank_slice(batch, eng.plan), lm_loss_sum) for batch in batches]
+    losses = [eng.train_batch(rank_slice(batch, eng.plan), token_loss_sum) for batch in batches]
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "loss0": losses[0],
-            "expected_loss0": lm_loss_mean(model, batches[0]).item(), "samples": eng.global_samples}
+            "expected_loss0": token_loss_mean(model, batches[0]).item(), "samples": eng.global_samples}
 
 
 def short_windows(rank, world, stage, defer=False):
@@ -94,22 +95,22 @@ def short_windows(rank, world, stage, defer=False):
     model, batches = TinyTransformer(), lm_batches(3, 8)
     flushed = {k: v[:4] for k, v in batches[1].items()}
     short = {k: v[:6] for k, v in batches[2].items()}
-    expected = reference_train(model, [batches[0], flushed, short], lm_loss_mean, sgd)
+    expected = reference_train(model, [batches[0], flushed, short], token_loss_mean, sgd)
     cfg = config(stage, 2, global_batch=8, micro=2)
     cfg["zero_optimization"]["defer_reduction"] = defer
     eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
     data = eng.plan.world_size
     for micro_batch in split_batch(rank_slice(batches[0], eng.plan), eng.plan.micro_batch_sizes):
-        eng.backward(lm_loss_sum(eng, micro_batch))
+        eng.backward(token_loss_sum(eng, micro_batch))
         eng.step()
     n = 4 // data
     local = {k: v[n * eng.plan.rank:n * (eng.plan.rank + 1)] for k, v in flushed.items()}
     for micro_batch in split_batch(local, (2,) * (n // 2)):
-        eng.backward(lm_loss_sum(eng, micro_batch))
+        eng.backward(token_loss_sum(eng, micro_batch))
         eng.step()
     eng.step(flush=True)
     n = 6 // data
-    eng.train_batch({k: v[n * eng.plan.rank:n * (eng.plan.rank + 1)] for k, v in short.items()}, lm_loss_sum)
+    eng.train_batch({k: v[n * eng.plan.rank:n * (eng.plan.rank + 1)] for k, v in short.items()}, token_loss_sum)
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "samples": eng.global_samples}
 
 
@@ -138,7 +139,7 @@ def different_batches(rank, world, stage):
     mine = {k: v[n * rank:n * (rank + 1)] for k, v in batch.items()}  # wrong: rank, not eng.plan.rank
     before = eng.full_state_dict()
     try:
-        eng.train_batch(mine, lm_loss_sum)
+        eng.train_batch(mine, token_loss_sum)
     except EngineUsageError as error:
         unchanged = max_param_diff(eng.full_state_dict(), before) == 0
         return {"error": str(error), "unchanged": unchanged}
@@ -149,10 +150,10 @@ def batches_helper(rank, world, stage):
     """eng.batches() hands the ranks of one tensor group the same batch: exact."""
     model, batches = TinyTransformer(), lm_batches(2, 8)
     dataset = [{k: v[i] for k, v in batch.items()} for batch in batches for i in range(8)]
-    expected = reference_train(model, batches, lm_loss_mean, sgd)
+    expected = reference_train(model, batches, token_loss_mean, sgd)
     eng = engine.initialize(copy.deepcopy(model), config(stage, 2), optimizer=sgd)
     for batch in eng.batches(dataset, shuffle=False):
-        eng.train_batch(batch, lm_loss_sum)
+        eng.train_batch(batch, token_loss_sum)
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "steps": eng.global_steps}
 
 
@@ -160,10 +161,10 @@ def resumed_on_another_mesh(rank, world, stage, directory, tensor_after, stage_a
     """Two windows on tensor 2, a checkpoint, then a new engine on another tensor size (and
     so another data size) loads it and trains the third window: the reference's three steps."""
     model, batches = TinyTransformer(), lm_batches(3, 8)
-    expected = reference_train(model, batches, lm_loss_mean, torch.optim.AdamW)
+    expected = reference_train(model, batches, token_loss_mean, torch.optim.AdamW)
     eng = engine.initialize(copy.deepcopy(model), config(stage, 2), optimizer=torch.optim.AdamW)
     for batch in batches[:2]:
-        eng.train_batch(rank_slice(batch, eng.plan), lm_loss_sum)
+        eng.train_batch(rank_slice(batch, eng.plan), token_loss_sum)
     eng.save_checkpoint(directory)
     eng.close()
     cfg = config(stage_after, tensor_after)
@@ -171,7 +172,7 @@ def resumed_on_another_mesh(rank, world, stage, directory, tensor_after, stage_a
         del cfg["tensor_parallel"]
     resumed = engine.initialize(TinyTransformer(seed=5), cfg, optimizer=torch.optim.AdamW)
     resumed.load_checkpoint(directory)
-    resumed.train_batch(rank_slice(batches[2], resumed.plan), lm_loss_sum)
+    resumed.train_batch(rank_slice(batches[2], resumed.plan), token_loss_sum)
     return {"diff": max_param_diff(resumed.full_state_dict(), state(expected)), "steps": resumed.global_steps,
             "data": resumed.plan.world_size}
 

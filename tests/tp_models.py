@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from tests.reference import DTYPE
 
@@ -63,18 +62,6 @@ class TinyTransformer(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
-
-
-def lm_loss_sum(model, batch):
-    logits = model(batch["tokens"])
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss, (labels != -100).sum()
-
-
-def lm_loss_mean(model, batch):
-    loss, count = lm_loss_sum(model, batch)
-    return loss / count
 
 
 class TinyTransformerLM(TinyTransformer):
