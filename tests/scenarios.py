@@ -274,6 +274,12 @@ def two_windows(model, config: dict, share) -> dict:
     return state
 
 
+def every_stage_and_precision(case) -> dict:
+    """``case`` at ZeRO stages 0-3, in fp32 and in bf16, keyed (stage, precision name)."""
+    return {(stage, name): functools.partial(case, stage=stage, precision=precision)
+            for stage in (0, 1, 2, 3) for name, precision in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}))}
+
+
 def checkpointing_case(rank, world, stage, precision, backend="torch"):
     """Two windows with and without checkpointing: the largest parameter difference."""
     model, batch = lm(layers=2, width=32), tokens(8, 16)

@@ -5,7 +5,6 @@ are few and small (inductor in one process, aot_eager — the same capture, no c
 two ranks)."""
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import engine
 from bench.model_transforms import lm, lm_loss, tokens
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, state
-from tests.scenarios import compiled_case
+from tests.scenarios import compiled_case, every_stage_and_precision
 
 
 def train(model, lengths, **features):
@@ -41,8 +40,7 @@ def test_compiled_blocks_equal_eager_and_variable_lengths_compile_twice():
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_compiled_checkpointed_blocks_equal_eager_at_every_stage():
-    scenarios = {(stage, name): functools.partial(compiled_case, stage=stage, precision=precision)
-                 for stage in (0, 1, 2, 3) for name, precision in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}))}
+    scenarios = every_stage_and_precision(compiled_case)
     for case, per_rank in run_scenarios(scenarios, world_size=2, timeout=380).items():
         for diff, captured in per_rank:
             assert captured > 0 and diff < 1e-6, (case, per_rank)  # measured 0: aot_eager runs the same kernels

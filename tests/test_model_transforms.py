@@ -3,7 +3,6 @@ repeated blocks found, gradients equal to the run without it (dropout included) 
 stage, activation bytes saved for backward counted."""
 
 import copy
-import functools
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ from engine.config.schema import load_config
 from engine.model_transforms import apply_activation_checkpointing, repeated_blocks
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, state
-from tests.scenarios import CHECKPOINTING, checkpointing_case
+from tests.scenarios import CHECKPOINTING, checkpointing_case, every_stage_and_precision
 
 def train(model, batch, **features):
     eng = engine.initialize(copy.deepcopy(model), {"train_batch_size": 8, "gradient_accumulation_steps": 2, **features},
@@ -106,7 +105,6 @@ def test_deepspeed_checkpointing_keys_are_named_in_a_note_and_the_section_is_not
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_checkpointing_equals_the_run_without_it_at_every_stage():
-    scenarios = {(stage, name): functools.partial(checkpointing_case, stage=stage, precision=precision)
-                 for stage in (0, 1, 2, 3) for name, precision in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}))}
+    scenarios = every_stage_and_precision(checkpointing_case)
     for case, diffs in run_scenarios(scenarios, world_size=2, timeout=150).items():
         assert max(diffs) < 1e-6, (case, diffs)
