@@ -10,6 +10,7 @@ from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
     NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
+    UntestedFrameworkWarning,
 )
 from engine.state.preemption import Preempted
 
@@ -36,5 +37,6 @@ __all__ = [
     "PeerLostError",
     "NonFiniteGradientError",
     "RankDisagreementError",
+    "UntestedFrameworkWarning",
     "Preempted",
 ]
