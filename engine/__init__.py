@@ -13,6 +13,7 @@ from engine.errors import (
     UntestedFrameworkWarning,
 )
 from engine.state.preemption import Preempted
+from engine.verify import VerifyError, VerifyResult, verify
 
 __all__ = [
     "initialize",
@@ -39,4 +40,7 @@ __all__ = [
     "RankDisagreementError",
     "UntestedFrameworkWarning",
     "Preempted",
+    "verify",
+    "VerifyResult",
+    "VerifyError",
 ]
