@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,7 +168,19 @@ def _loss_value(output, rows: int) -> tuple[torch.Tensor, bool]:
 
 # -- the N processes ----------------------------------------------------------------------------
 def run_rank(job_path: str, rank: int) -> int:
-    """One of the N processes (started by :func:`verify` with its environment set)."""
+    """One of the N processes (started by :func:`verify` with its environment set). A failure
+    exits at once, without the process group's goodbye barrier, so that :func:`verify` sees
+    this rank fail first and reports its error rather than its peers' waiting for it."""
+    try:
+        return _train_on_rank(job_path, rank)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _train_on_rank(job_path: str, rank: int) -> int:
     with open(job_path, "rb") as file:
         job: _Job = pickle.load(file)
     dtype = DTYPES[job.dtype]
