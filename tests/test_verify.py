@@ -128,3 +128,17 @@ def test_a_process_that_fails_is_reported_with_its_output(monkeypatch):
     with pytest.raises(VerifyError, match=r"(?s)rank 1 of the 2 processes failed.*failing on purpose on rank 1"):
         engine.verify(MLP_CONFIG, verify_models.plain_mlp, verify_models.regression, verify_models.fails_on_a_rank,
                       echo=None, timeout_seconds=60)
+
+
+def test_half_precision_checkpoints_and_monitor_are_switched_off_with_a_note():
+    from engine.config.schema import load_config
+    from engine.verify import _verify_overrides
+
+    config = load_config({"train_batch_size": 8, "bf16": {"enabled": True}, "checkpoint": {"dir": "runs/x"},
+                          "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    overrides, notes = _verify_overrides(config)
+    assert overrides == ["bf16.enabled=false", "torch_autocast.enabled=false", "checkpoint.dir=null"]
+    assert notes[0].startswith("bf16.enabled, torch_autocast.enabled switched off")
+    assert notes[1] == "checkpoint.dir off: verify neither resumes from nor writes checkpoints"
+    changed = load_config(config, overrides)
+    assert not changed.bf16.enabled and changed.checkpoint.dir is None
