@@ -58,7 +58,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # in float32 (Llama's RMSNorm, a mask built in float32) leaves ~1e-7 per row, which Adam
 # amplifies where a gradient is near its eps: measured 2e-5 on examples/verify_llama.py.
 # A weighting mistake moves the update by 1e-2 or more (the classic token mean: ~5e-1).
-EXACT_ROUNDING = 1e-12  # outputs this close (relative) in a batch and in micro-batches: float64 throughout
+EXACT_ROUNDING = 1e-12  # measure_rounding at most this: the model computes in float64 throughout
 TOLERANCE_EXACT = 1e-6
 TOLERANCE_ROUNDED = {torch.float64: 1e-3, torch.float32: 1e-2}
 DROPOUT_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
@@ -472,6 +472,9 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
                 f"distributed.agreement_timeout_seconds={timeout_seconds}"]
     all_overrides = user_overrides + extra + timeouts
     loaded = load_config(config, all_overrides)
+    if loaded.backend == "deepspeed" and dtype == "float64":
+        raise VerifyError("backend deepspeed cannot train float64 parameters (it keeps fp32 master copies): run "
+                          "verify with --dtype float32 (engine.verify(..., dtype='float32'))")
     if loaded.optimizer is None:
         raise VerifyError("the config has no optimizer section: verify builds the same optimizer in every process "
                           "from it; add `optimizer: {type: AdamW, params: {lr: ...}}`")

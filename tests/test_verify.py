@@ -113,6 +113,9 @@ def test_mistakes_are_named_before_any_process_starts(capsys):
     with pytest.raises(VerifyError, match="no optimizer section"):
         engine.verify({"train_batch_size": 8}, verify_models.plain_mlp, verify_models.regression,
                       verify_models.mean_loss, echo=None)
+    with pytest.raises(VerifyError, match="backend deepspeed cannot train float64 parameters.*--dtype float32"):
+        engine.verify({**MLP_CONFIG, "backend": "deepspeed"}, verify_models.plain_mlp, verify_models.regression,
+                      verify_models.mean_loss, echo=None)
     with pytest.raises(FactoryError, match="not bound to a name at the top level"):
         reference_of(lambda model, batch: 0, "loss")
     assert reference_of(verify_models.mean_loss, "loss") == "tests.verify_models:mean_loss"
