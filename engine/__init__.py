@@ -10,8 +10,10 @@ from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
     NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
+    UntestedFrameworkWarning,
 )
 from engine.state.preemption import Preempted
+from engine.verify import VerifyError, VerifyResult, verify
 
 __all__ = [
     "initialize",
@@ -36,5 +38,9 @@ __all__ = [
     "PeerLostError",
     "NonFiniteGradientError",
     "RankDisagreementError",
+    "UntestedFrameworkWarning",
     "Preempted",
+    "verify",
+    "VerifyResult",
+    "VerifyError",
 ]
