@@ -9,7 +9,8 @@ As a script, under torchrun (every rank writes ``OUT/rank<r>.pt``, a :func:`snap
 
 ``--kill-at N``: rank ``--kill-rank`` kills itself (SIGKILL) in its N-th micro-batch loss,
 on the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0). ``--term-at N``: every
-rank sends itself SIGTERM there instead. ``--until-stopped``: every rank prints ``ready <pid>``
+rank sends itself SIGTERM there instead; ``--int-at N``: SIGINT (a Ctrl-C), with the default
+``stop_signals``. ``--until-stopped``: every rank prints ``ready <pid>``
 once its engine handles stop signals, then trains (slowly, without periodic saves) until one
 stops it.
 """
@@ -119,6 +120,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--term-at", type=int, default=None)
+    parser.add_argument("--int-at", type=int, default=None)
     parser.add_argument("--until-stopped", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -135,6 +137,8 @@ def main(argv=None) -> None:
         loss_fn = FaultyLoss(args.kill_at, signal.SIGKILL)
     elif args.term_at is not None:
         loss_fn = FaultyLoss(args.term_at, signal.SIGTERM)
+    elif args.int_at is not None:
+        loss_fn = FaultyLoss(args.int_at, signal.SIGINT)
     batches = train(eng, loss_fn)
     torch.save(snapshot(eng, batches), out / f"rank{eng.rank}.pt")
     eng.close()

@@ -242,6 +242,20 @@ def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes
     assert_same_run(got, expected, tol=1e-13)
 
 
+def test_ctrl_c_saves_and_stops_like_sigterm_and_the_same_command_resumes(tmp_path):
+    """One process with the default stop signals: a Ctrl-C mid-window saves at the boundary,
+    exits 75 with no traceback, and the rerun resumes from that checkpoint."""
+    out = tmp_path / "run"
+    stopped = run_job(out, "--int-at", "10")  # window 3 of 4 micro-steps
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "SIGINT received: saved" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert "Ctrl-C again to stop at once" in stopped.stderr
+    assert listing(out / "checkpoints") == steps(2, 3)
+    finished = run_job(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "resuming from step_00000003" in finished.stderr
+
+
 def _process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (torchrun runs its workers in sessions of their own)."""
     children: dict[int, list[int]] = {}
@@ -514,6 +528,49 @@ def test_a_second_stop_signal_long_after_the_first_goes_to_the_handler_from_befo
     assert all("SIGTERM again" in text for text in errors.values()), errors
     assert "SIGTERM already had a handler" in errors["own handler"]
     assert "already had a handler" not in errors["default"]
+
+
+CTRL_C_TWICE = """
+import sys, time
+import engine.state.preemption as preemption
+stop = preemption.StopSignals(["SIGINT"])
+stop.install()
+print("ready", flush=True)
+while stop.received is None:
+    time.sleep(0.01)
+print("received", flush=True)
+try:
+    while True:  # a window that has not reached its boundary
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(9)
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The first Ctrl-C is remembered (save at the next boundary); a second one, a key press
+    later, goes to Python's own handler at once: KeyboardInterrupt, no 5 s wait."""
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_TWICE], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "received\n"
+        time.sleep(0.6)  # a person pressing the keys again
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert (code, out) == (9, "interrupted\n"), err
+    assert "SIGINT again" in err
+
+
+def test_sigint_is_a_default_stop_signal():
+    assert "SIGINT" in engine.load_config({"checkpoint": {"dir": "x"}}).checkpoint.stop_signals
 
 
 def _deepspeed_resume(rank, world, root):

@@ -166,9 +166,10 @@ class CheckpointConfig(_DeepSpeedSection):
     keep_last: Optional[PositiveInt] = None  # None: keep every one
     # auto: the newest complete checkpoint in dir; never; or a path, used while dir holds none
     resume: Annotated[str, PlainValidator(_resume)] = "auto"
-    # Signals that make every rank save at the next boundary and exit with stop_exit_code.
+    # Signals that make every rank save at the next boundary and exit with stop_exit_code:
+    # a scheduler's (SIGTERM, Slurm's SIGUSR1 warning) and a person's Ctrl-C (SIGINT).
     stop_signals: list[Annotated[str, PlainValidator(_stop_signal)]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+        default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     stop_exit_code: Annotated[int, Field(ge=1, le=255)] = 75  # EX_TEMPFAIL: "try again"
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_CHECKPOINT_KEYS
 
