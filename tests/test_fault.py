@@ -348,12 +348,28 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
         assert eng.autosave.resumed_from == str(tmp_path / checkpoint_name(6)) and eng.global_steps == 6
         skipped = [r for r in caplog.records if r.levelno == logging.WARNING and "skipping" in r.getMessage()]
         assert len(skipped) == 1 and checkpoint_name(8) in skipped[0].getMessage()
+        # said once, of the checkpoint loaded: never "resuming from" the damaged one before skipping it
+        resuming = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+        assert len(resuming) == 1 and checkpoint_name(6) in resuming[0], resuming
         assert {"truncate": "truncated", "no manifest": "not a complete checkpoint",
                 "flipped bytes": "differs from what was saved (checksum mismatch)"}[damage] in skipped[0].getMessage()
         got = job.snapshot(eng, job.train(eng))
     finally:
         eng.close()
     assert_same_run(got, straight)
+
+
+def test_loading_a_data_position_without_data_says_how_to_restore_it(tmp_path, caplog):
+    trained(tmp_path, steps_=4)
+    eng = one_process(tmp_path / "elsewhere")
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            eng.load_checkpoint(tmp_path / checkpoint_name(4))
+        assert eng.global_steps == 4
+    finally:
+        eng.close()
+    [warning] = [r.getMessage() for r in caplog.records if "data position" in r.getMessage()]
+    assert "holds a data position (epoch 1, batch 1)" in warning and "data=eng.batches(...)" in warning
 
 
 @pytest.mark.parametrize("every, keep, kept",

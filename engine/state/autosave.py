@@ -110,6 +110,8 @@ class AutoCheckpoint(EngineHook):
             if self.rank == 0:
                 log.warning("checkpoint.resume: skipping %s, it is damaged: %s", path, found)
             damaged.append(path)
+        if self.rank == 0:  # only now: the ranks' checksums may still have rejected it
+            log.info("%s", decision["says"])
         position = _DataPosition() if decision["data_position"] else None
         self._pending_restore = engine.checkpoints.restore(path, data=position, checked=True)
         self._position = position.state if position is not None else None
@@ -170,9 +172,9 @@ class AutoCheckpoint(EngineHook):
             except CheckpointError as error:
                 log.warning("checkpoint.resume: skipping %s, it is incomplete or damaged: %s", path, error)
                 continue
-            log.info("checkpoint.resume: %s: resuming from %s, the newest complete checkpoint in %s",
-                     mode, path.name, self.dir)
-            return {"path": str(path), "data_position": manifest.get("data_position", True), "explicit": False}
+            return {"path": str(path), "data_position": manifest.get("data_position", True), "explicit": False,
+                    "says": f"checkpoint.resume: {mode}: resuming from {path.name}, the newest complete checkpoint "
+                            f"in {self.dir}"}
         if mode == "auto":
             log.info("checkpoint.resume: auto: %s holds no complete checkpoint; starting at step 0",
                      self.dir if self.dir is not None else "(no checkpoint.dir)")
@@ -181,8 +183,8 @@ class AutoCheckpoint(EngineHook):
             manifest = verify_checkpoint(mode)
         except CheckpointError as error:
             return {"error": f"checkpoint.resume: {mode}: {error}"}
-        log.info("checkpoint.resume: resuming from %s (checkpoint.dir holds no checkpoint of its own yet)", mode)
-        return {"path": mode, "data_position": manifest.get("data_position", True), "explicit": True}
+        return {"path": mode, "data_position": manifest.get("data_position", True), "explicit": True,
+                "says": f"checkpoint.resume: resuming from {mode} (checkpoint.dir holds no checkpoint of its own yet)"}
 
     def _checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of the ``step_<N>`` directories in dir, oldest first."""

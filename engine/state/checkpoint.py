@@ -353,6 +353,10 @@ def restore_checkpoint(manager: CheckpointManager, path, *, data=None, checked: 
         if data is not None and saved.get("data") is None:
             raise CheckpointError(f"{target} holds no data position (it was saved without data=); "
                                   "load it without data= and position the data yourself")
+        if data is None and saved.get("data") is not None and rank == 0:
+            log.warning("%s holds a data position (epoch %s, batch %s), which is not restored without data=: "
+                        "pass data=eng.batches(...) (the data the run trains from) to continue where it stopped, "
+                        "or position the data yourself", target, saved["data"].get("epoch"), saved["data"].get("step"))
     except CheckpointError as error:
         problem, cause = str(error), error
     except Exception as error:  # noqa: BLE001 - e.g. a manifest with missing fields
