@@ -71,6 +71,7 @@ def _uninterrupted(rank, world, root, stage):
     eng = engine.initialize(mlp(0), job.config(stage, Path(root) / f"straight{stage}"))
     try:
         snapshot = job.snapshot(eng, job.train(eng))
+        eng.checkpoints.wait()  # the last save, written in the background
         dist.barrier()  # rank 0 removes old checkpoints after a save, while the others go on
         return snapshot, listing(eng.autosave.dir)
     finally:
@@ -205,22 +206,72 @@ def run_job(out, *args, launcher=(), timeout=240) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 3])
-def test_killed_rank_resumes_under_torchrun_with_nothing_counted_twice(two_ranks, tmp_path, stage):
-    """Rank 1 is SIGKILLed in the middle of window 6 (last checkpoint: step 4); torchrun restarts
-    both ranks, which resume from step 4 and end equal to the uninterrupted run."""
+@pytest.mark.parametrize("stage, blocking", [(0, True), (0, False), (3, False)])
+def test_killed_rank_resumes_under_torchrun_with_nothing_counted_twice(two_ranks, tmp_path, stage, blocking):
+    """Rank 1 is SIGKILLed in the middle of window 6 (the saves of steps 2 and 4 begun); torchrun
+    restarts both ranks, which resume from the newest complete checkpoint and end equal to the
+    uninterrupted run. A blocking save had finished step 4; a background one may still have
+    been writing it, and then step 2 is the newest complete."""
     out = tmp_path / "run"
-    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
-    result = run_job(out, "--stage", str(stage), "--kill-at", "11", launcher=torchrun)
+    result = run_job(out, "--stage", str(stage), "--kill-at", "11", *(["--blocking"] if blocking else []),
+                     launcher=TORCHRUN)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "exitcode: -9" in result.stderr  # the kill happened, and the restart finished the job
-    assert "resuming from step_00000004" in result.stderr
+    resumed = [step for step in (2, 4) if f"resuming from {checkpoint_name(step)}" in result.stderr]
+    assert resumed == [4] if blocking else len(resumed) == 1, result.stderr[-4000:]
     for rank, (expected, _) in enumerate(two_ranks[f"straight{stage}"]):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
-        assert got["resumed_from"].endswith(checkpoint_name(4))
+        assert got["resumed_from"].endswith(checkpoint_name(resumed[0]))
         assert_same_run(got, expected)
     assert listing(out / "checkpoints") == steps(6, 8)
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_during_a_background_write_resumes_from_the_last_complete_checkpoint(two_ranks, tmp_path):
+    """Rank 1 is SIGKILLed inside the background write of step 4 (its files written, before the
+    checksums): step 4 is never published, the restart resumes from step 2, ends equal to the
+    uninterrupted run, and the half-written step 4 is swept away."""
+    out = tmp_path / "run"
+    result = run_job(out, "--kill-in-write", "4", launcher=TORCHRUN)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "exitcode: -9" in result.stderr
+    assert "resuming from step_00000002" in result.stderr, result.stderr[-4000:]
+    for rank, (expected, _) in enumerate(two_ranks["straight0"]):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert got["resumed_from"].endswith(checkpoint_name(2))
+        assert_same_run(got, expected)
+    assert listing(out / "checkpoints") == steps(6, 8)  # no .tmp- leftover either
+
+
+def test_sigterm_during_a_background_write_waits_for_it_saves_and_resumes(tmp_path):
+    """One process: SIGTERM arrives inside the background write of step 2. That write is
+    finished and published, the next boundary after the signal (step 3, or later: training goes
+    on while the write runs) saves and waits for its write, the process exits 75; the rerun
+    resumes from there and equals the uninterrupted run."""
+    out = tmp_path / "run"
+    stopped = run_job(out, "--term-in-write", "2")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    [stop] = [int(n) for n in re.findall(r"SIGTERM received: saved \S+ at global step (\d+)", stopped.stderr)]
+    assert 3 <= stop < job.STEPS
+    assert "saved checkpoint " + str(out / "checkpoints" / checkpoint_name(2)) in stopped.stderr
+    assert listing(out / "checkpoints")[-1] == checkpoint_name(stop)
+    for name in listing(out / "checkpoints"):  # complete: the process waited for its writes
+        verify_checkpoint(out / "checkpoints" / name)
+    finished = run_job(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"resuming from {checkpoint_name(stop)}" in finished.stderr
+    got = torch.load(out / "rank0.pt", weights_only=False)
+    eng = engine.initialize(mlp(0), job.config(0, tmp_path / "straight", stop_signals=[]))
+    try:
+        expected = job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+    assert_same_run(got, expected, tol=1e-13)
 
 
 def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes(tmp_path):

@@ -119,24 +119,6 @@ def cut(parts: list[tuple[str, nn.Module]], stages: int, split, per_rank: int = 
     return pieces
 
 
-def check_every_rank_holds_parameters(pieces: list[list[tuple[str, nn.Module]]],
-                                      stages_of_rank: list[list[int]]) -> None:
-    """A pipeline rank whose stages hold no parameters has no model or optimizer state: torch's
-    distributed checkpoint refuses its empty state at every save, so the run would die at its
-    first checkpoint. Refused before anything runs, on every rank alike, naming the stages.
-    ``stages_of_rank[q]``: the stage indices pipeline rank ``q`` holds."""
-    for position, indices in enumerate(stages_of_rank):
-        if any(True for index in indices for _, module in pieces[index] for _ in module.parameters()):
-            continue
-        held = "; ".join(f"stage {index + 1} of {len(pieces)}: {', '.join(name for name, _ in pieces[index])}"
-                         for index in indices)
-        raise ConfigError([
-            f"pipeline: pipeline rank {position} would hold no parameters ({held}), so it has nothing to train "
-            "and no state to checkpoint (every save would fail); name the modules where stages 2, 3, ... start "
-            "in pipeline.split so that each rank's stages hold a module with parameters, or use fewer pipeline "
-            "stages"])
-
-
 def _check_nothing_shared(pieces: list[list[tuple[str, nn.Module]]]) -> None:
     """A parameter used by two stages (tied weights) would be trained apart on two ranks."""
     owner: dict[int, int] = {}

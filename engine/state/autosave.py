@@ -14,7 +14,10 @@
   position goes to the ``DistributedBatches`` of ``eng.batches()``, the random generators are
   set when training starts (``eng.batches()`` or the first training forward).
 * At every boundary: every ``every_steps`` optimizer steps, ``dir/step_<N>`` is saved with the
-  data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted.
+  data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted. With
+  ``async`` (the default) training goes on once the state is in host memory, and the write,
+  its publish and the deletions run in the background (``engine.state.async_save``); a stop
+  signal's save and ``close()`` wait for it.
 * A stop signal (``stop_signals``, default SIGTERM and SIGUSR1) on any rank: every rank saves
   at the next boundary (the one they agree on, see ``engine.state.preemption``) and raises
   ``Preempted``, which exits the process with ``stop_exit_code`` (75) unless caught.
@@ -25,7 +28,7 @@ applied (the data position, the random generators) is dropped.
 ``AutoCheckpoint`` is one of the engine's hooks (``engine.hooks``): the engine calls
 ``on_batches`` / ``on_window_start`` / ``on_window_closed`` / ``on_state_loaded`` / ``on_close``
 and knows nothing else of this module; saves and loads go through the engine's public
-``save_checkpoint`` and ``checkpoints``.
+``checkpoints`` (the ``CheckpointManager``).
 """
 
 from __future__ import annotations
@@ -241,6 +244,7 @@ class AutoCheckpoint(EngineHook):
         if received is None:
             return
         saved = saved or self.save(engine)
+        engine.checkpoints.wait()  # a background write finishes before the process exits
         self.stop.stopping()  # saved: a repeated signal must not change the exit code
         code = self.section.stop_exit_code
         report_stop(self.rank, code)
@@ -252,18 +256,20 @@ class AutoCheckpoint(EngineHook):
     # -- saving -------------------------------------------------------------------------------------
     def save(self, engine) -> str:
         """Save ``dir/step_<N>`` of ``engine`` now (at a boundary), then keep the newest ``keep_last``.
-        Collective."""
+        Collective. With ``async`` (the default) it returns once the state is in host memory; the
+        write, its publish and the removal of older checkpoints follow in the background."""
         steps = engine.global_steps
         target = self.dir / checkpoint_name(steps)
+        engine.checkpoints.wait()  # the previous save may still be writing: its removals come first
         if self.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
             # A save or a removal of ours cut short (no manifest: never loadable); the save
             # would refuse to replace a directory that is not a checkpoint.
             log.info("removing %s, an incomplete checkpoint, before saving there", target)
             shutil.rmtree(target, ignore_errors=True)
-        path = engine.save_checkpoint(target, data=self.data)
+        removal = None
         if self.section.keep_last is not None and self.rank == 0:
-            self._remove_older(steps)
-        return path
+            removal = lambda: self._remove_older(steps)  # noqa: E731 - once the save is published
+        return engine.checkpoints.save(target, data=self.data, background=self.section.async_, on_published=removal)
 
     def _remove_older(self, newest: int) -> None:
         """Rank 0, once checkpoint ``newest`` is complete: delete all but the newest
@@ -293,3 +299,4 @@ class AutoCheckpoint(EngineHook):
     def on_close(self, engine) -> None:
         if self.stop is not None:
             self.stop.uninstall()
+        engine.checkpoints.wait()  # the last background save is published (or its failure raised)
