@@ -12,6 +12,9 @@ from engine.errors import (
     NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
 )
 from engine.state.preemption import Preempted
+from engine.error_report import install_from_environment
+
+install_from_environment()  # under `python -m launch`: a Microstep error is said once, by the launcher
 
 __all__ = [
     "initialize",

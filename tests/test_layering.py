@@ -20,7 +20,7 @@ LAYERS = {
         "engine.adapters", "engine.adapters.torch_internals", "engine.adapters.deepspeed_internals",
         "engine.adapters.pipelining",
         "engine.distributed.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
-        "engine.hooks", "engine.pipeline", "engine.losses", "engine.loss_checks"],
+        "engine.hooks", "engine.pipeline", "engine.losses", "engine.loss_checks", "engine.error_report"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
         "engine.precision", "engine.model_transforms", "engine.distributed.rank_consistency", "engine.state.preemption",
