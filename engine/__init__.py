@@ -14,6 +14,9 @@ from engine.errors import (
 )
 from engine.state.preemption import Preempted
 from engine.verify import VerifyError, VerifyResult, verify
+from engine.error_report import install_from_environment
+
+install_from_environment()  # under `python -m launch`: a Microstep error is said once, by the launcher
 
 __all__ = [
     "initialize",

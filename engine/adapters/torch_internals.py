@@ -102,6 +102,9 @@ def _required():
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "FSDPParamGroup._register_state_dict_hooks", hasattr(_fsdp_param_group.FSDPParamGroup,
                                                                  "_register_state_dict_hooks")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    yield "DeviceMesh._flatten", hasattr(DeviceMesh, "_flatten")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
     # overridden by engine.adapters.pipelining (a pipeline's failure guard)
     yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
@@ -114,6 +117,14 @@ def autograd_sequence_nr(node) -> int:
     so a node's inputs (its ``next_functions``) carry smaller numbers than the node itself
     (``AccumulateGrad`` of a leaf: the largest integer)."""
     return node._sequence_nr()
+
+
+# -- DeviceMesh ------------------------------------------------------------------------------
+def flatten_device_mesh(mesh, name: str):
+    """``mesh`` (a submesh of several dimensions) as one dimension named ``name``: torch's
+    ``DeviceMesh._flatten``, how torchtitan builds its data × context group (no public
+    spelling in 2.11 – 2.13). Collective: every rank flattens the same dimensions."""
+    return mesh._flatten(mesh_dim_name=name)
 
 
 # -- DDP -------------------------------------------------------------------------------------
