@@ -12,7 +12,8 @@ pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-
 pip_install "torch==2.14.1" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 pip_install -r requirements/ci.txt
 pip_install --no-deps -e .
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+# DeepSpeed's compiled op is built against one torch: keep 2.14's apart from the main suite's
+export TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions-2.14
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$VENV/bin/python" -m pytest -q tests/test_adapters.py tests/test_pipeline.py tests/test_tensor_parallel.py \
     tests/test_pipeline_hf.py tests/test_verify.py "$@"
