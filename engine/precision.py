@@ -12,6 +12,7 @@ overflow anywhere in the window discards the whole window.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import defaultdict
 
 import torch
@@ -70,6 +71,25 @@ class LossScaler:
         self.scale = float(state["scale"])
         self._hysteresis_left = int(state["hysteresis_left"])
         self._clean_steps = int(state["clean_steps"])
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (nested in tuples, lists, namedtuples, dicts)
+    cast to ``dtype``; the containers are new ones of the same type (a dict subclass such as a
+    Hugging Face ``ModelOutput`` shallow-copied, so it keeps its type and attributes): the caller's
+    own batch is never changed."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        cast = copy.copy(value)
+        for key in list(value):
+            cast[key] = cast_floating(value[key], dtype)
+        return cast
+    return value
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:
