@@ -26,7 +26,8 @@ from engine.distributed.collectives import average_used_gradients_, broadcast_, 
 from engine.distributed.mesh import GRADIENT_REDUCTION, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
-from engine.precision import Precision, scale_
+from engine.precision.loss_scaler import scale_
+from engine.precision.policy import precision_policy
 from engine.setup import Setup
 from engine.strategies.gradients import local, squares_share
 from engine.strategies.parallelize import parallelize
@@ -238,7 +239,7 @@ class TorchStrategy(Strategy):
         torch_internals.check()
         super().__init__(setup, dist_info)
         self.name = setup.strategy  # recorded in checkpoints (only the format is checked at a load)
-        self.precision = Precision(setup.precision, self.device.type)
+        self.precision = precision_policy(setup.precision, self.device.type)
         if not self.mesh.is_data_parallel_only:  # collective: every rank builds the same groups
             self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
         self.same_batch = SameBatchCheck(self, setup.tensor_parallel.check_batches) if self.mesh.tensor > 1 else None
@@ -268,11 +269,11 @@ class TorchStrategy(Strategy):
     def forward(self, *args, **kwargs):
         if self.same_batch is not None:
             self.same_batch.check(args, kwargs)
-        with self.precision.autocast():
+        with self.precision.forward_context():
             return self.forward_module(*args, **kwargs)
 
     def backward(self, loss, weight):
-        (loss * (weight * self.precision.loss_scale)).backward()
+        self.precision.scale_loss(loss, weight).backward()
 
     # -- the boundary ------------------------------------------------------------------------------
     def average_gradients(self) -> list[int]:
@@ -321,15 +322,10 @@ class TorchStrategy(Strategy):
     def _update(self, multiplier, max_norm, want_norm, grad_squares) -> StepResult:
         grads = self.local_gradients()
         scaler = self.precision.scaler
-        if scaler is not None:
-            # .to: offloaded gradients (and so the flag) are on the host; nccl reduces device tensors
-            overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier).to(self.device)).item())
-            at_minimum = scaler.scale <= scaler.min_scale  # a smaller scale cannot cure this one
-            scaler.update(overflow)
-            if overflow:
-                return StepResult(applied=False, non_finite=at_minimum)
-        elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
-            scale_(grads, multiplier)
+        discard, non_finite = self.precision.unscale_(grads, multiplier,
+                                                      lambda found: self.all_reduce_max(found.to(self.device)))
+        if discard:
+            return StepResult(applied=False, non_finite=non_finite)
         # The global norm is the non-finite check too (an inf or nan anywhere makes it so, on every
         # rank alike): one fused pass over the gradient and one host sync per optimizer step. Given
         # ``grad_squares`` (only without a scaler), the engine's statistics brought both already.

@@ -40,7 +40,7 @@ from engine.adapters.torch_internals import foreach_mul_
 from engine.distributed.collectives import sum_of_squares
 from engine.errors import CheckpointError, ConfigError
 from engine.model_transforms import transform_model
-from engine.precision import cast_floating
+from engine.precision.compute_copy import cast_floating
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import (
@@ -119,16 +119,14 @@ class FullyShardedDataParallel(TorchStrategy):
         names = {id(p): name for name, p in module.named_parameters()}
         self.parallelize(module)  # tensor split, checkpointing, compile: before the data dimension shards
         mesh = self.sharding_mesh()
-        half = self.settings.precision
-        gathered_size = half.dtype.itemsize if half.low_precision_parameters else None
         # This rank's bytes (a tensor split holds a piece of each split layer).
         trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
-        everything = sum(_local_bytes(p, gathered_size) for p in module.parameters())
+        everything = sum(_local_bytes(p, self.precision.compute_itemsize) for p in module.parameters())
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
-        inner, root = self._mixed_precision_policies()
+        inner, root = self.precision.fsdp_policies()
         self.inner_units, unit_sizes = [], []
         for group in shard_units(module, self.settings.shard_unit_size):
             unit_sizes.append(sum(map(_parameter_count, group)))
@@ -153,19 +151,6 @@ class FullyShardedDataParallel(TorchStrategy):
         if self.rests_gathered:
             self._gather()
             state_dict_as_held(self._units())
-
-    def _mixed_precision_policies(self) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
-        """(inner units', root's) policy. Low-precision parameters: gathered and computed in
-        the half precision, gradients reduced in fp32 (and so, when a window defers, accumulated
-        in fp32: FSDP2 accumulates unreduced gradients in the reduce dtype) unless
-        ``data_types.grad_accum_dtype`` asks for the half precision. The root returns fp32
-        outputs, so that the loss is computed in fp32 as autocast would."""
-        half = self.settings.precision
-        if not half.low_precision_parameters:
-            return MixedPrecisionPolicy(), MixedPrecisionPolicy()
-        inner = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype)
-        return inner, MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype,
-                                           output_dtype=torch.float32)
 
     def sharding_mesh(self):
         """The mesh the shards are spread over: the gradient-reduction group (data × context; every
@@ -326,7 +311,7 @@ class FullyShardedDataParallel(TorchStrategy):
         if self.mesh.tensor > 1:  # each DTensor whole: its tensor pieces and data shards gathered
             return super().full_state_dict()
         # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
-        masters_gathered = self.rests_gathered and self._is_gathered() and not self.settings.precision.low_precision_parameters
+        masters_gathered = self.rests_gathered and self._is_gathered() and not self.precision.converts_parameters
         if masters_gathered:  # every rank holds the whole model: nothing to gather
             return cpu_state_dict(self.module.state_dict())
         with self._sharded():

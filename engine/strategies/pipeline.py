@@ -118,7 +118,7 @@ class PipelineParallel(TorchStrategy):
         # What the user sees (eng.module): this rank's parts under the model's own names.
         self.module = StageModule(mine).to(self.device)
         zero_bubble = self.schedule_class is ScheduleZBVZeroBubble
-        self.stage_modules = [split.stage(index, self.precision.autocast, own_outputs=zero_bubble).to(self.device)
+        self.stage_modules = [split.stage(index, self.precision.forward_context, own_outputs=zero_bubble).to(self.device)
                               for index in self.stage_indices]
         self._last_stage = self.stage_modules[self.stage_indices.index(self.num_stages - 1)] \
             if self.holds_last_stage else None
@@ -270,7 +270,7 @@ class PipelineParallel(TorchStrategy):
             self._loss = None
 
     def _scaled_loss(self, output, target):
-        return self._loss(output, target) * self.precision.loss_scale
+        return self.precision.scale_loss(self._loss(output, target), 1.0)
 
     def _schedule(self, key):
         schedule = self._schedules.pop(key, None)

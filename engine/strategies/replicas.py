@@ -9,7 +9,7 @@ whatever its micro-steps and none a failing rank could leave a peer waiting in. 
 optimizer state is owned (``engine.strategies.zero1``).
 
 Low-precision parameters (``bf16`` / ``fp16`` without ``torch_autocast``, on a mesh of data
-ranks): the model computes in a half-precision copy (``engine.strategies.compute_copy``), the
+ranks): the model computes in a half-precision copy (``engine.precision.compute_copy``), the
 optimizer updates the fp32 masters, whose gradients are the ones averaged. DDP is not used there:
 its buckets would hold (and all-reduce) the half-precision gradients. The price against DDP under
 autocast is that the all-reduce does not overlap the last backward; docs/config.md says when
@@ -22,7 +22,6 @@ import contextlib
 
 from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.strategies.base import TorchStrategy, repoint_optimizer
-from engine.strategies.compute_copy import ComputeCopy
 from engine.strategies.zero1 import OwnedOptimizerState
 
 
@@ -36,10 +35,8 @@ class Replicas(TorchStrategy):
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
         self.start_equal(self.module)
-        half = self.settings.precision
         # Half-precision parameters are autocast under a tensor mesh (engine.setup): never both here.
-        self.compute_copy = ComputeCopy(self.module, half.dtype, half.grad_accum_dtype) \
-            if half.low_precision_parameters else None
+        self.compute_copy = self.precision.compute_copy(self.module)
         if self.compute_copy is not None:
             self.parallelize(self.compute_copy.model)
             self.forward_module = self.compute_copy.module

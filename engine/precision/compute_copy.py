@@ -23,7 +23,25 @@ import functools
 
 import torch
 
-from engine.precision import cast_floating
+
+def cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (nested in tuples, lists, namedtuples, dicts)
+    cast to ``dtype``; the containers are new ones of the same type (a dict subclass such as a
+    Hugging Face ``ModelOutput`` shallow-copied, so it keeps its type and attributes): the caller's
+    own batch is never changed."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        cast = copy.copy(value)
+        for key in list(value):
+            cast[key] = cast_floating(value[key], dtype)
+        return cast
+    return value
+
 
 
 def _add_into_master(master: torch.nn.Parameter, half: torch.nn.Parameter) -> None:
