@@ -17,7 +17,7 @@ from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.pipeline_windows import PipelineWindows
-from engine.precision import check_autocast_computes
+from engine.precision.policy import check_autocast_computes
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
