@@ -111,7 +111,7 @@ class HalfParameters(FullPrecision):
 
 
 def precision_policy(half, device_type: str) -> FullPrecision:
-    """The policy of ``half`` (an ``engine.setup.HalfPrecision``) on ``device_type``."""
+    """The policy of ``half`` (an ``engine.config.setup.HalfPrecision``) on ``device_type``."""
     scaler = None
     if half.loss_scaling is not None:
         fp16 = half.loss_scaling

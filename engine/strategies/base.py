@@ -2,7 +2,7 @@
 
 The engine counts micro-steps, weights losses and decides boundaries; a strategy does the
 backend-specific parts. The engine never asks which strategy it runs on. Every strategy is
-built as ``Strategy(setup, dist)``: the frozen ``engine.setup.Setup`` that ``engine.initialize``
+built as ``Strategy(setup, dist)``: the frozen ``engine.config.setup.Setup`` that ``engine.initialize``
 resolved from the config, and the one ``DistInfo`` it got from joining the process group.
 
 Gradient convention: every strategy leaves the *mean over ranks* of the per-rank
@@ -28,7 +28,7 @@ from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
 from engine.precision.loss_scaler import scale_
 from engine.precision.policy import precision_policy
-from engine.setup import Setup
+from engine.config.setup import Setup
 from engine.strategies.gradients import local, squares_share
 from engine.strategies.parallelize import parallelize
 from engine.strategies.same_batch import SameBatchCheck
