@@ -39,7 +39,7 @@ automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_wind
 schedule, ``engine.pipeline.windows``, which runs a window's micro-steps itself and tells the
 engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
 schedule's windows), the hooks
-(``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
+(``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
 a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
 engine hands with itself and its strategy to one ``engine.state.checkpoint.CheckpointManager``.
@@ -56,9 +56,10 @@ import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
+from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
-from engine.hooks import EngineHook
+from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
@@ -79,6 +80,7 @@ class WindowRunner:
     out-of-memory that every rank agreed on."""
 
     chooses_micro_size = False  # True for the automatic micro-batch size
+    calls_loss_on_outputs = False  # True under a pipeline: loss_fn(outputs, labels)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         engine.run_window(batch, loss_fn)
@@ -506,6 +508,7 @@ class Engine:
                 "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
                 "or to engine.initialize(..., loss_fn=...)"
             )
+        check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.window.loss_checks
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
@@ -638,11 +641,8 @@ def loss_and_units(output, samples: int):
     if isinstance(output, (tuple, list)) and len(output) == 2:
         loss_sum, count = output
         if isinstance(loss_sum, torch.Tensor):
-            return loss_sum, count, True
-    raise EngineUsageError(
-        "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
-        f"(loss_sum, num_items); got {type(output).__name__}"
-    )
+            return loss_sum, checked_count(output, count), True
+    raise unrecognised_loss(output)
 
 
 def _share(samples: int, item_weighted: bool) -> int:

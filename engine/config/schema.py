@@ -168,17 +168,21 @@ class CheckpointConfig(_DeepSpeedSection):
     keep_last: Optional[PositiveInt] = None  # None: keep every one
     # auto: the newest complete checkpoint in dir; never; or a path, used while dir holds none
     resume: Annotated[str, PlainValidator(_resume)] = "auto"
-    # Signals that make every rank save at the next boundary and exit with stop_exit_code.
+    # Signals that make every rank save at the next boundary and exit with stop_exit_code:
+    # a scheduler's (SIGTERM, Slurm's SIGUSR1 warning) and a person's Ctrl-C (SIGINT).
     stop_signals: list[Annotated[str, PlainValidator(_stop_signal)]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+        default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     stop_exit_code: Annotated[int, Field(ge=1, le=255)] = 75  # EX_TEMPFAIL: "try again"
+    # `async` (a Python keyword, hence the field's name): automatic saves wait for the host copy
+    # only; writing, checksums and publishing run in the background (engine.state.async_save).
+    async_: bool = Field(True, alias="async")
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_CHECKPOINT_KEYS
 
     @model_validator(mode="after")
     def _needs_dir(self):
         given = [key for key in ("every_steps", "keep_last") if getattr(self, key) is not None]
         # Set to something else than the default (to_dict() writes the defaults out: it must load back).
-        given += [key for key in ("stop_signals", "stop_exit_code")
+        given += [type(self).model_fields[key].alias or key for key in ("stop_signals", "stop_exit_code", "async_")
                   if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].get_default(
                       call_default_factory=True)]
         if given and self.dir is None:
@@ -338,7 +342,7 @@ class Config(BaseModel):
 
     def to_dict(self) -> dict:
         """The canonical plain dict: every key, defaults included, aliases resolved."""
-        return self.model_dump()
+        return self.model_dump(by_alias=True)
 
 
 def half_precision(config: Config) -> Optional[str]:
@@ -543,12 +547,13 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
     if not isinstance(data, dict):
         return
     extras = getattr(model, "deepspeed_keys", frozenset())
-    known = set(model.model_fields) | extras
+    fields = {field.alias or name: field for name, field in model.model_fields.items()}  # by the key written
+    known = set(fields) | extras
     suggestions = known | (set(ALIASES).union(*PASS_THROUGH.values()) if model is Config else set())
     for key in list(data):
         name = str(key)
-        if name in model.model_fields:
-            section = _section_model(model.model_fields[name].annotation)
+        if name in fields:
+            section = _section_model(fields[name].annotation)
             if section is not None:
                 _drop_unknown_keys(raw, section, path + (name,), data[key], problems)
         elif path + (name,) in REPLACED_KEYS:
@@ -559,7 +564,7 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
             match = difflib.get_close_matches(name, sorted(suggestions), n=1)
             hint = f"; did you mean {match[0]}?" if match else ""
             if not match and not extras and model is not Config:
-                hint = f"; expected one of: {', '.join(model.model_fields)}"
+                hint = f"; expected one of: {', '.join(fields)}"
             if not path and raw.source.endswith(".py") and raw.where((name,)) != "--set":
                 hint += " (a value of your own? name it in UPPER_CASE: it is kept in constants)"
             dotted = ".".join(path + (name,))

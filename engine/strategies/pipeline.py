@@ -107,7 +107,7 @@ class PipelineParallel(TorchStrategy):
         # model (engine.strategies.parallelize says why this commutes with the rest).
         self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
         self._key_order = list(module.state_dict())
-        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split)
+        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split, self.stages_per_rank)
         pieces = split.pieces
         if self.rank == 0:
             log.info("pipeline: %d stage(s), %s schedule: %s", self.num_stages, self.settings.pipeline.schedule,
