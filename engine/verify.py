@@ -47,8 +47,8 @@ from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import init_distributed
 from engine.engine import loss_and_units
 from engine.errors import MicrostepError
-from engine.factories import FactoryError, load_factory, reference_of
-from engine.optim import build_optimizer, build_scheduler
+from engine.config.factories import FactoryError, load_factory, reference_of
+from engine.config.optim import build_optimizer, build_scheduler
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # The tolerance is relative to each tensor's update over the steps (L2 norms; see

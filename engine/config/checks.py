@@ -30,7 +30,7 @@ from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
 from engine.config.schema import Config, half_precision, locate, torch_sections
 from engine.config.torch_features import model_transforms_requested
-from engine.optim import check_sections
+from engine.config.optim import check_sections
 
 
 def check_without_model(config: Config) -> list[str]:
@@ -82,7 +82,7 @@ def _tensor_problems(config: Config) -> list[str]:
 
 def _mesh_precision_problems(config: Config) -> list[str]:
     """Under a tensor or pipeline mesh half precision is autocast over fp32 parameters
-    (engine.setup), so gradients accumulate in fp32: a half-precision accumulation asked for
+    (engine.config.setup), so gradients accumulate in fp32: a half-precision accumulation asked for
     would not happen."""
     if config.backend != "torch" or (config.tensor_parallel.size == 1 and config.pipeline.stages == 1):
         return []
