@@ -127,3 +127,12 @@ def test_the_readme_shows_what_the_demo_prints_first():
     assert demo.rstrip().endswith('exec .venv/bin/python -m launch --nproc-per-node 2 examples/param_unchanged.py "$@"')
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert setup.count('say "') >= 4  # every step says what it does before it runs
+
+
+def test_the_docs_match_the_code_on_the_papercuts_issue_34_found():
+    deepspeed_doc = " ".join((REPO / "docs" / "deepspeed.md").read_text().split())
+    assert "the torch backend in fp32 applies it" not in deepspeed_doc  # it discards the window
+    assert "as the torch backend does in every precision" in deepspeed_doc
+    if "pytest -q -n " in (REPO / "docs" / "compatibility.md").read_text():  # -n is pytest-xdist's
+        assert re.search(r"^pytest-xdist==", (REPO / "requirements" / "ci.txt").read_text(), re.M)
+        assert '"pytest-xdist' in (REPO / "pyproject.toml").read_text()
