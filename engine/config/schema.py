@@ -283,6 +283,28 @@ class TensorParallelConfig(_DeepSpeedSection):
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_TENSOR_PARALLEL_KEYS
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts routers (``engine.experts``): whose batch the load-balancing term balances."""
+
+    # global: the term over the whole global batch (every micro-batch and data rank), exact;
+    # micro_batch: each forward's own term, as the model computes it alone.
+    load_balance: Literal["global", "micro_batch"] = "global"
+    # How global learns the window's router counts before its backwards: a counting forward first
+    # (no memory, one more forward), every forward held before the backwards (no extra FLOPs, holds
+    # the window's activations; one process), or auto (held under activation checkpointing in one
+    # process, counted otherwise).
+    global_counts: Literal["auto", "count_forward", "hold_forwards"] = "auto"
+    # Aux-loss-free balancing (DeepSeek-V3): each boundary moves every router's
+    # e_score_correction_bias by this much towards even load (0 = off).
+    bias_update_speed: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ExpertParallelConfig(Section):
+    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1)."""
+
+    size: PositiveInt = 1
+
+
 class Config(BaseModel):
     """A validated Microstep config. Build it with ``load_config``."""
 
@@ -304,6 +326,8 @@ class Config(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)  # [moe]
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)  # [moe]
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
