@@ -25,7 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT_PARALLEL_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
                                      DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
@@ -299,10 +299,25 @@ class MoeConfig(Section):
     bias_update_speed: Annotated[float, Field(ge=0)] = 0.0
 
 
-class ExpertParallelConfig(Section):
-    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1)."""
+class ExpertParallelConfig(_DeepSpeedSection):
+    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1). DeepSpeed's
+    AutoEP section maps: ``{enabled: true, autoep_size: N}`` is ``size: N``."""
 
     size: PositiveInt = 1
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_EXPERT_PARALLEL_KEYS | {"enabled", "autoep_size"}
+
+    @model_validator(mode="after")
+    def _deepspeed_autoep(self):
+        extra = self.model_extra or {}
+        enabled, autoep = extra.pop("enabled", None), extra.pop("autoep_size", None)
+        if enabled and autoep is not None:
+            if "size" in self.model_fields_set and self.size != autoep:
+                raise ValueError(f"autoep_size {autoep!r} (DeepSpeed's name for size) conflicts with size: "
+                                 f"{self.size!r}; keep one")
+            if not isinstance(autoep, int) or isinstance(autoep, bool) or autoep < 1:
+                raise ValueError(f"autoep_size: expected a positive integer, got {autoep!r}")
+            self.size = autoep
+        return self
 
 
 class Config(BaseModel):

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from engine.experts.terms import load_balancing_loss
+from engine.experts.terms import keeps_models_own_term, load_balancing_loss, record_load
 
 FUNCTION = "load_balancing_loss_func"
 _ARGUMENTS = ("gate_logits", "num_experts", "top_k", "attention_mask")
@@ -35,10 +35,19 @@ class HFBalancing:
     router_logits_by_default: bool  # config.output_router_logits of the model's configs
 
 
-def _replacement(gate_logits, num_experts=None, top_k=2, attention_mask=None):
-    if gate_logits is None or not isinstance(gate_logits, tuple):
-        return 0  # as transformers: no logits recorded, no term
-    return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
+class _Replacement:
+    """What a modeling module's ``load_balancing_loss_func`` is during the engine's windows."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return 0  # as transformers: no logits recorded, no term
+        if keeps_models_own_term():  # micro_batch: transformers' own value and gradient, the load counted
+            record_load(gate_logits, num_experts, top_k, attention_mask)
+            return self.original(gate_logits, num_experts, top_k, attention_mask)
+        return load_balancing_loss(gate_logits, num_experts, top_k, attention_mask)
 
 
 def find(model: torch.nn.Module) -> HFBalancing:
@@ -51,7 +60,7 @@ def find(model: torch.nn.Module) -> HFBalancing:
             continue
         config = getattr(submodule, "config", None)
         by_default = by_default or bool(getattr(config, "output_router_logits", False))
-        if function is _replacement:  # another engine's window is running: the original is saved there
+        if isinstance(function, _Replacement):  # another engine's window is running: the original is saved there
             modules[module.__name__] = module
         elif tuple(inspect.signature(function).parameters) == _ARGUMENTS:
             modules[module.__name__] = module
@@ -63,9 +72,10 @@ def find(model: torch.nn.Module) -> HFBalancing:
 @contextlib.contextmanager
 def computing_here(modules: tuple[ModuleType, ...]) -> Iterator[None]:
     """Inside the block the modules' ``load_balancing_loss_func`` is Microstep's."""
-    saved = [(module, getattr(module, FUNCTION)) for module in modules if getattr(module, FUNCTION) is not _replacement]
-    for module, _ in saved:
-        setattr(module, FUNCTION, _replacement)
+    saved = [(module, getattr(module, FUNCTION)) for module in modules
+             if not isinstance(getattr(module, FUNCTION), _Replacement)]
+    for module, original in saved:
+        setattr(module, FUNCTION, _Replacement(original))
     try:
         yield
     finally:

@@ -25,6 +25,8 @@ class Scope:
     """What the calls of one forward are worth. ``calls`` collects each call's statistics in order
     (a model may compute several terms: each call position is one term of its own)."""
 
+    keeps_models_own = False  # True: a model's own function computes its term; the scope only counts
+
     def __init__(self):
         self.calls: list[RouterCounts] = []
 
@@ -53,9 +55,22 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int = 2, attenti
     is the global batch's term (see engine.experts.window); elsewhere the rows' own."""
     if _scope is None:
         return micro_batch_term(router_logits, num_experts, top_k, attention_mask)
+    if _scope.keeps_models_own:
+        record_load(router_logits, num_experts, top_k, attention_mask)
+        return micro_batch_term(router_logits, num_experts, top_k, attention_mask)
     counts = router_counts(router_logits, num_experts, top_k, attention_mask)
     _scope.calls.append(counts)
     return _scope.term(counts, num_experts)
+
+
+def keeps_models_own_term() -> bool:
+    return _scope is not None and _scope.keeps_models_own
+
+
+def record_load(router_logits, num_experts: int, top_k: int, attention_mask=None) -> None:
+    """Count a term's router load in the scope without computing the term (a model computes its own)."""
+    with torch.no_grad():
+        _scope.calls.append(router_counts(router_logits, num_experts, top_k, attention_mask))
 
 
 class LoadBalancingLoss(torch.nn.Module):

@@ -53,6 +53,12 @@ class _Counting(Scope):
         return balance.term_value(counts, num_experts)
 
 
+class _OwnTerms(Scope):
+    """``micro_batch``: each forward's term as the model computes it; the load is counted."""
+
+    keeps_models_own = True
+
+
 class _Global(Scope):
     """A training forward once the window's counts are known."""
 
@@ -201,9 +207,9 @@ class ExpertBalance:
         """Each forward's own term (as the model computes it); the window's load is kept."""
         loads = []
         for micro_batch, samples in pieces:
-            with scoped(_Counting()) as scope:
+            with scoped(_OwnTerms()) as scope:
                 output = forward(micro_batch)
-            loads.append([c.detached() for c in scope.calls])
+            loads.append(scope.calls)
             backward(output, samples)
         self._keep_load(self._window_counts(loads, [])[0])
 

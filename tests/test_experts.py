@@ -1,0 +1,225 @@
+"""Mixture-of-experts load balancing over the global batch (engine.experts) against the float64
+full-batch reference, with the broken variants the promise rules out."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+
+import engine
+from engine.experts.balance import micro_batch_term
+from tests import broken
+from tests.dist_utils import run_scenarios
+from tests.moe_models import (OwnMoE, float64_term, full_batch_loss, hf_loss, hf_moe, lm_batches,
+                              lm_sum_with_balance, own_mean_loss, own_sum_loss)
+from tests.reference import max_param_diff, rank_slice, reference_train, sgd, state
+
+pytest.importorskip("transformers")
+
+TOL = 1e-10
+# Hugging Face's routers compute their probabilities in float32 (``router_logits.float()``): the routing
+# weights' gradient rounds there, by an amount that depends on the loss's scale, which with padding
+# differs between a micro-batch and the full batch (dense batches happen to scale by powers of two).
+TOL_FLOAT32_ROUTER = 1e-8
+MISSES = 1e3 * TOL  # a broken variant is at least this far
+
+
+def reference(model, batches, loss_fn):
+    with float64_term(model):
+        return state(reference_train(model, batches, loss_fn, sgd))
+
+
+def moe_engine(model, global_batch=8, accumulation=4, **config):
+    return engine.initialize(model, {"train_batch_size": global_batch, "gradient_accumulation_steps": accumulation,
+                                     **config}, optimizer=sgd)
+
+
+def trained(model, batches, loss_fn, breaking=broken.intact, **config):
+    eng = breaking(moe_engine(copy.deepcopy(model), **config))
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), loss_fn)
+    return eng
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("counts", ["count_forward", "hold_forwards"])
+def test_accumulation_4_equals_the_full_batch_load_balancing_included(kind, counts):
+    model, batches = hf_moe(kind), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    eng = trained(model, batches, hf_loss, moe={"global_counts": counts})
+    assert eng.experts.global_counts == counts
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    per_micro_batch = trained(model, batches, hf_loss, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+    if counts == "count_forward":
+        running = trained(model, batches, hf_loss, broken.moe_running_average)
+        assert max_param_diff(running.full_state_dict(), expected) > MISSES
+
+
+def test_the_definition_is_hugging_faces_own():
+    """The float64 reference's term is transformers' (which accumulates in float32) to float32 rounding."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    eng = trained(model, batches, hf_loss)
+    transformers_own = state(reference_train(model, batches, hf_loss, sgd))
+    assert max_param_diff(eng.full_state_dict(), transformers_own) < 1e-7
+    batch = lm_batches(1, 8, padded=True)[0]
+    out = model(**batch)
+    ours = micro_batch_term(out.router_logits, 4, 2, batch["attention_mask"])
+    assert abs(float(ours.detach()) - float(out.aux_loss.detach())) < 1e-6 * float(out.aux_loss.detach())
+
+
+@pytest.mark.parametrize("counts", ["count_forward", "hold_forwards"])
+def test_padded_rows_with_the_sum_count_form(counts):
+    """Padding excluded through the attention mask from the term and from the token count, as the
+    full batch's ``.loss`` does; the language-model part as (sum, count)."""
+    model, batches = hf_moe(), lm_batches(2, 8, padded=True)
+    expected = reference(model, batches, full_batch_loss(model.config.router_aux_loss_coef))
+    loss_fn = lm_sum_with_balance(model.config.router_aux_loss_coef)
+    eng = trained(model, batches, loss_fn, moe={"global_counts": counts})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL_FLOAT32_ROUTER
+    per_micro_batch = trained(model, batches, loss_fn, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > 1e3 * TOL_FLOAT32_ROUTER
+    # The same in float64 throughout (a router of one's own): exact.
+    own, padded = OwnMoE(), lm_batches(2, 8, padded=True)
+    expected = state(reference_train(own, padded, own_mean_loss, sgd))
+    eng = trained(own, padded, own_sum_loss, moe={"global_counts": counts})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    per_micro_batch = trained(own, padded, own_sum_loss, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+
+
+def test_a_router_of_ones_own():
+    model, batches = OwnMoE(), lm_batches(2, 8)
+    expected = state(reference_train(model, batches, own_mean_loss, sgd))
+    loss_fn = own_mean_loss
+    eng = trained(model, batches, loss_fn)
+    assert eng.experts is not None and eng.experts.own_terms
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    per_micro_batch = trained(model, batches, loss_fn, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+
+
+def test_micro_batch_reproduces_what_the_model_computes_per_forward():
+    """moe.load_balance: micro_batch is a plain accumulation of each forward's own ``.loss``."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    by_hand = copy.deepcopy(model)
+    optimizer = sgd(by_hand.parameters())
+    for batch in batches:
+        optimizer.zero_grad()
+        for k in range(4):
+            (by_hand(**{key: value[2 * k:2 * k + 2] for key, value in batch.items()}).loss / 4).backward()
+        optimizer.step()
+    eng = trained(model, batches, hf_loss, moe={"load_balance": "micro_batch"})
+    assert max_param_diff(eng.full_state_dict(), state(by_hand)) < TOL
+
+
+def test_router_jitter_is_drawn_again_in_the_training_forwards(caplog):
+    """Randomness in the forward (Mixtral's router jitter): the counting forward's generators are
+    restored, so the training forwards route alike, and both ways of counting agree."""
+    model, batches = hf_moe(router_jitter_noise=0.5), lm_batches(2, 8)
+    for block in model.model.layers:
+        block.mlp.jitter_noise = 0.5
+    torch.manual_seed(7)
+    counted = trained(model, batches, hf_loss, moe={"global_counts": "count_forward"})
+    torch.manual_seed(7)
+    held = trained(model, batches, hf_loss, moe={"global_counts": "hold_forwards"})
+    assert counted.experts.routing_differences == 0
+    assert max_param_diff(counted.full_state_dict(), held.full_state_dict()) < TOL
+
+
+def test_the_manual_loop_refuses_global_balance_and_names_train_batch():
+    model, batch = hf_moe(), lm_batches(1, 8)[0]
+    eng = moe_engine(model)
+    with pytest.raises(engine.EngineUsageError, match=r"eng.train_batch\(batch, loss_fn\).*micro_batch"):
+        eng(**{key: value[:2] for key, value in batch.items()})
+    eng = moe_engine(hf_moe(), moe={"load_balance": "micro_batch"})
+    for k in range(4):
+        eng.backward(eng(**{key: value[2 * k:2 * k + 2] for key, value in batch.items()}).loss)
+        eng.step()
+    assert eng.global_steps == 1
+
+
+def test_router_logits_asked_for_per_call_without_the_config_are_refused():
+    model, batch = hf_moe(output_router_logits=False), lm_batches(1, 8)[0]
+    eng = moe_engine(model)
+    assert not eng.experts.computes_terms
+    with pytest.raises(engine.EngineUsageError, match="output_router_logits = True before engine.initialize"):
+        eng.train_batch(batch, lambda m, b: m(**b, output_router_logits=True).loss)
+    eng.train_batch(batch, hf_loss)  # no term: trains as any model
+    assert eng.global_steps == 1
+
+
+def test_a_model_without_routers_runs_its_windows_as_before():
+    eng = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "gradient_accumulation_steps": 2},
+                            optimizer=sgd)
+    assert eng.experts is None
+
+
+def test_moe_config_keys():
+    config = engine.load_config({"train_batch_size": 8})
+    assert (config.moe.load_balance, config.moe.global_counts) == ("global", "auto")
+    with pytest.raises(engine.ConfigError, match="moe.load_balance"):
+        engine.load_config({"train_batch_size": 8, "moe": {"load_balance": "per_rank"}})
+    with pytest.raises(engine.ConfigError, match="expert_parallel.size: 2: expert parallelism .* not available"):
+        engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "expert_parallel": {"size": 2}},
+                          optimizer=sgd)
+    deepspeed_autoep = engine.load_config({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 4}})
+    assert deepspeed_autoep.expert_parallel.size == 4
+    with pytest.raises(engine.ConfigError, match="autoep_size 4 .* conflicts with size: 2"):
+        engine.load_config({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 4, "size": 2}})
+
+
+def test_auto_holds_the_forwards_under_activation_checkpointing_in_one_process():
+    plain = moe_engine(hf_moe())
+    assert plain.experts.global_counts == "count_forward"
+    checkpointed = moe_engine(hf_moe(), activation_checkpointing={"enabled": True})
+    assert checkpointed.experts.global_counts == "hold_forwards"
+
+
+def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    eng = trained(model, batches, hf_loss, activation_checkpointing={"enabled": True})
+    assert eng.experts.global_counts == "hold_forwards"
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+
+
+# -- two data ranks ----------------------------------------------------------------------------
+def data_parallel_scenario(rank, world, stage, padded):
+    model, batches = hf_moe(), lm_batches(2, 8, padded=padded)
+    coef = model.config.router_aux_loss_coef
+    loss_fn = lm_sum_with_balance(coef) if padded else hf_loss
+    expected = reference(model, batches, full_batch_loss(coef) if padded else hf_loss)
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term),
+                           ("running average", broken.moe_running_average)]:
+        eng = trained(model, batches, loss_fn, breaking, accumulation=2, zero_optimization={"stage": stage})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        results["load"] = eng.experts.last_load.per_expert().tolist()
+        eng.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
+                 for stage in (0, 3) for padded in (False, True)}
+    return run_scenarios(scenarios, world_size=2, timeout=400)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
+    results = two_ranks[(stage, padded)]
+    for rank, result in enumerate(results):
+        tolerance = TOL_FLOAT32_ROUTER if padded else TOL
+        assert result["exact"] < tolerance, (rank, result)
+        assert result["per micro-batch"] > 1e3 * tolerance, (rank, result)
+        assert result["running average"] > 1e3 * tolerance, (rank, result)
+    assert results[0]["load"] == results[1]["load"]  # the window's load over both ranks
