@@ -108,7 +108,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts)
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
+                 hooks=(experts,) if experts is not None else ())  # [moe] bias updates at the boundary
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

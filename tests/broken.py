@@ -174,3 +174,29 @@ def moe_running_average(eng):
     experts._counted_window = counted_window
     experts.global_counts = "count_forward"
     return eng
+
+
+def moe_bias_from_one_micro_batch(eng):
+    """Aux-loss-free bias moved by the load of the window's last micro-batch alone (a per-micro-batch
+    update), not the whole window's."""
+    routers = eng.experts.bias_routers
+    counting = routers.counting
+
+    def last_only(forward):
+        counted = counting(forward)
+
+        def run(micro_batch):
+            routers._loads = [None] * len(routers.routers)
+            return counted(micro_batch)
+        return run
+
+    routers.counting = last_only
+    return eng
+
+
+def moe_bias_from_this_rank(eng):
+    """Aux-loss-free bias moved by this rank's load only (no sum over the data ranks)."""
+    routers = eng.experts.bias_routers
+    window_load = routers.window_load
+    routers.window_load = lambda all_reduce_sum: window_load(lambda tensor: tensor)
+    return eng

@@ -155,3 +155,50 @@ def full_batch_loss(coef: float):
         return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100) + \
             coef * out.aux_loss
     return loss_fn
+
+
+def deepseek_v3(seed: int = 0) -> torch.nn.Module:
+    """A two-layer Hugging Face DeepSeek-V3 (aux-loss-free routers holding e_score_correction_bias), 8
+    experts top-2 in one group, the first layer dense as DeepSeek's are."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=32, experts_implementation="eager",
+        attn_implementation="sdpa")
+    model = transformers.DeepseekV3ForCausalLM(config).to(DTYPE)
+    with torch.no_grad():  # transformers starts the router weights at 0: every expert would tie
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.weight.normal_(0, 0.5)
+    return model
+
+
+def train_with_bias_updates(model, batches, loss_fn, speed: float, optimizer_factory):
+    """The full-batch reference of aux-loss-free balancing: one optimizer step per global batch, then
+    every router's bias moved by ``speed`` towards even load, the load counted in that batch's forward."""
+    import copy
+
+    model = copy.deepcopy(model)
+    optimizer = optimizer_factory(model.parameters())
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    loads = {}
+
+    def count(module, inputs, output):
+        loads[module] = torch.bincount(output[2].flatten(), minlength=module.e_score_correction_bias.numel())
+
+    handles = [router.register_forward_hook(count) for router in routers]
+    for batch in batches:
+        optimizer.zero_grad()
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        with torch.no_grad():
+            for router in routers:
+                load = loads[router].double()
+                router.e_score_correction_bias += speed * torch.sign(load.mean() - load)
+    for handle in handles:
+        handle.remove()
+    return model

@@ -14,8 +14,8 @@ import engine
 from engine.experts.balance import micro_batch_term
 from tests import broken
 from tests.dist_utils import run_scenarios
-from tests.moe_models import (OwnMoE, float64_term, full_batch_loss, hf_loss, hf_moe, lm_batches,
-                              lm_sum_with_balance, own_mean_loss, own_sum_loss)
+from tests.moe_models import (OwnMoE, deepseek_v3, float64_term, full_batch_loss, hf_loss, hf_moe, lm_batches,
+                              lm_sum_with_balance, own_mean_loss, own_sum_loss, train_with_bias_updates)
 from tests.reference import max_param_diff, rank_slice, reference_train, sgd, state
 
 pytest.importorskip("transformers")
@@ -204,10 +204,23 @@ def data_parallel_scenario(rank, world, stage, padded):
     return results
 
 
+def bias_scenario(rank, world, stage):
+    model, batches = deepseek_v3(), lm_batches(3, 8)
+    expected = state(train_with_bias_updates(model, batches, hf_loss, 0.01, sgd))
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("this rank's load", broken.moe_bias_from_this_rank)]:
+        eng = trained(model, batches, hf_loss, breaking, accumulation=2, zero_optimization={"stage": stage},
+                      moe={"bias_update_speed": 0.01})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        eng.close()
+    return results
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
                  for stage in (0, 3) for padded in (False, True)}
+    scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
 
@@ -223,3 +236,39 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
         assert result["per micro-batch"] > 1e3 * tolerance, (rank, result)
         assert result["running average"] > 1e3 * tolerance, (rank, result)
     assert results[0]["load"] == results[1]["load"]  # the window's load over both ranks
+
+
+# -- aux-loss-free balancing ------------------------------------------------------------------
+def test_aux_loss_free_bias_moves_with_the_window_load():
+    model, batches = deepseek_v3(), lm_batches(3, 8)
+    expected = state(train_with_bias_updates(model, batches, hf_loss, 0.01, sgd))
+    eng = trained(model, batches, hf_loss, moe={"bias_update_speed": 0.01})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    bias = [v for k, v in eng.full_state_dict().items() if k.endswith("e_score_correction_bias")]
+    assert len(bias) == 2 and all(b.abs().sum() > 0 for b in bias)
+    assert eng.experts.last_load.per_expert().sum() == 2 * 2 * 8 * 6  # layers x top-k x rows
+    one_micro_batch = trained(model, batches, hf_loss, broken.moe_bias_from_one_micro_batch,
+                              moe={"bias_update_speed": 0.01})
+    assert max_param_diff(one_micro_batch.full_state_dict(), expected) > MISSES
+    untouched = trained(model, batches, hf_loss)  # speed 0: the bias stays as transformers leaves it
+    assert all(v.abs().sum() == 0 for k, v in untouched.full_state_dict().items()
+               if k.endswith("e_score_correction_bias"))
+
+
+def test_aux_loss_free_bias_does_not_move_on_a_discarded_window():
+    model, batch = deepseek_v3(), lm_batches(1, 8)[0]
+    eng = moe_engine(model, moe={"bias_update_speed": 0.01})
+    eng.train_batch(batch, lambda m, b: m(**b).loss * float("nan"))
+    assert eng.skipped_steps == 1
+    assert all(v.abs().sum() == 0 for k, v in eng.full_state_dict().items() if k.endswith("e_score_correction_bias"))
+    with pytest.raises(engine.EngineUsageError, match="bias_update_speed.*eng.train_batch"):
+        eng(**{key: value[:2] for key, value in batch.items()})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_data_ranks_move_the_bias_by_the_load_of_both(two_ranks, stage):
+    for rank, result in enumerate(two_ranks[("bias", stage)]):
+        assert result["exact"] < TOL, (rank, result)
+        assert result["this rank's load"] > MISSES, (rank, result)

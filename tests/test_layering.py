@@ -21,7 +21,7 @@ LAYERS = {
         "engine.adapters.pipelining",
         "engine.distributed.collectives", "engine.memory", "engine.state", "engine.batching", "engine.autotune",
         "engine.hooks", "engine.pipeline", "engine.losses", "engine.experts", "engine.experts.balance",
-        "engine.experts.terms", "engine.experts.hf"],
+        "engine.experts.terms", "engine.experts.hf", "engine.experts.bias"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
         "engine.precision", "engine.model_transforms", "engine.distributed.rank_consistency", "engine.state.preemption",

@@ -45,6 +45,27 @@ class RouterCounts:
         return RouterCounts(self.assignments.detach(), self.probabilities.detach(), self.rows.detach())
 
 
+@dataclass
+class WindowLoad:
+    """The last window's router load over every micro-batch and data rank: top-k assignments per
+    layer and expert ((layers, experts) per term, padding excluded)."""
+
+    assignments: list[torch.Tensor]
+
+    def per_expert(self) -> torch.Tensor:
+        """Assignments per expert, every term and layer summed (the experts of the first term's size)."""
+        return sum(a.sum(0) for a in self.assignments if a.shape[-1] == self.assignments[0].shape[-1])
+
+    def imbalance(self) -> float:
+        """Max / mean load over the layers' experts (1 = perfectly even); the worst layer."""
+        worst = 1.0
+        for layers in self.assignments:
+            mean = layers.mean(-1)
+            ratio = torch.where(mean > 0, layers.max(-1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
+            worst = max(worst, float(ratio.max()))
+        return worst
+
+
 def _layers(router_logits) -> tuple[torch.Tensor, ...]:
     if isinstance(router_logits, torch.Tensor):
         return (router_logits,)

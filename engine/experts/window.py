@@ -37,8 +37,10 @@ import torch
 
 from engine.errors import EngineUsageError
 from engine.experts import balance, hf
-from engine.experts.balance import RouterCounts
+from engine.experts.balance import RouterCounts, WindowLoad
+from engine.experts.bias import BiasRouters
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
+from engine.hooks import EngineHook
 from engine.state.rng import restore_rng_state, rng_state
 
 log = logging.getLogger("engine")
@@ -107,34 +109,15 @@ class _HeldWindow:
         return self.factors[micro_step] * balance.gradient_coefficients(self.window[index], num_experts)
 
 
-@dataclass
-class WindowLoad:
-    """The last window's router load over every micro-batch and data rank: top-k assignments per
-    layer and expert ((layers, experts) per term, padding excluded)."""
-
-    assignments: list[torch.Tensor]
-
-    def per_expert(self) -> torch.Tensor:
-        """Assignments per expert, every term and layer summed (the experts of the first term's size)."""
-        return sum(a.sum(0) for a in self.assignments if a.shape[-1] == self.assignments[0].shape[-1])
-
-    def imbalance(self) -> float:
-        """Max / mean load over the layers' experts (1 = perfectly even); the worst layer."""
-        worst = 1.0
-        for layers in self.assignments:
-            mean = layers.mean(-1)
-            ratio = torch.where(mean > 0, layers.max(-1).values / mean.clamp_min(1e-30), torch.ones_like(mean))
-            worst = max(worst, float(ratio.max()))
-        return worst
-
-
-class ExpertBalance:
+class ExpertBalance(EngineHook):
     """Runs the micro-steps of a ``train_batch`` window so that the model's load-balancing terms
-    are the global batch's (``global``), or as the model computes them (``micro_batch``), and keeps
-    the window's router load for the monitor."""
+    are the global batch's (``global``), or as the model computes them (``micro_batch``); counts the
+    load of aux-loss-free routers over the window and moves their bias at its boundary; keeps the
+    window's router load for the monitor."""
 
     def __init__(self, model: torch.nn.Module, *, load_balance: str, global_counts: str, single_process: bool,
-                 checkpointing: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+                 checkpointing: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 bias_update_speed: float = 0.0):
         found = hf.find(model)
         self.hf_modules = found.modules
         self.own_terms = any(isinstance(m, LoadBalancingLoss) for m in model.modules())
@@ -156,6 +139,7 @@ class ExpertBalance:
             global_counts = "hold_forwards" if single_process and checkpointing else "count_forward"
         self.global_counts = global_counts
         self._all_reduce_sum = all_reduce_sum
+        self.bias_routers = BiasRouters(model, bias_update_speed)
         self.last_load: WindowLoad | None = None
         self.routing_differences = 0.0  # assignments the training forwards chose otherwise than the counting one
 
@@ -163,10 +147,20 @@ class ExpertBalance:
     def balances_globally(self) -> bool:
         return self.load_balance == "global" and self.computes_terms
 
+    @property
+    def routes(self) -> bool:
+        """Whether the model has anything for this runner: a load-balancing term or a bias to move."""
+        return bool(self.hf_modules or self.own_terms or self.bias_routers.updating)
+
     # -- the hook points -------------------------------------------------------------------
     @contextlib.contextmanager
     def manual_forward(self) -> Any:
         """A forward of the manual loop: its micro-batch's term alone cannot be the window's."""
+        if self.bias_routers.updating:
+            raise EngineUsageError(
+                f"moe.bias_update_speed: {self.bias_routers.speed}: the routers' e_score_correction_bias is moved "
+                "from the load of a whole train_batch window; the manual loop (eng(x), eng.backward, eng.step) does "
+                "not count it; train with eng.train_batch(batch, loss_fn), or set moe.bias_update_speed: 0")
         if self.load_balance != "global" or not (self.hf_modules or self.own_terms):
             yield
             return
@@ -183,10 +177,22 @@ class ExpertBalance:
         returns what ``loss_fn`` returns, ``backward(output, samples)`` weights it and runs its
         backward; ``units(output, samples)`` is the engine's ``(loss, units, item_weighted)``."""
         pieces = list(pieces)
+        forward = self.bias_routers.counting(forward)  # the training forwards' load, for the bias update
+        self.bias_routers.start_window()
         if not self.hf_modules and not self.own_terms:
             for micro_batch, samples in pieces:
                 backward(forward(micro_batch), samples)
-            return
+        else:
+            self._run_terms(pieces, forward, backward, units)
+        bias_load = self.bias_routers.window_load(self._all_reduce_sum)
+        if bias_load is not None and not (self.hf_modules or self.own_terms):
+            self.last_load = bias_load
+
+    def on_window_closed(self, engine, report) -> None:
+        """The boundary: an applied step moves the aux-loss-free routers' bias (a discarded window does not)."""
+        self.bias_routers.update(applied=report.step.applied)
+
+    def _run_terms(self, pieces, forward, backward, units) -> None:
         with hf.computing_here(self.hf_modules):
             if self.load_balance != "global":
                 self._micro_batch_window(pieces, forward, backward)
@@ -216,7 +222,7 @@ class ExpertBalance:
     def _counted_window(self, pieces, forward, backward, units) -> None:
         saved = rng_state()
         counted, sizes = [], []
-        with torch.no_grad():
+        with torch.no_grad(), self.bias_routers.paused():
             for micro_batch, samples in pieces:
                 with scoped(_Counting()) as scope:
                     output = forward(micro_batch)
@@ -305,12 +311,12 @@ def expert_balance(model: torch.nn.Module, section, *, single_process: bool, che
     for a model without a load-balancing term (its windows run as any other's)."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             single_process=single_process, checkpointing=checkpointing,
-                            all_reduce_sum=all_reduce_sum)
-    if not experts.hf_modules and not experts.own_terms:
+                            all_reduce_sum=all_reduce_sum, bias_update_speed=section.bias_update_speed)
+    if not experts.routes:
         return None
-    if pipeline and experts.balances_globally:
+    if pipeline and (experts.balances_globally or experts.bias_routers.updating):
         raise EngineUsageError(
-            "moe.load_balance: global under a pipeline: the stages' schedule runs the window's micro-batches "
+            "moe.load_balance: global (or moe.bias_update_speed) under a pipeline: the stages' schedule runs the window's micro-batches "
             "itself, so the router counts of the whole window are not known before its first backward; set "
-            "moe.load_balance: micro_batch, or train without pipeline.stages")
+            "moe.load_balance: micro_batch and moe.bias_update_speed: 0, or train without pipeline.stages")
     return experts
