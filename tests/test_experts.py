@@ -272,3 +272,28 @@ def test_two_data_ranks_move_the_bias_by_the_load_of_both(two_ranks, stage):
     for rank, result in enumerate(two_ranks[("bias", stage)]):
         assert result["exact"] < TOL, (rank, result)
         assert result["this rank's load"] > MISSES, (rank, result)
+
+
+# -- seeing the router ------------------------------------------------------------------------
+def test_monitor_records_the_window_load_and_plots_it(tmp_path):
+    model, batches = hf_moe(), lm_batches(3, 8)
+    jsonl, csv_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.csv"
+    eng = trained(model, batches, hf_loss, monitor={"enabled": True, "progress": False, "jsonl": str(jsonl),
+                                                     "csv": str(csv_path)})
+    record = eng.monitor.history[-1]
+    # Every layer's top-2 choice of every real row of the window: 2 layers x 2 x 48 rows.
+    assert sum(record["expert_load"]) == 2 * 2 * 48 and len(record["expert_load"]) == 4
+    per_layer = eng.experts.last_load.assignments[0]
+    assert record["expert_imbalance"] == pytest.approx(float((per_layer.max(1).values / per_layer.mean(1)).max()))
+    assert record["expert_imbalance"] >= 1
+    eng.monitor.close()
+    assert csv_path.read_text().splitlines()[1].split(",")[-2].count(" ") == 3  # four loads in one cell
+    from engine.cli import main
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(jsonl), "--out", str(tmp_path / "load.png")]) == 0
+    assert (tmp_path / "load.png").stat().st_size > 0
+    plain = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 2, "monitor": {"enabled": True,
+                                                                                         "progress": False}},
+                              optimizer=sgd)
+    plain.train_batch((torch.ones(2, 2), torch.ones(2, 2)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    assert plain.monitor.history[-1]["expert_load"] is None
