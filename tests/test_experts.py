@@ -216,11 +216,17 @@ def bias_scenario(rank, world, stage):
     return results
 
 
+def example_scenario(rank, world):
+    from examples import moe
+    return moe.main([])["difference"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
                  for stage in (0, 3) for padded in (False, True)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
+    scenarios["example"] = example_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
 
@@ -297,3 +303,18 @@ def test_monitor_records_the_window_load_and_plots_it(tmp_path):
                               optimizer=sgd)
     plain.train_batch((torch.ones(2, 2), torch.ones(2, 2)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
     assert plain.monitor.history[-1]["expert_load"] is None
+
+
+def test_the_example_trains_as_the_full_batch(capsys):
+    from examples import moe
+    result = moe.main([])
+    assert result["difference"] < TOL_FLOAT32_ROUTER
+    assert "max |weight - full-batch weight|" in capsys.readouterr().out
+    assert all(record["expert_imbalance"] >= 1 for record in result["records"])
+    assert moe.main(["--set", "moe.load_balance=micro_batch"])["difference"] > 1e3 * TOL_FLOAT32_ROUTER
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_the_example_on_two_ranks(two_ranks):
+    assert all(difference < TOL_FLOAT32_ROUTER for difference in two_ranks["example"])
