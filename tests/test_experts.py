@@ -318,3 +318,23 @@ def test_the_example_trains_as_the_full_batch(capsys):
 @pytest.mark.timeout(500)
 def test_the_example_on_two_ranks(two_ranks):
     assert all(difference < TOL_FLOAT32_ROUTER for difference in two_ranks["example"])
+
+
+# -- four data ranks ---------------------------------------------------------------------------
+def four_ranks_scenario(rank, world):
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term)]:
+        eng = trained(model, batches, hf_loss, breaking, accumulation=2, zero_optimization={"stage": 3})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        eng.close()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_four_data_ranks_at_zero_3_equal_the_full_batch():
+    for rank, result in enumerate(run_scenarios({"four": four_ranks_scenario}, world_size=4, timeout=500)["four"]):
+        assert result["exact"] < TOL, (rank, result)
+        assert result["per micro-batch"] > MISSES, (rank, result)
