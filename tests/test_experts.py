@@ -153,6 +153,29 @@ def test_router_logits_asked_for_per_call_without_the_config_are_refused():
     assert eng.global_steps == 1
 
 
+def test_a_term_of_another_definition_is_refused_under_global():
+    import transformers
+    config = transformers.SwitchTransformersConfig(vocab_size=32, d_model=16, d_kv=4, d_ff=16, num_layers=2,
+                                                   num_decoder_layers=2, num_heads=2, num_experts=4, expert_capacity=4)
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    with pytest.raises(engine.EngineUsageError, match="switch_transformers.*load_balancing_loss_func.*micro_batch"):
+        moe_engine(model)
+    assert moe_engine(model, moe={"load_balance": "micro_batch"}).experts is None
+
+
+def test_a_pipeline_refuses_global_balance():
+    from engine.config.schema import MoeConfig
+    from engine.experts.window import expert_balance
+    with pytest.raises(engine.EngineUsageError, match="under a pipeline.*micro_batch"):
+        expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, pipeline=True,
+                       all_reduce_sum=lambda tensor: tensor)
+    assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), single_process=False,
+                          checkpointing=False, pipeline=True, all_reduce_sum=lambda tensor: tensor) is not None
+    with pytest.raises(engine.EngineUsageError, match="hold_forwards .* one process"):
+        expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), single_process=False,
+                       checkpointing=False, pipeline=False, all_reduce_sum=lambda tensor: tensor)
+
+
 def test_a_model_without_routers_runs_its_windows_as_before():
     eng = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "gradient_accumulation_steps": 2},
                             optimizer=sgd)

@@ -125,8 +125,9 @@ class ExpertBalance(EngineHook):
             raise EngineUsageError(
                 f"moe.load_balance: global: the model's load-balancing term comes from "
                 f"{', '.join(found.other_signatures)}.{hf.FUNCTION}, whose definition Microstep does not know "
-                "(it knows the Switch-style term of Mixtral, Qwen2/3-MoE, OLMoE, ...); set moe.load_balance: "
-                "micro_batch to keep the model's own per-forward term")
+                "(it knows the one of Mixtral, Qwen2/3-MoE, OLMoE, ...: load_balancing_loss_func(gate_logits, "
+                "num_experts, top_k, attention_mask)); set moe.load_balance: micro_batch to keep the model's own "
+                "per-forward term")
         self.load_balance = load_balance
         # Whether the windows need the counts first: a term is computed in every training forward.
         self.computes_terms = self.own_terms or (bool(found.modules) and found.router_logits_by_default)
