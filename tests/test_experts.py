@@ -53,6 +53,10 @@ def test_accumulation_4_equals_the_full_batch_load_balancing_included(kind, coun
     eng = trained(model, batches, hf_loss, moe={"global_counts": counts})
     assert eng.experts.global_counts == counts
     assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    if counts == "count_forward":  # the reported loss is the full batch's, its term included
+        with float64_term(model):
+            first = float(reference_train(model, batches[:1], hf_loss, sgd)(**batches[1]).loss)
+        assert float(eng.last_window.loss) == pytest.approx(first, rel=1e-6)
     per_micro_batch = trained(model, batches, hf_loss, broken.moe_micro_batch_term)
     assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
     if counts == "count_forward":
@@ -81,6 +85,11 @@ def test_padded_rows_with_the_sum_count_form(counts):
     loss_fn = lm_sum_with_balance(model.config.router_aux_loss_coef)
     eng = trained(model, batches, loss_fn, moe={"global_counts": counts})
     assert max_param_diff(eng.full_state_dict(), expected) < TOL_FLOAT32_ROUTER
+    if counts == "count_forward":  # (sum, count): the term counts once in the reported loss too
+        with float64_term(model):
+            stepped = reference_train(model, batches[:1], full_batch_loss(model.config.router_aux_loss_coef), sgd)
+            first = float(full_batch_loss(model.config.router_aux_loss_coef)(stepped, batches[1]))
+        assert float(eng.last_window.loss) == pytest.approx(first, rel=1e-9)
     per_micro_batch = trained(model, batches, loss_fn, broken.moe_micro_batch_term)
     assert max_param_diff(per_micro_batch.full_state_dict(), expected) > 1e3 * TOL_FLOAT32_ROUTER
     # The same in float64 throughout (a router of one's own): exact.

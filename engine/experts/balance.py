@@ -14,10 +14,9 @@ S with the global C and R as coefficients:
 
     ∂aux = E / R² · Σᵢ Cᵢ · ∂Sᵢ,  Sᵢ = Σ_k S_k,ᵢ.
 
-A micro-batch's term is therefore built as ``value + s - s.detach()``: ``value`` what the
-window's term is worth (the global one when known), ``s`` the surrogate E / R² · Σᵢ Cᵢ · S_k,ᵢ
-times ``factor``, which undoes the weight the engine will give the micro-batch's loss (see
-``engine.experts.window``). Where C and R are known only after every forward of the window
+A micro-batch's term is therefore E / R² · Σᵢ Cᵢ · S_k,ᵢ (the window's C and R) times ``factor``,
+which undoes the weight the engine will give the micro-batch's loss (see ``engine.experts.window``):
+weighted and summed over the window, both its gradient and its value are the window's term's. Where C and R are known only after every forward of the window
 (forwards held, then backwards), the coefficients are read when the backward runs
 (:class:`_DeferredCoefficients`).
 """
@@ -117,12 +116,13 @@ def gradient_coefficients(window: RouterCounts, num_experts: int) -> torch.Tenso
     return num_experts * window.assignments.sum(0) / window.rows.sum() ** 2
 
 
-def global_term(mine: RouterCounts, window: RouterCounts, num_experts: int, factor: float) -> torch.Tensor:
-    """This micro-batch's share of the window's term: worth the window's value, with the gradient
-    of the window's term through this micro-batch's probabilities, times ``factor``."""
-    surrogate = factor * (gradient_coefficients(window, num_experts).to(mine.probabilities.dtype)
-                          * mine.probabilities.sum(0)).sum()
-    return term_value(window, num_experts).to(surrogate.dtype) + (surrogate - surrogate.detach())
+def global_term(mine: RouterCounts, window: RouterCounts, num_experts: int, factor) -> torch.Tensor:
+    """This micro-batch's part of the window's term, times ``factor``: E / R² · Σᵢ Cᵢ · S_k,ᵢ with the
+    window's C and R. Its gradient is the window's term's through this micro-batch's probabilities;
+    its value, weighted as the engine weights the loss (``1 / factor``) and summed over the window,
+    is the window's term."""
+    coefficients = gradient_coefficients(window, num_experts).to(mine.probabilities.dtype)
+    return factor * (coefficients * mine.probabilities.sum(0)).sum()
 
 
 class _DeferredCoefficients(torch.autograd.Function):

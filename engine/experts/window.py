@@ -22,8 +22,9 @@ sits in: a mean loss of ``n`` of the window's ``N`` samples (over every rank) is
 ``n / N``, an item-weighted ``(sum, count)`` loss ``1 / U`` (U the window's items): the factor is
 ``N / n`` or ``U``. A term added to the loss with a coefficient λ (``loss + λ·aux``, as Hugging
 Face's ``.loss``, or ``(lm_sum + λ·aux, count)``) thus enters the window's gradient as λ times
-the global batch's term, once. The value a term reports is the global batch's (counting forward)
-or its micro-batch's own (held forwards: the coefficients arrive after the forward).
+the global batch's term, once. Its value, weighted the same way and summed over the window, is the
+global batch's term too, so the window's reported loss is the full batch's (counting forward); held
+forwards report each micro-batch's own term (the coefficients arrive after the forward).
 """
 
 from __future__ import annotations
