@@ -8,7 +8,8 @@ top-2, output_router_logits, router_aux_loss_coef 0.02; global batch 16 rows of 
 accumulation 4, AdamW, ``m(**b).loss``. Variants, without and with activation checkpointing:
 ``moe.load_balance: micro_batch`` (the model's own per-forward term: the baseline), ``global`` with
 ``count_forward`` (equal memory: one more forward per micro-batch) and with ``hold_forwards``
-(equal FLOPs: every micro-batch's activations held until the window's backwards). Times are
+(equal FLOPs: every micro-batch's activations held until the window's backwards), and a second
+copy of the baseline whose ratio is the run's noise floor. Times are
 interleaved medians (bench/common.py). "Held activations" is the most bytes of tensors saved for
 backward alive at once during a window (parameters excluded; storages counted once; bytes, not
 timed). Results: bench/results/moe.json.
@@ -88,6 +89,7 @@ class HeldActivations:
 
 VARIANTS = {  # name: (load_balance, global_counts, checkpointing, forwards per micro-batch)
     "micro_batch": ("micro_batch", "auto", False, 1),
+    "micro_batch, second copy (noise floor)": ("micro_batch", "auto", False, 1),
     "global, count_forward": ("global", "count_forward", False, 2),
     "global, hold_forwards": ("global", "hold_forwards", False, 1),
     "micro_batch, checkpointing": ("micro_batch", "auto", True, 2),

@@ -370,3 +370,29 @@ def test_four_data_ranks_at_zero_3_equal_the_full_batch():
     for rank, result in enumerate(run_scenarios({"four": four_ranks_scenario}, world_size=4, timeout=500)["four"]):
         assert result["exact"] < TOL, (rank, result)
         assert result["per micro-batch"] > MISSES, (rank, result)
+
+
+# -- the DeepSpeed backend ---------------------------------------------------------------------
+def deepspeed_scenario(rank, world):
+    model, batches = hf_moe().float(), lm_batches(2, 8)  # DeepSpeed trains float32 at most
+    expected = reference(model, batches, hf_loss)
+    results = {}
+    for stage in (0, 2):
+        for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term)]:
+            eng = trained(model, batches, hf_loss, breaking, accumulation=4 // world, backend="deepspeed",
+                          zero_optimization={"stage": stage})
+            results[(stage, name)] = max_param_diff(eng.full_state_dict(), expected)
+            eng.close()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+def test_the_deepspeed_backend_balances_over_the_global_batch_too():
+    pytest.importorskip("deepspeed")
+    from tests.test_deepspeed import ENV
+    for result in run_scenarios({"deepspeed": deepspeed_scenario}, world_size=2, timeout=500, env=ENV)["deepspeed"]:
+        for stage in (0, 2):
+            assert result[(stage, "exact")] < 1e-6, result  # float32 against the float64 reference
+            assert result[(stage, "per micro-batch")] > 1e-5, result

@@ -46,9 +46,6 @@ from engine.state.rng import restore_rng_state, rng_state
 
 log = logging.getLogger("engine")
 
-GLOBAL_COUNTS = ("auto", "count_forward", "hold_forwards")
-
-
 class _Counting(Scope):
     """The counting forward: statistics kept, the micro-batch's value returned (no graph)."""
 
@@ -65,7 +62,7 @@ class _OwnTerms(Scope):
 class _Global(Scope):
     """A training forward once the window's counts are known."""
 
-    def __init__(self, window: Sequence[RouterCounts], factor: float):
+    def __init__(self, window: Sequence[RouterCounts], factor: torch.Tensor | float):
         super().__init__()
         self.window, self.factor = window, factor
 
