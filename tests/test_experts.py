@@ -55,7 +55,7 @@ def test_accumulation_4_equals_the_full_batch_load_balancing_included(kind, coun
     assert max_param_diff(eng.full_state_dict(), expected) < TOL
     if counts == "count_forward":  # the reported loss is the full batch's, its term included
         with float64_term(model):
-            first = float(reference_train(model, batches[:1], hf_loss, sgd)(**batches[1]).loss)
+            first = float(reference_train(model, batches[:1], hf_loss, sgd)(**batches[1]).loss.detach())
         assert float(eng.last_window.loss) == pytest.approx(first, rel=1e-6)
     per_micro_batch = trained(model, batches, hf_loss, broken.moe_micro_batch_term)
     assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES

@@ -41,7 +41,7 @@ from engine.experts import balance, hf
 from engine.experts.balance import RouterCounts, WindowLoad
 from engine.experts.bias import BiasRouters
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
-from engine.hooks import EngineHook
+from engine.window.hooks import EngineHook
 from engine.state.rng import restore_rng_state, rng_state
 
 log = logging.getLogger("engine")
