@@ -59,6 +59,7 @@ from engine.batching.plan import BatchPlan
 from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
+from engine.experts.window import ExpertBalance
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -100,7 +101,7 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False):
+                 grad_norm_every_step: bool = False, experts: ExpertBalance | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
@@ -116,6 +117,8 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
+        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.experts.window)
+        self.experts = experts
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -200,11 +203,11 @@ class Engine:
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         window.training_forwards += 1
-        if not self._recording:
+        # [moe] a manual-loop forward cannot hold the window's load-balancing term
+        manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
+            else contextlib.nullcontext()
+        with manual, self.measured_forwards():
             output = self.strategy.forward(*args, **kwargs)
-        else:
-            with self.measured_forwards():
-                output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
@@ -514,6 +517,11 @@ class Engine:
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
         split = self.window_split.split(batch, self.plan)
         self.planned_window(split)
+        if self.experts is not None:  # [moe] the window's load-balancing terms are counted first
+            self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, micro_batch),
+                                    backward=lambda output, size: self._backward(output, size, exact_counts=True),
+                                    units=loss_and_units)
+            return
         for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 

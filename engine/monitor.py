@@ -22,6 +22,13 @@ Resuming. A monitor attached to an engine resumed at step K (``load_checkpoint``
 steps after K: the resumed run makes them again (a run killed at step M > K would otherwise list
 K+1..M twice).
 
+Mixture of experts. For a model with routers (``engine.experts``) a record carries the window's
+router load over every micro-batch and data rank: ``expert_load``, top-k assignments per expert
+(every layer summed; padding excluded), and ``expert_imbalance``, max / mean load of the most
+imbalanced layer (1 = even). TensorBoard gets ``train/expert_imbalance`` and
+``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file
+(``python -m engine plot metrics.jsonl``).
+
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
 """
@@ -46,7 +53,7 @@ from engine.config.schema import MonitorConfig
 from engine.distributed.process_group import get_rank
 from engine.window.hooks import EngineHook
 
-__all__ = ["Monitor", "FIELDS"]
+__all__ = ["Monitor", "FIELDS", "plot_expert_load"]
 
 log = logging.getLogger("engine")
 
@@ -55,6 +62,7 @@ FIELDS = (
     "step", "loss", "lr", "grad_norm", "samples", "tokens", "samples_per_s", "tokens_per_s",
     "step_time", "micro_batch_size", "accumulation_steps", "micro_steps", "micro_batch_tokens",
     "real_tokens", "padded_tokens", "peak_memory_mb", "skipped", "skipped_steps", "elapsed",
+    "expert_load", "expert_imbalance",
 )
 
 TENSORBOARD_HINT = "pip install tensorboard"
@@ -200,6 +208,7 @@ class Monitor(EngineHook):
             "skipped": not applied,
             "skipped_steps": eng.skipped_steps,
             "elapsed": now - self._start,
+            **_expert_fields(eng),
         }
         self._last_record = now
         self._pending_samples, self._pending_items, self._pending_steps = 0, None, 0
@@ -232,14 +241,17 @@ class Monitor(EngineHook):
                 self._csv_writer = csv.DictWriter(handle, fieldnames=FIELDS)
                 if handle.tell() == 0:
                     self._csv_writer.writeheader()
-            self._csv_writer.writerow({k: "" if v is None else v for k, v in record.items()})
+            self._csv_writer.writerow({k: "" if v is None else " ".join(map(str, v)) if isinstance(v, list) else v
+                                       for k, v in record.items()})
             handle.flush()
         writer = self._tensorboard_writer()
         if writer is not None:
             for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time",
-                        "peak_memory_mb"):
+                        "peak_memory_mb", "expert_imbalance"):
                 if record[key] is not None:
                     writer.add_scalar(f"train/{key}", record[key], record["step"])
+            for expert, load in enumerate(record["expert_load"] or ()):
+                writer.add_scalar(f"expert_load/{expert}", load, record["step"])
             writer.flush()
 
     def _write_jsonl(self, record: dict[str, Any]) -> None:
@@ -356,6 +368,46 @@ class Monitor(EngineHook):
 
 
 # -- helpers ------------------------------------------------------------------------------
+def _expert_fields(eng) -> dict[str, Any]:
+    """The window's router load (``engine.experts``), or None for a model without routers."""
+    load = eng.experts.last_load if getattr(eng, "experts", None) is not None else None
+    if load is None:
+        return {"expert_load": None, "expert_imbalance": None}
+    return {"expert_load": [float(n) for n in load.per_expert()], "expert_imbalance": load.imbalance()}
+
+
+def plot_expert_load(jsonl_path, out_path) -> str | None:
+    """Per-expert load (stacked shares) and the imbalance against the step, from a monitor's JSON-lines
+    file; returns the image's path (None without matplotlib or without expert records)."""
+    records = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    records = [r for r in records if r.get("kind") == "train" and r.get("expert_load")]
+    if not records:
+        log.warning("%s holds no expert_load record (a model without routers?): no plot", jsonl_path)
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot (pip install 'microstep[plot]')")
+        return None
+    steps = [r["step"] for r in records]
+    loads = torch.tensor([r["expert_load"] for r in records], dtype=torch.float64)
+    shares = (loads / loads.sum(1, keepdim=True)).T.tolist()
+    figure, (share_axis, imbalance_axis) = plt.subplots(2, 1, figsize=(6.5, 5), sharex=True)
+    share_axis.stackplot(steps, shares, labels=[f"expert {i}" for i in range(len(shares))])
+    share_axis.set_ylabel("share of top-k assignments")
+    share_axis.legend(fontsize="small", ncol=4, loc="upper right")
+    imbalance_axis.plot(steps, [r["expert_imbalance"] for r in records], "o-")
+    imbalance_axis.set_ylabel("imbalance (max / mean)")
+    imbalance_axis.set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=120)
+    plt.close(figure)
+    return str(out_path)
+
+
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
