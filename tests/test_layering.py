@@ -30,7 +30,7 @@ LAYERS = {
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",
         "engine.strategies.zero1", "engine.strategies.fsdp", "engine.strategies.compute_copy",
         "engine.strategies.low_precision", "engine.strategies.deepspeed", "engine.strategies.pipeline",
-        "engine.strategies.parallelize", "engine.strategies.tensor_parallel", "engine.strategies.tensor_pipeline",
+        "engine.strategies.parallelize", "engine.strategies.plan_check", "engine.strategies.tensor_parallel", "engine.strategies.tensor_pipeline",
         "engine.strategies.stage_failures"],
     3: ["engine.engine"],
     4: ["engine.state.autosave", "engine.autotune.tuner", "engine.monitor",

@@ -1,18 +1,24 @@
-"""Nothing silent on a mesh (issue 33): what a pipeline or a precision setting cannot do as asked
-is refused at ``initialize``, naming the parameters or the schedule and the fix, on every rank;
-what it can do, it does exactly.
+"""Nothing silent on a mesh (issue 33): what a pipeline, a tensor plan or a precision setting
+cannot do as asked is refused at ``initialize``, naming the module, the parameters or the schedule
+and the fix, on every rank; what it can do, it does exactly.
 
 - a pipeline rank whose stages hold no parameters (an activation alone) saves and resumes its
   (empty) share of the checkpoints, equal to the full-batch reference;
 - an interleaved schedule on too few modules: the advice counts the schedule's stages per rank;
 - bf16 where it runs as autocast (a pipeline, a tensor mesh, ``torch_autocast``) on a float64
-  model, which autocast leaves in float64 while one process computes it in bf16.
+  model, which autocast leaves in float64 while one process computes it in bf16;
+- a tensor plan that changes what a module computes (heads counted by ``num_heads`` without a
+  ``head_dim``, a fused qkv split colwise), found by running the split model against the whole
+  one on a probe input;
+- a vocabulary that does not divide by the tensor size trains exactly (uneven shards), and its
+  checkpoint holds the whole vocabulary.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -21,7 +27,10 @@ import engine
 from engine.errors import ConfigError
 from engine.pipeline.split import cut, sequence_of
 from tests.dist_utils import run_scenarios
-from tests.reference import max_param_diff, mlp, mse, regression_batches, reference_train, sgd, state
+from examples.gpt import GPT, GPTConfig
+from tests.reference import (max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state,
+                             token_batches)
+from tests.tp_models import PLAN, Attention, TinyTransformer
 
 
 def pipeline_config(schedule="1f1b", **extra):
@@ -127,3 +136,104 @@ def test_bf16_autocast_on_a_float64_model_is_refused_on_one_process_too():
         assert eng.global_steps == 1
     finally:
         eng.close()
+
+
+# -- tensor plans: checked against the whole model; uneven vocabularies -------------------------
+def tensor_config(plan, **extra):
+    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "tensor_parallel": {"size": 2, "plan": plan}, **extra}
+
+
+class NumHeadsAttention(Attention):
+    """Heads by count, without a head_dim attribute: ``view(b, s, num_heads, -1)``."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, self.num_heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        attended = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        return self.o(attended.transpose(1, 2).reshape(b, s, -1))
+
+
+def heads_by_count(heads=3, width=12):
+    model = TinyTransformer(width=width, heads=heads)
+    for layer in model.layers:
+        layer.attn.__class__ = NumHeadsAttention
+        layer.attn.num_heads = heads
+        del layer.attn.head_dim
+    return model
+
+
+def token_loss(model, batch):
+    logits = model(batch["tokens"])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+
+
+def tensor_refusals(rank, world):
+    gpt = GPT(GPTConfig(vocab_size=13, block_size=8, n_layer=1, n_head=4, n_embd=16))
+    gpt.head.weight = torch.nn.Parameter(gpt.head.weight.detach().clone())  # untied, so the plan may split it
+    return {"heads by count": refused(heads_by_count(), tensor_config(PLAN)),
+            "fused qkv": refused(gpt, tensor_config({"blocks.*.attn.qkv": "colwise", "blocks.*.attn.out": "rowwise"})),
+            "heads by head_dim": refused(TinyTransformer(), tensor_config(PLAN))}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_tensor_plan_that_changes_what_a_module_computes_is_refused_naming_it():
+    """3 heads counted by num_heads (no head_dim) on tensor 2: each rank would compute 3 heads of
+    the wrong width; the GPT's fused qkv split colwise fails inside the model. Both are refused
+    at initialize naming the attention module; heads found by head_dim split whole, and run."""
+    for found in run_scenarios({"refusals": tensor_refusals}, world_size=2, timeout=140)["refusals"]:
+        assert "tensor_parallel.plan: layers.0.attn (layers.0.attn.q, layers.0.attn.k, layers.0.attn.v, " \
+               "layers.0.attn.o split): its output on a probe input changes by" in found["heads by count"], found
+        assert ("tensor_parallel.plan: blocks.0.attn (blocks.0.attn.qkv, blocks.0.attn.out split): its forward "
+                "fails once split: RuntimeError: shape" in found["fused qkv"]), found["fused qkv"]
+        assert found["heads by head_dim"] == ""
+
+
+def padded_vocabulary(model, rows):
+    """``model`` with its vocabulary padded to ``rows`` by rows of zeros (embedding and head)."""
+    padded = TinyTransformer(vocab=rows)
+    padded.load_state_dict({name: torch.cat([value, value.new_zeros(rows - value.shape[0], *value.shape[1:])])
+                            if name.startswith(("embed", "head")) else value
+                            for name, value in model.state_dict().items()})
+    return padded
+
+
+def uneven_vocabulary(rank, world, directory, broken=False):
+    """A vocabulary of 13 rows on tensor 2 (7 + 6) against the full-batch reference; ``broken``:
+    padded to 14 rows of zeros instead, whose padding row takes a share of every softmax."""
+    model, batches = TinyTransformer(vocab=13), token_batches(3, 8, vocab=13, dense=True)
+    expected = reference_train(model, batches, token_loss, sgd)
+    trained = padded_vocabulary(model, 14) if broken else copy.deepcopy(model)
+    eng = engine.initialize(trained, tensor_config(PLAN), optimizer=sgd)
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), token_loss)
+    full = {name: value[:13] if name.startswith(("embed", "head")) else value
+            for name, value in eng.full_state_dict().items()}
+    if not broken:
+        eng.save_checkpoint(directory)
+    eng.close()
+    return {"diff": max_param_diff(full, state(expected)), "full": full}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_vocabulary_that_does_not_divide_by_the_tensor_size_trains_exactly(tmp_path):
+    results = run_scenarios({
+        "uneven": functools.partial(uneven_vocabulary, directory=str(tmp_path / "uneven")),
+        "padded (broken)": functools.partial(uneven_vocabulary, directory="", broken=True)},
+        world_size=2, timeout=140)
+    for result in results["uneven"]:
+        assert result["diff"] < 1e-12, result["diff"]
+    assert all(result["diff"] > 1e-4 for result in results["padded (broken)"])
+    # the checkpoint holds the whole 13-row vocabulary: one process loads it unchanged
+    eng = engine.initialize(TinyTransformer(vocab=13), {"train_batch_size": 8}, optimizer=sgd)
+    try:
+        eng.load_checkpoint(tmp_path / "uneven")
+        loaded = eng.full_state_dict()
+    finally:
+        eng.close()
+    assert loaded["head.weight"].shape == (13, 8) and loaded["embed.weight"].shape == (13, 8)
+    assert max_param_diff(loaded, results["uneven"][0]["full"]) == 0.0

@@ -34,7 +34,7 @@ from engine.distributed.collectives import (average_used_gradients_, broadcast_,
 from engine.errors import EngineUsageError
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.fsdp import FullyShardedDataParallel
-from engine.strategies.parallelize import apply_tensor_parallel, resolve_plan
+from engine.strategies.parallelize import apply_checked_tensor_parallel, resolve_plan
 from engine.strategies.zero1 import partition
 
 
@@ -106,7 +106,7 @@ class TensorMesh:
         """Split ``module``'s planned layers over the tensor dimension; returns the data mesh."""
         plan = resolve_plan(module, self.settings.tensor_parallel.plan, self.layout.tensor)
         self.device_mesh = self.layout.device_mesh(self.device.type)
-        apply_tensor_parallel(module, self.device_mesh["tensor"], plan)
+        apply_checked_tensor_parallel(module, self.device_mesh["tensor"], plan)
         data_mesh = self.device_mesh["data"]
         self.data_group = data_mesh.get_group()
         return data_mesh
