@@ -401,8 +401,10 @@ def test_a_layer_that_cannot_be_split_is_named():
     text = str(raised.value)
     assert ("layers.0.attn.q: its 3 heads (12 output features / head_dim 4) do not divide into tensor size 2"
             in text)
-    with pytest.raises(ConfigError, match=r"head: its 12 output features do not divide into tensor size 5"):
-        resolve_plan(TinyTransformer(width=10, heads=5), {"head": "colwise_rep"}, 5)
+    with pytest.raises(ConfigError, match=r"head: its 3 output features cannot be split over tensor size 5 "
+                                          r"\(colwise_rep\): every rank needs at least one"):
+        resolve_plan(TinyTransformer(vocab=3, width=10, heads=5), {"head": "colwise_rep"}, 5)
+    assert list(resolve_plan(TinyTransformer(vocab=13), {"head": "colwise_rep"}, 2)) == ["head"]  # 7 + 6 rows
     with pytest.raises(ConfigError, match=r"layers.0.norm1: style colwise splits Linear and Embedding layers; "
                                           r"layers.0.norm1 is a LayerNorm"):
         resolve_plan(TinyTransformer(), {"layers.*.norm1": "colwise"}, 2)
