@@ -19,6 +19,7 @@ import difflib
 import os
 import signal
 import warnings
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
@@ -30,8 +31,9 @@ from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELI
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
-from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
-from engine.config.torch_features import OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, torch_features
+from engine.config.offload import KEYS as OFFLOAD_KEYS, TorchOffload, torch_offload
+from engine.config.torch_features import (OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, TorchFeatures, TorchOverlap,
+                                          torch_features, torch_overlap)
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
@@ -323,6 +325,7 @@ class Config(BaseModel):
 
     _source: str = PrivateAttr(default="<Config>")
     _locations: dict = PrivateAttr(default_factory=dict)  # key path -> "file:line"
+    _torch_sections: Any = PrivateAttr(default=None)  # (what they were read from, TorchSections): torch_sections
 
     @field_validator("bf16")
     @classmethod
@@ -345,6 +348,38 @@ class Config(BaseModel):
 def half_precision(config: Config) -> Optional[str]:
     """"fp16", "bf16" or None: the half precision the config's fp16 / bf16 section enables."""
     return "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else None
+
+
+@dataclass(frozen=True)
+class TorchSections:
+    """The torch backend's readings of DeepSpeed-spelled sections (offload keys, the precision
+    policy, activation checkpointing, compile and overlap sections), parsed once per config:
+    the notes ``load_config`` prints, the checks and the resolved setup all read these."""
+
+    features: TorchFeatures
+    offload: TorchOffload
+    overlap: TorchOverlap
+
+    @property
+    def problems(self) -> list[str]:
+        return [*self.offload.problems, *self.features.problems, *self.overlap.problems]
+
+    @property
+    def notes(self) -> list[str]:
+        return [*self.offload.notes, *self.features.notes]
+
+
+def torch_sections(config: Config) -> TorchSections:
+    """``config``'s :class:`TorchSections`, parsed at the first call and kept on the config (a
+    copy made with other sections, ``model_copy(update=...)``, parses its own)."""
+    read_from = (id(config.zero_optimization), id(config.deepspeed_extras), half_precision(config))
+    cached = config._torch_sections
+    if cached is None or cached[0] != read_from:
+        zero = config.zero_optimization
+        cached = read_from, TorchSections(torch_features(config.deepspeed_extras, half_precision(config)),
+                                          torch_offload(zero), torch_overlap(zero.model_extra or {}))
+        config._torch_sections = cached
+    return cached[1]
 
 
 def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
@@ -386,8 +421,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
                   and name not in TORCH_FEATURE_SECTIONS]
-        notes += [f"{config.source}: {note}" for note in torch_offload(config.zero_optimization).notes]
-        notes += [f"{config.source}: {note}" for note in torch_features(config.deepspeed_extras, half_precision(config)).notes]
+        notes += [f"{config.source}: {note}" for note in torch_sections(config).notes]
     if config.backend == "torch" and unused:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")
