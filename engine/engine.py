@@ -59,6 +59,7 @@ from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.distributed.collectives import positions_of_ranks
+from engine.distributed.same_batch import SameBatchCheck, batch_fingerprint
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError, NonFiniteGradientError, PeerLostError, RankDisagreementError
 from engine.hooks import EngineHook
@@ -156,6 +157,9 @@ class Engine:
         self.config = config
         self.plan = plan
         self.strategy = strategy
+        mesh = strategy.settings.mesh
+        self._same_batch = SameBatchCheck(mesh, strategy.rank) if SameBatchCheck.needed(mesh) else None
+        self._batch_fingerprint = None  # this train_batch's, until its window statistics are reduced
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
@@ -374,6 +378,8 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
+        if self._same_batch is not None:  # checked in the window statistics' all-reduce
+            self._batch_fingerprint = batch_fingerprint(batch, self.strategy.device)
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -683,7 +689,16 @@ class Engine:
             values.append(share)
         stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
                              for value in values])
-        stats = self.strategy.all_reduce_sum(stats)
+        fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
+        if fingerprint is not None and share is None:
+            # issue 33: on a mesh the same all-reduce checks that a replica's ranks saw one batch
+            try:
+                stats = self._same_batch.reduce(stats, fingerprint)
+            except EngineUsageError:
+                self.discard_window()
+                raise
+        else:
+            stats = self.strategy.all_reduce_sum(stats)
         counts = stats[2:].tolist()  # the step's one host sync
         samples, real, padded = (int(n) for n in counts[:3])
         tokens = (real, padded) if cost else (None, None)

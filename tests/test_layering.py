@@ -25,7 +25,7 @@ LAYERS = {
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.optim",
         "engine.precision", "engine.model_transforms", "engine.distributed.rank_consistency", "engine.state.preemption",
-        "engine.config.checks", "engine.setup", "engine.state.async_save", "engine.state.checkpoint", "engine.batching.mesh_plan",
+        "engine.config.checks", "engine.setup", "engine.state.async_save", "engine.distributed.same_batch", "engine.state.checkpoint", "engine.batching.mesh_plan",
         "engine.pipeline.split", "engine.pipeline.hf_plan", "engine.pipeline.stages"],
     2: ["engine.strategies", "engine.strategies.base", "engine.strategies.torch_checkpoint",
         "engine.strategies.deferral", "engine.strategies.single", "engine.strategies.ddp",

@@ -237,3 +237,89 @@ def test_a_vocabulary_that_does_not_divide_by_the_tensor_size_trains_exactly(tmp
         eng.close()
     assert loaded["head.weight"].shape == (13, 8) and loaded["embed.weight"].shape == (13, 8)
     assert max_param_diff(loaded, results["uneven"][0]["full"]) == 0.0
+
+
+# -- every rank of a replica sees the same batch, at every window --------------------------------
+def by_global_rank(batch, rank, world):
+    """A script's mistake: this rank's share of the global batch by its global rank."""
+    share = batch[0].shape[0] // world if isinstance(batch, tuple) else batch["tokens"].shape[0] // world
+    pick = slice(rank * share, (rank + 1) * share)
+    return tuple(t[pick] for t in batch) if isinstance(batch, tuple) else {k: v[pick] for k, v in batch.items()}
+
+
+def pipeline_given_different_batches(rank, world):
+    """Pipeline 2 on 2 ranks: one data index, so both stages must get the whole batch; sliced by
+    global rank, stage 0 gets one half's inputs and stage 1 the other half's labels."""
+    eng = engine.initialize(mlp(), pipeline_config(), optimizer=sgd)
+    batch = regression_batches(1, 8)[0]
+    try:
+        eng.train_batch(by_global_rank(batch, rank, world), engine.loss_on_outputs(torch.nn.functional.mse_loss))
+        found = "trained"
+    except engine.EngineUsageError as error:
+        found = str(error)
+    result = {"found": found, "steps": eng.global_steps, "samples": eng.global_samples}
+    eng.train_batch(batch, engine.loss_on_outputs(torch.nn.functional.mse_loss))  # usable after the refusal
+    result["then"] = (eng.global_steps, eng.global_samples)
+    eng.close()
+    return result
+
+
+def tensor_given_different_batches_late(rank, world):
+    """Tensor 2 on 2 ranks: three windows of the same batch, then one sliced by global rank."""
+    eng = engine.initialize(TinyTransformer(), tensor_config(PLAN), optimizer=sgd)
+    batches = token_batches(4, 8, dense=True, vocab=12)
+    found = "trained"
+    try:
+        for step, batch in enumerate(batches):
+            eng.train_batch(batch if step < 3 else by_global_rank(batch, rank, world), token_loss)
+    except engine.EngineUsageError as error:
+        found = str(error)
+    result = {"found": found, "steps": eng.global_steps}
+    eng.close()
+    return result
+
+
+def replicas_drifted(rank, world, directory):
+    """Tensor 2: rank 1's copy of a replicated parameter (a rowwise layer's bias) changed by hand;
+    full_state_dict() and a checkpoint refuse to keep one rank's copy."""
+    eng = engine.initialize(TinyTransformer(), tensor_config(PLAN), optimizer=sgd)
+    eng.train_batch(token_batches(1, 8, dense=True, vocab=12)[0], token_loss)
+    if rank == 1:
+        with torch.no_grad():
+            eng.module.layers[0].attn.o.bias.add_(1e-2)
+    found = {}
+    try:
+        eng.full_state_dict()
+    except engine.EngineUsageError as error:
+        found["full_state_dict"] = str(error)
+    try:
+        eng.save_checkpoint(directory)
+    except engine.CheckpointError as error:
+        found["save"] = str(error)
+    eng.close()
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_every_rank_of_a_replica_is_checked_to_see_the_same_batch_at_every_window(tmp_path):
+    results = run_scenarios({
+        "pipeline": pipeline_given_different_batches,
+        "tensor, fourth window": tensor_given_different_batches_late,
+        "replicas": functools.partial(replicas_drifted, directory=str(tmp_path / "drifted"))},
+        world_size=2, timeout=190)
+    for result in results["pipeline"]:
+        assert "the ranks of one data index (pipeline: 2 ranks, one model replica) were given different batches" \
+            in result["found"], result
+        assert "eng.plan.rank" in result["found"] and "The window was not applied" in result["found"]
+        assert (result["steps"], result["samples"]) == (0, 0)  # not counted as a short window either
+        assert result["then"] == (1, 8)
+    for result in results["tensor, fourth window"]:  # the first steps' input check alone missed it
+        assert "(tensor: 2 ranks, one model replica) were given different batches" in result["found"], result
+        assert result["steps"] == 3
+    for found in results["replicas"]:
+        assert "full_state_dict(): replicated parameters differ between the ranks of a tensor group " \
+               "(layers.0.attn.o.bias)" in found["full_state_dict"], found
+        assert "saving a checkpoint: replicated parameters differ" in found["save"] and "nothing was published" \
+            in found["save"], found
+    assert not (tmp_path / "drifted").exists()

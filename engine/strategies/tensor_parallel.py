@@ -34,6 +34,7 @@ from engine.distributed.collectives import (average_used_gradients_, broadcast_,
 from engine.errors import EngineUsageError
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.fsdp import FullyShardedDataParallel
+from engine.distributed.same_batch import batch_fingerprint, check_replicas_equal
 from engine.strategies.parallelize import apply_checked_tensor_parallel, resolve_plan
 from engine.strategies.zero1 import partition
 
@@ -54,32 +55,6 @@ def copies(tensor: torch.Tensor, holders: int) -> int:
     pieces = math.prod(tensor.device_mesh.size(dim) for dim, placement in enumerate(tensor.placements)
                        if not placement.is_replicate())
     return holders // pieces
-
-
-def input_fingerprint(args, kwargs, device) -> torch.Tensor:
-    """Four numbers that differ, but for a negligible chance, between inputs that differ:
-    the number of tensors and, position-weighted, their sizes, sums and index-weighted sums."""
-    tensors = list(_tensors((args, kwargs)))
-    values = torch.zeros(4, dtype=torch.float64, device=device)
-    values[0] = len(tensors)
-    for position, tensor in enumerate(tensors, start=1):
-        flat = tensor.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(13).add_(1)
-        values[1] += position * flat.numel()
-        values[2] += position * flat.sum()
-        values[3] += position * (flat @ weights)
-    return values.nan_to_num_(nan=-1.0)  # equal inputs holding NaN (or +inf and -inf) compare equal
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
 
 
 class TensorMesh:
@@ -125,7 +100,7 @@ class TensorMesh:
     def _check_same_inputs(self, args, kwargs) -> None:
         if self._guarded:
             self.check_peers_before(None)
-        mine = input_fingerprint(args, kwargs, self.device)
+        mine = batch_fingerprint((args, kwargs), self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine)  # every rank learns every group's verdict: all raise together
         tensor = self.layout.tensor
@@ -190,8 +165,14 @@ class TensorMesh:
         return squares.sqrt()
 
     def full_state_dict(self):
+        check_replicas_equal(self.module, self.device_mesh["tensor"].get_group(), "full_state_dict()")
         return cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
                                for name, value in self.module.state_dict().items()})
+
+    def save_training_state(self, directory):
+        # issue 33: a checkpoint keeps one rank's copy of a replicated parameter: they must agree
+        check_replicas_equal(self.module, self.device_mesh["tensor"].get_group(), "saving a checkpoint")
+        super().save_training_state(directory)
 
 
 class TensorParallel(TensorMesh, TorchStrategy):
