@@ -1,5 +1,7 @@
 """Ranks that must see the same batch check it at every window, inside an all-reduce the window
 makes anyway; replicated parameters are checked equal across their group where they are saved.
+(``engine.strategies.same_batch`` also compares every forward's inputs across a tensor group in
+the manual loop's first steps, with the same :func:`batch_fingerprint`.)
 
 The ranks of one data index — its pipeline stages, context and tensor ranks (``mesh.SAME_BATCH``)
 — compute one model replica together and must be handed the same batch. A script that slices
@@ -57,7 +59,7 @@ def _tensors(tree):
             yield from _tensors(item)
 
 
-class SameBatchCheck:
+class ReplicaBatchCheck:
     """The window-statistics all-reduce of a mesh with ranks that must see the same batch,
     carrying their batch fingerprints (module docstring)."""
 
