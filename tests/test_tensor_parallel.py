@@ -5,7 +5,7 @@ The model is Llama-shaped (tests/tp_models.py): attention split by heads, an MLP
 column → row, an embedding split by vocabulary, an LM head gathered, replicated norms. Each
 set of ranks runs every scenario once; a broken plan (the column-split layers' input
 gradients not all-reduced, so the replicated norms get partial gradients) must miss the
-tolerance.
+tolerance: its replicas drift apart, which full_state_dict() refuses.
 """
 
 import copy
@@ -72,7 +72,10 @@ def clipped_mean(rank, world, stage, broken=False):
     for batch in batches:
         eng.train_batch(rank_slice(batch, eng.plan), token_loss_mean)
         norms.append(float(eng.last_window.step.grad_norm))
-    full = eng.full_state_dict()
+    try:
+        full = eng.full_state_dict()
+    except EngineUsageError as error:  # broken: the drifted replicas are found by the engine itself
+        return {"diff": float("inf"), "refused": str(error)}
     return {"diff": max_param_diff(full, state(ref)), "norms": norms, "expected_norms": expected_norms,
             "keys": list(full), "model_keys": list(model.state_dict()), "strategy": eng.strategy.name,
             "plan_world": eng.plan.world_size, "plan_rank": eng.plan.rank}
@@ -281,8 +284,9 @@ def check(results, world):
         for result in results[("fp16 overflow", stage)]:
             assert result["skipped"] == 1 and result["steps"] == 3
             assert result["diff"] < 2e-4, result["diff"]
-        for result in results[("broken", stage)]:
+        for result in results[("broken", stage)]:  # replicas drift apart: full_state_dict() refuses them
             assert result["diff"] > MISSED, (stage, result["diff"])
+            assert "replicated parameters differ between the ranks of a tensor group" in result["refused"]
     for result in results["short windows, deferred"]:
         assert result["diff"] < TOL and result["samples"] == 8 + 4 + 6
     for result in results["different batches"]:
@@ -400,8 +404,10 @@ def test_a_layer_that_cannot_be_split_is_named():
     text = str(raised.value)
     assert ("layers.0.attn.q: its 3 heads (12 output features / head_dim 4) do not divide into tensor size 2"
             in text)
-    with pytest.raises(ConfigError, match=r"head: its 12 output features do not divide into tensor size 5"):
-        resolve_plan(TinyTransformer(width=10, heads=5), {"head": "colwise_rep"}, 5)
+    with pytest.raises(ConfigError, match=r"head: its 3 output features cannot be split over tensor size 5 "
+                                          r"\(colwise_rep\): every rank needs at least one"):
+        resolve_plan(TinyTransformer(vocab=3, width=10, heads=5), {"head": "colwise_rep"}, 5)
+    assert list(resolve_plan(TinyTransformer(vocab=13), {"head": "colwise_rep"}, 2)) == ["head"]  # 7 + 6 rows
     with pytest.raises(ConfigError, match=r"layers.0.norm1: style colwise splits Linear and Embedding layers; "
                                           r"layers.0.norm1 is a LayerNorm"):
         resolve_plan(TinyTransformer(), {"layers.*.norm1": "colwise"}, 2)

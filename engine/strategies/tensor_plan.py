@@ -21,10 +21,14 @@ Megatron pairing of an MLP written as a ``Sequential``: a Linear split colwise, 
 nothing but element-wise activations between them, by a Linear split rowwise. Layers outside
 the plan (norms, biases of rowwise layers, ...) are replicated on every rank of the group.
 
-Every planned layer is checked before anything is split: the split dimension divides by the
-tensor size; for a layer of an attention module with ``head_dim``, whole heads land on each
-rank; no planned layer holds a parameter tied to another module's (splitting would untie
-it). A layer that cannot be split is named in the error.
+Every planned layer is checked before anything is split: the split dimension holds at least
+one row per rank (it need not divide: a vocabulary of 97 rows splits 49 + 48, DTensor's uneven
+shards, exact and saved in the whole shape); for a layer of an attention module with
+``head_dim``, whole heads land on each rank; no planned layer holds a parameter tied to another
+module's (splitting would untie it). A layer that cannot be split is named in the error. After
+the split of a whole model, it is run against the unsplit one on a probe input
+(``engine.strategies.plan_check``): a plan that changes what a module computes is refused,
+naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from engine.errors import ConfigError
+from engine.strategies.plan_check import split_checked
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise")
 _ELEMENTWISE = (torch.nn.ReLU, torch.nn.GELU, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Dropout,
@@ -125,6 +130,13 @@ def apply_tensor_parallel(module: torch.nn.Module, tensor_mesh, plan: dict[str, 
     parallelize_module(module, tensor_mesh, plan)
 
 
+def apply_checked_tensor_parallel(module: torch.nn.Module, tensor_mesh, plan: dict[str, ParallelStyle]) -> None:
+    """:func:`apply_tensor_parallel` on a whole model, refused (ConfigError naming the module)
+    when the split model computes otherwise than the whole one on a probe input
+    (``engine.strategies.plan_check``)."""
+    split_checked(module, plan, lambda: apply_tensor_parallel(module, tensor_mesh, plan))
+
+
 def _tied_problems(module: torch.nn.Module, resolved: dict) -> list[str]:
     """A parameter shared by several modules (tied embeddings) cannot be split by one of them:
     splitting gives the planned module a new parameter and silently unties the others."""
@@ -167,9 +179,9 @@ def _split_problem(name: str, layer: torch.nn.Module, style, size: int, modules:
                 "(leave it out of the plan: it is then replicated)")
     attribute, words = _SPLIT_DIMENSION[(family, kind)]
     count = getattr(layer, attribute)
-    if count % size:
-        return (f"{name}: its {count} {words} do not divide into tensor size {size} ({style}); choose a tensor "
-                f"size dividing {count}, or leave {name} out of the plan")
+    if count < size:
+        return (f"{name}: its {count} {words} cannot be split over tensor size {size} ({style}): every rank needs "
+                f"at least one; choose a tensor size of at most {count}, or leave {name} out of the plan")
     parent = modules.get(name.rpartition(".")[0])
     head_dim = getattr(parent, "head_dim", None)
     if family == "colwise" and kind is torch.nn.Linear and isinstance(head_dim, int) and count % head_dim == 0:
