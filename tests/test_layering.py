@@ -37,7 +37,7 @@ LAYERS = {
         "engine.autotune.report", "engine.pipeline_windows"],
     5: ["engine.build", "engine.cli", "engine", "engine.__main__",
         "engine.compat", "engine.compat.deepspeed", "engine.compat.colossalai",
-        "engine.compat.deepspeed.accelerator", "engine.compat.deepspeed.comm", "engine.compat.deepspeed.moe",
+        "engine.compat.deepspeed.accelerator", "engine.compat.deepspeed.checkpointing", "engine.compat.deepspeed.comm", "engine.compat.deepspeed.moe",
         "engine.compat.deepspeed.moe.utils", "engine.compat.deepspeed.utils", "engine.compat.deepspeed.utils.zero_to_fp32",
         "engine.compat.deepspeed.zero", "engine.compat.colossalai.amp", "engine.compat.colossalai.context",
         "engine.compat.colossalai.core", "engine.compat.colossalai.logging", "engine.compat.colossalai.nn",

@@ -23,7 +23,8 @@ DeepSpeed's semantics, kept:
   follows ``latest`` and returns ``(path, client_state)``, or ``(None, None)`` without one.
 
 The other names DeepSpeed's examples import live in this package's modules, under the
-same names: ``accelerator`` (``get_accelerator``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
+same names: ``accelerator`` (``get_accelerator``), ``checkpointing`` (``configure``, ``checkpoint``,
+``is_configured``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
 ``log_dist``, ``RepeatingLoader``, ``zero_to_fp32``) and ``zero`` (``GatheredParameters``, ``Init``).
 
 What differs from DeepSpeed: docs/migrating.md.
@@ -47,12 +48,12 @@ from engine.distributed.process_group import barrier, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
 from engine.batching.microbatch import batch_size, split_batch
 from engine.optim import build_deepspeed_scheduler, build_optimizer
-from engine.compat.deepspeed import accelerator, comm, moe, utils, zero
+from engine.compat.deepspeed import accelerator, checkpointing, comm, moe, utils, zero
 from engine.compat.deepspeed.accelerator import get_accelerator
 from engine.compat.deepspeed.comm import init_distributed
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize", "DeepSpeedEngine", "MicroBatchLoader",
-           "get_accelerator", "accelerator", "comm", "moe", "utils", "zero"]
+           "get_accelerator", "accelerator", "checkpointing", "comm", "moe", "utils", "zero"]
 
 log = logging.getLogger("engine")
 
