@@ -10,9 +10,11 @@ from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
     NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
+    UntestedFrameworkWarning,
 )
 from engine.state.preemption import Preempted
-from engine.error_report import install_from_environment
+from engine.verify import VerifyError, VerifyResult, verify
+from engine.distributed.error_report import install_from_environment
 
 install_from_environment()  # under `python -m launch`: a Microstep error is said once, by the launcher
 
@@ -39,5 +41,9 @@ __all__ = [
     "PeerLostError",
     "NonFiniteGradientError",
     "RankDisagreementError",
+    "UntestedFrameworkWarning",
     "Preempted",
+    "verify",
+    "VerifyResult",
+    "VerifyError",
 ]

@@ -1,6 +1,6 @@
 """Training metrics and progress, one record per optimizer step.
 
-The engine calls :meth:`Monitor.on_window_closed` (an ``engine.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
+The engine calls :meth:`Monitor.on_window_closed` (an ``engine.window.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
 turns it into a record (loss, learning rate, gradient norm, throughput, memory, ...), keeps
 it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard / Weights & Biases
 (``monitor.wandb``; a DeepSpeed config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections
@@ -46,8 +46,8 @@ import torch
 
 from engine.config.schema import MonitorConfig
 from engine.distributed.process_group import get_rank
-from engine.hooks import EngineHook
 from engine.throughput import device_peak_flops, flops_per_token, model_flops_utilisation
+from engine.window.hooks import EngineHook
 
 __all__ = ["Monitor", "FIELDS"]
 

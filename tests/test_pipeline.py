@@ -357,7 +357,7 @@ def test_the_planner_counts_data_parallel_ranks_and_its_errors_name_the_mesh(cap
     with pytest.raises(engine.BatchConfigError) as raised:
         plan_for_mesh(config, MeshLayout.from_config(config, 8))
     assert str(raised.value).startswith(
-        "world 8 = pipeline 2 × data 4 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × tensor 1) = 4 "
+        "world 8 = pipeline 2 × data 4 × context 1 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × context 1 × tensor 1) = 4 "
         "data-parallel rank(s), so G = M·A·4: train_batch_size 12 is not divisible by micro 2 × world 4")
     with pytest.raises(ConfigError, match="world of 3 rank"):
         MeshLayout.from_config(config, 3)
@@ -501,13 +501,13 @@ def test_plan_and_validate_show_the_mesh(capsys):
 
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × tensor 1: the batch is planned for W_dp = 4 / "
-                      "(pipeline 2 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
+    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × context 1 × tensor 1: the batch is planned for W_dp = 4 / "
+                      "(pipeline 2 × context 1 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
     assert "accumulation steps: 4" in out
     assert main(["validate", "configs/pipeline.yaml"]) == 0
     assert "zero stage 0, pipeline 2 stages (1f1b, split auto), backend torch" in capsys.readouterr().out
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
-    assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
+    assert "the world of 3 rank(s) does not divide into pipeline 2 × context 1 × tensor 1" in capsys.readouterr().err
 
 
 def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatch):

@@ -20,7 +20,7 @@ import engine
 from engine.batching.microbatch import split_batch
 from engine.config.schema import load_config
 from engine.errors import ConfigError, EngineUsageError
-from engine.strategies.parallelize import mlp_pairs, model_plan, resolve_plan
+from engine.strategies.tensor_plan import mlp_pairs, model_plan, resolve_plan
 from tests.broken import unreduced_replicated_gradients
 from tests.dist_utils import run_scenarios
 from tests.reference import (
@@ -75,7 +75,7 @@ def clipped_mean(rank, world, stage, broken=False):
         norms.append(float(eng.last_window.step.grad_norm))
     full = eng.full_state_dict()
     return {"diff": max_param_diff(full, state(ref)), "norms": norms, "expected_norms": expected_norms,
-            "keys": list(full), "model_keys": list(model.state_dict()), "strategy": type(eng.strategy).__name__,
+            "keys": list(full), "model_keys": list(model.state_dict()), "strategy": eng.strategy.name,
             "plan_world": eng.plan.world_size, "plan_rank": eng.plan.rank}
 
 
@@ -272,8 +272,7 @@ def check(results, world):
             assert all(norm > 0.5 for norm in result["expected_norms"])  # clipping acted
             assert result["keys"] == result["model_keys"]  # the model's own names, whole
             assert (result["plan_world"], result["plan_rank"]) == (data, rank // 2)
-            assert result["strategy"] == ("TensorParallel", "TensorParallelZero1", "TensorFullySharded",
-                                          "TensorFullySharded")[stage]
+            assert result["strategy"] == ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[stage]
         for result in results[("balanced tokens", stage)]:
             assert result["diff"] < TOL and result["samples"] == 21
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-12)
@@ -456,8 +455,8 @@ def test_the_planner_counts_data_parallel_ranks_and_names_the_mesh():
     from engine.distributed.mesh import MeshLayout
 
     loaded = load_config({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 2}})
-    named = (r"world 8 = pipeline 1 × data 4 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × "
-             r"tensor 2\) = 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
+    named = (r"world 8 = pipeline 1 × data 4 × context 1 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × "
+             r"context 1 × tensor 2\) = 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
     with pytest.raises(engine.BatchConfigError, match=named):
         plan_for_mesh(loaded, MeshLayout.from_config(loaded, 8), 0)
     plan = plan_for_mesh(loaded, MeshLayout.from_config(loaded, 6), 4)  # global rank 4: data rank 2
@@ -471,7 +470,7 @@ def test_plan_command_shows_the_mesh(tmp_path, capsys):
     path.write_text("train_batch_size: 8\ntrain_micro_batch_size_per_gpu: 2\ntensor_parallel: {size: 2}\n")
     assert main(["plan", str(path), "--world-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "mesh: world 4 = pipeline 1 × data 2 × tensor 2" in out
+    assert "mesh: world 4 = pipeline 1 × data 2 × context 1 × tensor 2" in out
     assert "world size:         2" in out and "accumulation steps: 2" in out
     assert main(["validate", str(path)]) == 0
     assert "zero stage 0, tensor parallel 2, backend torch" in capsys.readouterr().out
