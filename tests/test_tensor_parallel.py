@@ -11,6 +11,7 @@ tolerance: its replicas drift apart, which full_state_dict() refuses.
 import copy
 import functools
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -381,6 +382,18 @@ def test_auto_plan_pairs_the_linears_of_a_sequential_mlp():
     assert mlp_pairs(mlp()) == {"0": "colwise", "2": "rowwise"}
     assert mlp_pairs(TinyTransformer()) == {f"layers.{i}.mlp.{j}": style for i in range(2)
                                             for j, style in ((0, "colwise"), (2, "rowwise"))}
+
+
+def test_an_auto_plan_says_which_layers_it_split(caplog):
+    with caplog.at_level(logging.INFO, logger="engine"):
+        resolve_plan(TinyTransformer(), "auto", 2)
+    assert ("tensor_parallel.plan auto: from its Sequential MLPs (Linear, activation, Linear), 4 layer(s) split over 2 "
+            "ranks: layers.0.mlp.0 colwise, layers.0.mlp.2 rowwise, layers.1.mlp.0 colwise, layers.1.mlp.2 rowwise"
+            in caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine"):
+        resolve_plan(TinyTransformer(), {"head": "colwise_rep"}, 2)  # names the user wrote: nothing to say
+    assert "tensor_parallel.plan auto" not in caplog.text
 
 
 def test_a_model_plan_is_read_under_its_base_model_prefix():

@@ -34,6 +34,7 @@ naming it.
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 import torch
 from torch.distributed.tensor import Replicate
@@ -41,6 +42,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from engine.errors import ConfigError
 from engine.strategies.plan_check import split_checked
+
+log = logging.getLogger("engine")
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise")
 _ELEMENTWISE = (torch.nn.ReLU, torch.nn.GELU, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Dropout,
@@ -91,9 +94,11 @@ def mlp_pairs(module: torch.nn.Module) -> dict[str, str]:
 def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, ParallelStyle]:
     """``{module name: ParallelStyle}`` for ``plan`` ("auto" or {pattern: style}) on ``size``
     ranks, every layer checked; raises ConfigError naming what cannot be split."""
+    source = None
     if plan == "auto":
         own = model_plan(module)
         patterns, strict = (own, False) if own is not None else (mlp_pairs(module), True)
+        source = "the model's own tensor-parallel plan" if own is not None else "its Sequential MLPs (Linear, activation, Linear)"
         if not patterns:
             raise ConfigError([
                 f"tensor_parallel.plan: auto found no plan for {type(module).__name__}: it has no tensor-parallel "
@@ -105,7 +110,7 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
     else:
         raise ConfigError([f"tensor_parallel.plan: expected 'auto' or {{module pattern: style}}, got {plan!r}"])
     modules = dict(module.named_modules())
-    resolved, problems = {}, []
+    resolved, problems, patterns_style = {}, [], {}
     for pattern, style in patterns.items():
         names = [name for name in modules if name and _matches(pattern, name)]
         if not names:
@@ -118,9 +123,14 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
                 problems.append(f"tensor_parallel.plan: {problem}")
             else:
                 resolved[name] = _style(style, modules[name])
+                patterns_style[name] = style if isinstance(style, str) else type(style).__name__
     problems += _tied_problems(module, resolved)
     if problems:
         raise ConfigError(problems)
+    if source is not None:  # auto: say what it chose, the user wrote no names
+        split = [f"{name} {patterns_style[name]}" for name in resolved]
+        log.info("tensor_parallel.plan auto: from %s, %d layer(s) split over %d ranks: %s", source, len(split), size,
+                 ", ".join(split))
     return resolved
 
 
