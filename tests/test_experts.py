@@ -256,7 +256,7 @@ def example_scenario(rank, world):
 @pytest.fixture(scope="module")
 def two_ranks():
     scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
-                 for stage in (0, 3) for padded in (False, True)}
+                 for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     scenarios["example"] = example_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
@@ -264,8 +264,8 @@ def two_ranks():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage, padded", [(0, False), (1, False), (2, False), (3, False), (0, True), (3, True)],
+                         ids=["stage 0", "stage 1", "stage 2", "stage 3", "stage 0 padded", "stage 3 padded"])
 def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
     results = two_ranks[(stage, padded)]
     for rank, result in enumerate(results):
