@@ -102,8 +102,8 @@ class GlobalContext:
         config = self._config.microstep if self._config is not None else None
         if config is None:
             return rank if name == "DATA" else 0
-        pipeline_index, data_index, tensor_index = MeshLayout.from_config(config, get_world_size()).coordinates(rank)
-        return {"DATA": data_index, "PIPELINE": pipeline_index}.get(name, tensor_index)
+        place = MeshLayout.from_config(config, get_world_size()).coordinates(rank)
+        return {"DATA": place.data, "PIPELINE": place.pipeline}.get(name, place.tensor)
 
     def get_world_size(self, parallel_mode=None) -> int:
         """The number of processes in ``parallel_mode``'s group: every process (GLOBAL, the
@@ -118,7 +118,7 @@ class GlobalContext:
         if name == "PIPELINE":
             return pipeline
         if name == "DATA":
-            return get_world_size() // (tensor * pipeline)
+            return MeshLayout.from_config(config, get_world_size()).data if config is not None else get_world_size()
         return get_world_size() if _splits_over_ranks(parallel_mode) else 1
 
 
