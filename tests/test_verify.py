@@ -11,7 +11,7 @@ import torch
 
 import engine
 from engine.cli import main
-from engine.factories import FactoryError, reference_of
+from engine.config.factories import FactoryError, reference_of
 from engine.verify import TOLERANCE_EXACT, TOLERANCE_ROUNDED, VerifyError, prepare_model
 from tests import verify_models
 

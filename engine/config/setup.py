@@ -93,6 +93,21 @@ class Setup:
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
 
+    @property
+    def holder(self) -> str:
+        """Which holder of ``engine.strategies`` holds the model: ``deepspeed``, ``pipeline``, ``fsdp``
+        (FSDP2 over the data dimension), ``ddp`` (DDP on a mesh of data ranks, full-precision or
+        autocast parameters) or ``replicas`` (replicas averaged after each window)."""
+        if self.backend == "deepspeed":
+            return "deepspeed"
+        if self.mesh.pipeline > 1:
+            return "pipeline"
+        if self.strategy in ("fsdp", "tensor_fsdp"):
+            return "fsdp"
+        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters:
+            return "ddp"
+        return "replicas"
+
 
 def _fsdp_even_alone(config: Config) -> bool:
     """CPU offload is FSDP2's, which needs a process group even in one process."""
