@@ -58,6 +58,7 @@ from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
+from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
 from engine.experts.window import ExpertBalance
 from engine.window.hooks import EngineHook
@@ -105,6 +106,9 @@ class Engine:
         self.config = config
         self.plan = plan
         self.strategy = strategy
+        mesh = strategy.settings.mesh  # ranks of a replica must see one batch: checked at every window
+        self._same_batch = ReplicaBatchCheck(mesh, strategy.rank) if ReplicaBatchCheck.needed(mesh) else None
+        self._batch_fingerprint = None  # this train_batch's, until its window statistics are reduced
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
@@ -331,6 +335,8 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
+        if self._same_batch is not None:  # checked in the window statistics' all-reduce (issue 33)
+            self._batch_fingerprint = batch_fingerprint(batch, self.strategy.device)
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -573,8 +579,14 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
-        loss, units, samples, tokens, squares = window_totals(
-            window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded)
+        fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
+        try:
+            loss, units, samples, tokens, squares = window_totals(
+                window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+                same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None)
+        except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
+            self.discard_window()
+            raise
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples, squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))

@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
+from engine.config.deepspeed_monitor import monitor_from_deepspeed
 from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT_PARALLEL_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
                                      DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
                                      read_autotp_size)
@@ -262,6 +263,8 @@ class MonitorConfig(Section):
     jsonl: Optional[str] = None  # path of a JSON-lines metrics file
     csv: Optional[str] = None  # path of a CSV metrics file
     tensorboard: Optional[str] = None  # a log dir; needs the tensorboard package
+    wandb: Optional[dict[str, str]] = None  # wandb.init keywords (project, group, entity, ...); needs wandb
+    peak_flops: Optional[PositiveFloat] = None  # a device's peak FLOP/s for MFU (default: known GPUs', engine.throughput)
     grad_norm: bool = True  # compute the global gradient norm even without clipping
     total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
 
@@ -456,6 +459,12 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source, config._locations = raw.source, raw.locations
     unused = deepspeed_only_settings(config)
+    if config.backend == "torch":  # DeepSpeed's monitor sections drive the monitor (engine.config.deepspeed_monitor)
+        monitor, read, monitor_problems = monitor_from_deepspeed(config.deepspeed_extras, config.monitor)
+        if monitor_problems:
+            raise ConfigError(sorted(monitor_problems, key=lambda problem: _line_of(problem, raw.source)))
+        config.monitor = config.monitor.model_copy(update=monitor)
+        unused = [name for name in unused if name not in read]
     if config.backend == "torch":
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
