@@ -58,7 +58,9 @@ from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
+from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
+from engine.experts.window import ExpertBalance
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -100,10 +102,13 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False):
+                 grad_norm_every_step: bool = False, experts: ExpertBalance | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
+        mesh = strategy.settings.mesh  # ranks of a replica must see one batch: checked at every window
+        self._same_batch = ReplicaBatchCheck(mesh, strategy.rank) if ReplicaBatchCheck.needed(mesh) else None
+        self._batch_fingerprint = None  # this train_batch's, until its window statistics are reduced
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
@@ -116,6 +121,8 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
+        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.experts.window)
+        self.experts = experts
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -200,11 +207,11 @@ class Engine:
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         window.training_forwards += 1
-        if not self._recording:
+        # [moe] a manual-loop forward cannot hold the window's load-balancing term
+        manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
+            else contextlib.nullcontext()
+        with manual, self.measured_forwards():
             output = self.strategy.forward(*args, **kwargs)
-        else:
-            with self.measured_forwards():
-                output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
@@ -328,6 +335,8 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
+        if self._same_batch is not None:  # checked in the window statistics' all-reduce (issue 33)
+            self._batch_fingerprint = batch_fingerprint(batch, self.strategy.device)
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -514,6 +523,11 @@ class Engine:
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
         split = self.window_split.split(batch, self.plan)
         self.planned_window(split)
+        if self.experts is not None:  # [moe] the window's load-balancing terms are counted first
+            self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, micro_batch),
+                                    backward=lambda output, size: self._backward(output, size, exact_counts=True),
+                                    units=loss_and_units)
+            return
         for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 
@@ -559,8 +573,14 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
-        loss, units, samples, tokens, squares = window_totals(
-            window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded)
+        fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
+        try:
+            loss, units, samples, tokens, squares = window_totals(
+                window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+                same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None)
+        except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
+            self.discard_window()
+            raise
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples, squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))

@@ -11,8 +11,11 @@ both report the same problems, all at once:
 * backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
   imported) and a config the DeepSpeed backend accepts; ``backend: torch`` an offload
   request FSDP2 can carry out (``engine.config.offload``);
-* token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
-  (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
+* batch keys: what the planner refuses at any world size
+  (``engine.batching.plan.world_free_batch_problems``: ``auto`` / ``explore`` micro sizes with
+  ``gradient_accumulation_steps`` or without ``train_batch_size``, three strict batch numbers no
+  process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
+  ``sequence_keys`` without ``micro_batch_tokens``;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it.
@@ -26,7 +29,7 @@ import torch
 
 from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
-from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
+from engine.batching.plan import SEARCH_MODES, world_free_batch_problems
 from engine.config.deepspeed import deepspeed_backend_problems
 from engine.config.schema import Config, half_precision, locate, torch_sections
 from engine.config.torch_features import model_transforms_requested
@@ -37,11 +40,12 @@ def check_without_model(config: Config) -> list[str]:
     """Every problem found, as ``<where>: <key.path>: <problem>`` lines (empty: none)."""
     problems = check_sections(config.optimizer, config.scheduler)
     problems += _precision_problems(config)
-    problems += _token_budget_problems(config)
+    problems += _batch_problems(config)
     problems += _pipeline_problems(config)
     problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
     problems += _automatic_checkpointing_problems(config)
+    problems += _expert_problems(config)  # [moe]
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -50,6 +54,14 @@ def check_without_model(config: Config) -> list[str]:
     else:
         problems += torch_sections(config).problems
     return locate(config, problems)
+
+
+def _expert_problems(config: Config) -> list[str]:
+    if config.expert_parallel.size == 1:
+        return []
+    return [f"expert_parallel.size: {config.expert_parallel.size}: expert parallelism (experts sharded over ranks, "
+            "tokens dispatched by all-to-all) is not available yet; remove expert_parallel (every data rank then holds "
+            "every expert, and moe.load_balance: global still balances over the whole global batch)"]
 
 
 def _automatic_checkpointing_problems(config: Config) -> list[str]:
@@ -94,14 +106,15 @@ def _mesh_precision_problems(config: Config) -> list[str]:
             "autocast over fp32 parameters and gradients accumulate in fp32; remove grad_accum_dtype"]
 
 
-def _token_budget_problems(config: Config) -> list[str]:
-    if config.micro_batch_tokens is None:
-        return [] if config.sequence_keys is None else [
-            "sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not set; "
-            "set it, or remove sequence_keys"]
-    return [f"{key}: {problem}" for key, problem in token_budget_conflicts(
-        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
-        config.auto_max)]
+def _batch_problems(config: Config) -> list[str]:
+    """What the planner refuses at any world size (the token budget's conflicts included)."""
+    problems = world_free_batch_problems(config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                                         config.gradient_accumulation_steps, config.batch_split, config.auto_max,
+                                         config.micro_batch_tokens)
+    if config.micro_batch_tokens is None and config.sequence_keys is not None:
+        problems.append("sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not "
+                        "set; set it, or remove sequence_keys")
+    return problems
 
 
 def _pipeline_problems(config: Config) -> list[str]:

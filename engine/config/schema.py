@@ -26,7 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
+from engine.config.deepspeed_monitor import monitor_from_deepspeed
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT_PARALLEL_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
                                      DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
@@ -262,6 +263,8 @@ class MonitorConfig(Section):
     jsonl: Optional[str] = None  # path of a JSON-lines metrics file
     csv: Optional[str] = None  # path of a CSV metrics file
     tensorboard: Optional[str] = None  # a log dir; needs the tensorboard package
+    wandb: Optional[dict[str, str]] = None  # wandb.init keywords (project, group, entity, ...); needs wandb
+    peak_flops: Optional[PositiveFloat] = None  # a device's peak FLOP/s for MFU (default: known GPUs', engine.throughput)
     grad_norm: bool = True  # compute the global gradient norm even without clipping
     total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
 
@@ -289,6 +292,43 @@ class TensorParallelConfig(_DeepSpeedSection):
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_TENSOR_PARALLEL_KEYS
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts routers (``engine.experts``): whose batch the load-balancing term balances."""
+
+    # global: the term over the whole global batch (every micro-batch and data rank), exact;
+    # micro_batch: each forward's own term, as the model computes it alone.
+    load_balance: Literal["global", "micro_batch"] = "global"
+    # How global learns the window's router counts before its backwards: a counting forward first
+    # (no memory, one more forward), every forward held before the backwards (no extra FLOPs, holds
+    # the window's activations; one process), or auto (held under activation checkpointing in one
+    # process, counted otherwise).
+    global_counts: Literal["auto", "count_forward", "hold_forwards"] = "auto"
+    # Aux-loss-free balancing (DeepSeek-V3): each boundary moves every router's
+    # e_score_correction_bias by this much towards even load (0 = off).
+    bias_update_speed: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ExpertParallelConfig(_DeepSpeedSection):
+    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1). DeepSpeed's
+    AutoEP section maps: ``{enabled: true, autoep_size: N}`` is ``size: N``."""
+
+    size: PositiveInt = 1
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_EXPERT_PARALLEL_KEYS | {"enabled", "autoep_size"}
+
+    @model_validator(mode="after")
+    def _deepspeed_autoep(self):
+        extra = self.model_extra or {}
+        enabled, autoep = extra.pop("enabled", None), extra.pop("autoep_size", None)
+        if enabled and autoep is not None:
+            if "size" in self.model_fields_set and self.size != autoep:
+                raise ValueError(f"autoep_size {autoep!r} (DeepSpeed's name for size) conflicts with size: "
+                                 f"{self.size!r}; keep one")
+            if not isinstance(autoep, int) or isinstance(autoep, bool) or autoep < 1:
+                raise ValueError(f"autoep_size: expected a positive integer, got {autoep!r}")
+            self.size = autoep
+        return self
+
+
 class Config(BaseModel):
     """A validated Microstep config. Build it with ``load_config``."""
 
@@ -310,6 +350,8 @@ class Config(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)  # [moe]
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)  # [moe]
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
@@ -417,6 +459,12 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source, config._locations = raw.source, raw.locations
     unused = deepspeed_only_settings(config)
+    if config.backend == "torch":  # DeepSpeed's monitor sections drive the monitor (engine.config.deepspeed_monitor)
+        monitor, read, monitor_problems = monitor_from_deepspeed(config.deepspeed_extras, config.monitor)
+        if monitor_problems:
+            raise ConfigError(sorted(monitor_problems, key=lambda problem: _line_of(problem, raw.source)))
+        config.monitor = config.monitor.model_copy(update=monitor)
+        unused = [name for name in unused if name not in read]
     if config.backend == "torch":
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
@@ -426,6 +474,9 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")
     notes.append(unused_settings_warning(config.source, config.colossalai_extras))
+    if config.pipeline.stages == 1 and config.pipeline.split != "auto":  # auto: the default, harmless
+        notes.append(f"{config.source}: pipeline.split {config.pipeline.split!r} has no effect with pipeline.stages 1 "
+                     "(the model is not cut); it applies when stages > 1")
     for note in filter(None, notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     return config

@@ -22,7 +22,7 @@ import torch
 from engine.errors import ConfigError
 from engine.strategies.model_transforms import CheckpointSwitch, transform_model
 from engine.config.setup import Setup
-from engine.strategies.tensor_plan import apply_tensor_parallel, resolve_plan
+from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
@@ -34,8 +34,11 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
     ``activation_checkpointing: auto`` (else None)."""
     mesh = setup.mesh
     if mesh.tensor > 1:
-        plan = tensor_plan if tensor_plan is not None else resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
-        apply_tensor_parallel(module, groups.submesh(("tensor",)), plan)
+        if tensor_plan is not None:  # a pipeline stage's layers: the probe needs the whole model's input
+            apply_tensor_parallel(module, groups.submesh(("tensor",)), tensor_plan)
+        else:  # the whole model: checked against what it computed before the split (issue 33)
+            plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
+            apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     if mesh.context > 1:
         apply_context_parallel(module, setup, groups)
     if mesh.expert > 1:
