@@ -23,7 +23,7 @@ LAYERS = {
         "engine.window.hooks", "engine.pipeline", "engine.losses", "engine.window", "engine.config.factories",
         "engine.window.loss_checks", "engine.distributed.error_report", "engine.precision", "engine.experts",
         "engine.experts.balance", "engine.experts.terms", "engine.experts.hf", "engine.experts.bias",
-        "engine.throughput", "engine.config.deepspeed_monitor"],
+        "engine.autotune.throughput", "engine.config.deepspeed_monitor"],
     1: ["engine.batching.plan", "engine.batching.microbatch", "engine.batching.forward_sizes",
         "engine.batching.token_budget", "engine.batching.window_split", "engine.batching.data", "engine.config.optim",
         "engine.precision.loss_scaler", "engine.precision.compute_copy",
