@@ -1,5 +1,5 @@
 """What the monitor reports beyond loss and time, and what drives it: tokens/s per device and
-MFU (engine.throughput: 6·N per token over the device's peak, known GPUs or monitor.peak_flops),
+MFU (engine.monitor.throughput: 6·N per token over the device's peak, known GPUs or monitor.peak_flops),
 and a DeepSpeed config's tensorboard / csv_monitor / wandb sections (engine.config.deepspeed_monitor;
 wandb in its offline mode)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import engine
-from engine import throughput
+from engine.monitor import throughput
 from engine.config.schema import load_config
 from tests.reference import TinyLM, token_batches, token_loss_sum
 

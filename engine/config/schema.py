@@ -264,7 +264,7 @@ class MonitorConfig(Section):
     csv: Optional[str] = None  # path of a CSV metrics file
     tensorboard: Optional[str] = None  # a log dir; needs the tensorboard package
     wandb: Optional[dict[str, str]] = None  # wandb.init keywords (project, group, entity, ...); needs wandb
-    peak_flops: Optional[PositiveFloat] = None  # a device's peak FLOP/s for MFU (default: known GPUs', engine.throughput)
+    peak_flops: Optional[PositiveFloat] = None  # a device's peak FLOP/s for MFU (default: known GPUs', engine.monitor.throughput)
     grad_norm: bool = True  # compute the global gradient norm even without clipping
     total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
 

@@ -53,7 +53,7 @@ import torch
 
 from engine.config.schema import MonitorConfig
 from engine.distributed.process_group import get_rank
-from engine.throughput import device_peak_flops, flops_per_token, model_flops_utilisation
+from engine.monitor.throughput import device_peak_flops, flops_per_token, model_flops_utilisation
 from engine.window.hooks import EngineHook
 
 __all__ = ["Monitor", "FIELDS", "plot_expert_load"]
@@ -107,7 +107,7 @@ class Monitor(EngineHook):
         self._tensorboard_tried = False
         self._wandb = None  # a wandb run (monitor.wandb), started at attach on rank 0
         self._devices = 1  # every process of the run: tokens/s per device divide by it
-        self._flops_per_token: float | None = None  # 6 N (engine.throughput), None under a pipeline
+        self._flops_per_token: float | None = None  # 6 N (engine.monitor.throughput), None under a pipeline
         self._peak_flops: float | None = config.peak_flops
         self._wandb_tried = False
         self._line_open = False  # a \r progress line is on screen
