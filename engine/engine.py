@@ -526,10 +526,16 @@ class Engine:
         if self.experts is not None:  # [moe] the window's load-balancing terms are counted first
             self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, micro_batch),
                                     backward=lambda output, size: self._backward(output, size, exact_counts=True),
-                                    units=loss_and_units)
+                                    units=loss_and_units, before_counting=self._agree_before_counting)
             return
         for micro_batch, size in split.pieces:
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+
+    def _agree_before_counting(self) -> None:
+        """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
+        the window's first training forward: the ranks compare positions before them too."""
+        if self.strategy.communicates_before_closing_backward:
+            self._agree_on_position(WINDOW_START)
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window

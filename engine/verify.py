@@ -174,10 +174,18 @@ def run_rank(job_path: str, rank: int) -> int:
     try:
         return _train_on_rank(job_path, rank)
     except BaseException:
+        failed_at = time.time()
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
+        _failure_mark(Path(job_path).parent, rank).write_text(repr(failed_at))
         os._exit(1)
+
+
+def _failure_mark(folder: Path, rank: int) -> Path:
+    """When ``rank`` failed: its peers usually fail right after it (their connection to it is
+    gone), sometimes before the parent looks; the earliest mark names the rank that says why."""
+    return folder / f"rank{rank}.failed"
 
 
 def _train_on_rank(job_path: str, rank: int) -> int:
@@ -247,8 +255,11 @@ def _run_processes(job: _Job, job_path: Path, nproc: int, folder: Path, echo) ->
             codes = [process.poll() for process in processes]
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                time.sleep(1.0)  # let the others report theirs; the first to fail usually says why
-                rank = failed[0]
+                time.sleep(1.0)  # let the others fail too: the earliest failure says why
+                codes = [process.poll() for process in processes]
+                failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+                marks = {rank: _failure_mark(folder, rank) for rank in failed}
+                rank = min(failed, key=lambda r: float(marks[r].read_text()) if marks[r].exists() else math.inf)
                 raise VerifyError(f"rank {rank} of the {nproc} processes failed (exit code {codes[rank]}); the "
                                   f"end of its output:\n{_tail(logs[rank])}")
             if all(code == 0 for code in codes):

@@ -125,12 +125,12 @@ def test_mistakes_are_named_before_any_process_starts(capsys):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_process_that_fails_is_reported_with_its_output(monkeypatch):
     monkeypatch.setenv("VERIFY_TEST_FAIL_RANK", "1")
     with pytest.raises(VerifyError, match=r"(?s)rank 1 of the 2 processes failed.*failing on purpose on rank 1"):
         engine.verify(MLP_CONFIG, verify_models.plain_mlp, verify_models.regression, verify_models.fails_on_a_rank,
-                      echo=None, timeout_seconds=60)
+                      echo=None, timeout_seconds=240)
 
 
 def test_half_precision_checkpoints_and_monitor_are_switched_off_with_a_note():
