@@ -13,6 +13,7 @@ from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
+from engine.context.parallel import ContextParallel
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
@@ -86,7 +87,16 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     # check as if it were > 1
     fixed = not plan.is_provisional and plan.micro_batch_tokens is None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
-    strategy.setup(model, _materialise_optimizer(optimizer, model, config))
+    optimizer = _materialise_optimizer(optimizer, model, config)
+    # context_parallel (issue 31): the attention exchange and the shard's positions, installed on
+    # the model before the strategy wraps or shards it.
+    context = None
+    if setup.mesh.context > 1:
+        section = config.context_parallel
+        context = ContextParallel(setup.mesh, dist_info.rank, method=section.method, labels=section.labels,
+                                  device_type=dist_info.device.type)
+        context.apply(model)
+    strategy.setup(model, optimizer)
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     pipeline = schedule_steps = None
@@ -104,7 +114,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step)
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, context=context)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

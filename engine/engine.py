@@ -66,6 +66,7 @@ from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
 from engine.batching.token_budget import TokenCost
 from engine.batching.window_split import PlannedSplit, Split
+from engine.context.parallel import ContextParallel
 
 log = logging.getLogger("engine")
 
@@ -150,7 +151,7 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False):
+                 grad_norm_every_step: bool = False, context: ContextParallel | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
@@ -166,6 +167,9 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
+        # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
+        # context ranks and weighs their losses by tokens; None without it.
+        self.context = context
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -238,8 +242,11 @@ class Engine:
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
         if not self._splitting:  # train_batch / eval_batch moved their batch already
             args, kwargs = self._on_device(args), self._on_device(kwargs)
+            if self.context is not None:  # context parallelism: this rank's part of each sequence
+                args, kwargs = self.context.shard_call(args, kwargs)
         if not torch.is_grad_enabled():
-            return self.strategy.forward(*args, **kwargs)
+            with self._context_running():
+                return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
@@ -250,11 +257,12 @@ class Engine:
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         window.training_forwards += 1
-        if not self._recording:
-            output = self.strategy.forward(*args, **kwargs)
-        else:
-            with self.measured_forwards():
+        with self._context_running():
+            if not self._recording:
                 output = self.strategy.forward(*args, **kwargs)
+            else:
+                with self.measured_forwards():
+                    output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
@@ -449,16 +457,23 @@ class Engine:
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
-                loss, count, item_weighted = loss_and_units(loss_fn(self, micro_batch), n)
+                if self.context is not None:  # this rank's part of each sequence, weighed by its tokens
+                    micro_batch = self.context.shard(micro_batch)
+                    output = self.context.item_weighted(loss_fn(self, micro_batch))
+                else:
+                    output = loss_fn(self, micro_batch)
+                loss, count, item_weighted = loss_and_units(output, n)
                 if n:
                     total[0] += loss.double().cpu() * (1 if item_weighted else n)
                     total[1] += torch.as_tensor(count, dtype=torch.float64).cpu()
 
         was_training = self.module.training
         self.module.eval()
+        self._splitting = True  # the pieces are on the device (and split over the context ranks) already
         try:
             self.window_runner.guard(forwards)
         finally:
+            self._splitting = False
             self.module.train(was_training)
             self.strategy.release_gathered_parameters()
         stats = self.strategy.all_reduce_sum(total.to(self.strategy.device))
@@ -558,10 +573,14 @@ class Engine:
         split = self.window_split.split(batch, self.plan)
         self.planned_window(split)
         for micro_batch, size in split.pieces:
+            if self.context is not None:  # context parallelism: this rank's part of each sequence
+                micro_batch = self.context.shard(micro_batch)
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
+        if self.context is not None:  # each rank's part of the sequences weighs by its tokens
+            output = self.context.item_weighted(output)
         loss, units, item_weighted = loss_and_units(output, samples)
         check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
         if self.world_size > 1 and not window.forwarded:
@@ -577,8 +596,11 @@ class Engine:
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
         share = _share(samples, item_weighted)
-        # W: the data-parallel ranks, over which the strategy averages gradients
-        self.strategy.backward(loss, share * self.plan.world_size / self._weighting_batch())
+        # W: the data-parallel ranks, over which the strategy averages gradients; with context
+        # parallelism it averages over data × context ranks, whose parts of a sequence add up.
+        ranks = self.plan.world_size * (self.context.size if self.context is not None else 1)
+        with self._context_running():
+            self.strategy.backward(loss, share * ranks / self._weighting_batch())
         self._count_micro_step(loss, units, samples, share, item_weighted, exact_counts=exact_counts)
 
     def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool, *,
@@ -651,6 +673,10 @@ class Engine:
             f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
             "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank that "
             "fails in a window stop the run rather than go on with its next batch")
+
+    def _context_running(self):
+        """Where the context group's exchanges run (a micro-step's forward and backward)."""
+        return self.context.running() if self.context is not None else contextlib.nullcontext()
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)

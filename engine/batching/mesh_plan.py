@@ -21,6 +21,7 @@ def plan_for_mesh(config, mesh: MeshLayout, rank: int = 0) -> BatchPlan:
 def describe_data_ranks(mesh: MeshLayout) -> str:
     """'world 8 = pipeline 2 × data 4 × tensor 1: the batch is planned for W_dp = 8 / (2 × 1) = 4
     data-parallel rank(s)'."""
+    context = f" × context {mesh.context}" if mesh.context > 1 else ""
     return (f"{mesh.describe()}: the batch is planned for W_dp = {mesh.world_size} / "
-            f"(pipeline {mesh.pipeline} × tensor {mesh.tensor}) = {mesh.data} data-parallel rank(s), "
+            f"(pipeline {mesh.pipeline}{context} × tensor {mesh.tensor}) = {mesh.data} data-parallel rank(s), "
             f"so G = M·A·{mesh.data}")

@@ -283,6 +283,21 @@ class TensorParallelConfig(_DeepSpeedSection):
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_TENSOR_PARALLEL_KEYS
 
 
+# -- context parallelism (issue 31): one section, read by engine.context ---------------------
+class ContextParallelConfig(Section):
+    """Context parallelism (``engine.context``): every sequence split over ``size`` ranks.
+    ``method``: ulysses (all-to-all between sequence and heads around attention; any attention
+    implementation, any device), ring (PyTorch's context-parallel engine; CUDA only) or auto
+    (ring where it runs, else ulysses). ``labels``: auto (a Hugging Face causal LM shifts its
+    labels itself: they are shifted before the split; other models' labels are taken as already
+    aligned with their positions), shift, or aligned. DeepSpeed's top-level
+    ``sequence_parallel_size`` is read as ``size`` (Ulysses)."""
+
+    size: PositiveInt = 1
+    method: Literal["ulysses", "ring", "auto"] = "auto"
+    labels: Literal["auto", "shift", "aligned"] = "auto"
+
+
 class Config(BaseModel):
     """A validated Microstep config. Build it with ``load_config``."""
 
@@ -304,6 +319,7 @@ class Config(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
@@ -367,6 +383,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     _resolve_aliases(raw, problems)
     notes = translate(raw, problems)
     _read_autotp_size(raw, problems)
+    _read_sequence_parallel_size(raw, problems)
     _collect_pass_through_keys(raw)
     _apply_overrides(raw, overrides, problems)
     _drop_unknown_keys(raw, Config, (), raw.data, problems)
@@ -426,6 +443,24 @@ def _read_autotp_size(raw: RawConfig, problems: list[str]) -> None:
             problems.append(problem)
         else:
             raw.move(("tensor_parallel", "autotp_size"), ("tensor_parallel", "size"))
+
+
+def _read_sequence_parallel_size(raw: RawConfig, problems: list[str]) -> None:
+    """DeepSpeed's top-level ``sequence_parallel_size`` (Ulysses) as ``context_parallel.size``."""
+    if "sequence_parallel_size" not in raw.data:
+        return
+    size = raw.data.pop("sequence_parallel_size")
+    section = raw.data.setdefault("context_parallel", {})
+    if not isinstance(section, dict):  # reported as a type error by the schema
+        return
+    if "size" in section and section["size"] != size:
+        problems.append(f"{raw.where(('sequence_parallel_size',))}: sequence_parallel_size: {size!r} conflicts with "
+                        f"context_parallel.size: {section['size']!r} (sequence_parallel_size is DeepSpeed's name "
+                        "for it; keep one)")
+        return
+    section["size"] = size
+    section.setdefault("method", "ulysses")
+    raw.move(("sequence_parallel_size",), ("context_parallel", "size"))
 
 
 def _pass_through_section(key: str) -> Optional[str]:

@@ -1,0 +1,188 @@
+"""Context parallelism on one mesh dimension: what ``engine.initialize`` installs and the
+engine calls (``context_parallel: {size, method, labels}``).
+
+Exactness. Every rank of a context group holds the same rows; each takes its head–tail part
+of every sequence (``engine.context.sharding``) and computes the loss of its part: a sum over
+its real tokens and their count, with labels shifted before the split. The engine treats
+every rank of the data × context ranks as holding its own items: the window's token count U
+is summed over data × context ranks and micro-steps, the gradient averaged over the same
+data × context ranks (which is what DDP / ZeRO / FSDP over those ranks do) and multiplied by
+``context`` (:attr:`ContextParallel.size`: the parts of one sequence add up, they are not
+alternatives), then by G / U at the boundary. So the update is the gradient of the mean token
+loss of the global batch, for every context size. A loss the model returns as a mean over a
+shard's tokens (a Hugging Face ``.loss``) is turned back into its sum with the shard's count
+(:meth:`ContextParallel.item_weighted`); a shard of padding alone counts 0 and adds 0.
+
+Which implementation: ``ulysses`` (``engine.context.ulysses``) everywhere; ``ring`` is refused
+with the reason (see :func:`resolve_method`); ``auto`` is Ulysses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from engine.context.sharding import ContextShards, shard_batch
+from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
+from engine.distributed.mesh import MeshLayout
+from engine.errors import ConfigError, EngineUsageError
+
+log = logging.getLogger("engine")
+_POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
+
+
+def resolve_method(method: str, device_type: str) -> str:
+    """The implementation ``context_parallel.method`` runs on ``device_type``."""
+    if method == "ring":
+        where = ("this rank computes on cpu, where the engine's ring attention has no kernels"
+                 if device_type != "cuda" else
+                 "Microstep does not drive torch's experimental context-parallel engine yet (it shards "
+                 "buffers in place inside a context manager around each forward and backward)")
+        raise ConfigError([
+            f"context_parallel.method: ring runs ring attention through PyTorch's context-parallel engine "
+            f"(torch.distributed.tensor.experimental.context_parallel) on CUDA; {where}. Use method: ulysses "
+            "(or auto), which runs on every device and with any attention implementation"])
+    return "ulysses"
+
+
+class ContextParallel:
+    """One rank's context group: splits batches, wraps the model's attention, weighs its losses."""
+
+    def __init__(self, mesh: MeshLayout, rank: int, *, method: str, labels: str, device_type: str):
+        self.size = mesh.context
+        self.method = resolve_method(method, device_type)
+        self.labels = labels
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        groups = [(ranks, dist.new_group(ranks)) for ranks in mesh.context_groups()]
+        self.group = next(group for ranks, group in groups if rank in ranks)
+        self.shards = ContextShards(self.size, mesh.context_rank(rank))
+        self.exchange = UlyssesExchange(self.shards, self.group)
+        self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
+        self.shift = labels == "shift"
+        self._tokens = None  # the real tokens of the micro-step being run (after shard)
+
+    # -- the model ------------------------------------------------------------------------------
+    def apply(self, model: torch.nn.Module) -> None:
+        """Wrap ``model``'s attention in the exchange and its forward in the shard's positions,
+        in place (no wrapper module: parameter names and checkpoints do not change)."""
+        hugging_face = _attention_implementation(model) is not None
+        if self.labels == "auto":
+            self.shift = hugging_face and getattr(model, "loss_type", None) == "ForCausalLM"
+        if hugging_face:
+            self._wrap_hugging_face(model)
+        else:
+            self._wrap_attention_modules(model)
+        self._wrap_positions(model)
+
+    def _wrap_hugging_face(self, model) -> None:
+        from transformers import AttentionInterface  # an optional dependency: only for its models
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        implementation = _attention_implementation(model)
+        config = model.config
+        for attribute in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, attribute, None)
+            if isinstance(heads, int):
+                self.exchange.check_heads(heads, f"{type(model).__name__} ({attribute})")
+        inner = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation != "eager" else None
+        if inner is None:  # eager: the modeling file's own function
+            attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
+            inner = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None) \
+                if attention is not None else None
+            if inner is None:
+                raise ConfigError([f"context_parallel: {type(model).__name__} uses attention implementation "
+                                   f"{implementation!r}, which Microstep cannot find to wrap; load the model with "
+                                   "attn_implementation='sdpa'"])
+        name = f"microstep_context_{implementation}_{id(self)}"
+        AttentionInterface.register(name, hugging_face_attention(inner, implementation, self.exchange, self.activity))
+        model.set_attn_implementation(name)
+
+    def _wrap_attention_modules(self, model) -> None:
+        modules = _outermost(model, lambda m: type(m).__name__.endswith("Attention"))
+        if not modules:
+            raise ConfigError([
+                f"context_parallel: {type(model).__name__} has no attention module (a module whose class name ends "
+                "in 'Attention', calling torch.nn.functional.scaled_dot_product_attention), and is not a Hugging "
+                "Face model: Microstep cannot tell where its tokens meet. Name the class of your attention "
+                "modules ...Attention, or use a Hugging Face model"])
+        for module in modules:
+            module.forward = sequence_attention_forward(module.forward, self.exchange, self.activity,
+                                                        type(module).__name__)
+
+    def _wrap_positions(self, model) -> None:
+        forward = model.forward
+        if "position_ids" not in inspect.signature(forward).parameters:
+            log.warning("context_parallel: %s.forward takes no position_ids: each rank holds a part of every "
+                        "sequence, and a model that numbers its positions itself starts every part at 0. Add a "
+                        "position_ids argument if the model has position embeddings", type(model).__name__)
+            return
+        activity, shards = self.activity, self.shards
+
+        def run(*args, **kwargs):
+            if activity.on and kwargs.get("position_ids") is None:
+                inputs = kwargs.get("input_ids", args[0] if args else None)
+                if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
+                    length = inputs.shape[1] * shards.size
+                    kwargs["position_ids"] = shards.positions(length, device=inputs.device).expand(inputs.shape[0], -1)
+            return forward(*args, **kwargs)
+
+        model.forward = run
+
+    # -- batches and losses (the engine's calls) -----------------------------------------------
+    def running(self):
+        """The context inside which the engine runs a micro-step's forward or backward."""
+        return self.activity
+
+    def shard(self, batch):
+        """This rank's part of ``batch`` (what the loss function and the model are handed); its
+        real tokens are kept for :meth:`item_weighted`."""
+        sharded = shard_batch(batch, self.shards, shift=self.shift)
+        self._tokens = sharded.tokens
+        return sharded.batch
+
+    def shard_call(self, args: tuple, kwargs: dict):
+        """``eng(*args, **kwargs)`` of a manual loop: the arguments' parts (the keyword
+        arguments are read as a mapping batch: ``eng(**batch)``)."""
+        sharded = self.shard({_POSITIONAL: args, **kwargs})
+        return tuple(sharded.pop(_POSITIONAL)), sharded
+
+    def item_weighted(self, output):
+        """``loss_fn``'s output as ``(sum, count)`` over this rank's part: a pair as it is; a mean
+        (a tensor, or a model output's ``.loss``) times the part's real tokens."""
+        tokens, self._tokens = self._tokens, None
+        if isinstance(output, (tuple, list)):
+            return output
+        loss = output.loss if isinstance(getattr(output, "loss", None), torch.Tensor) else output
+        if not isinstance(loss, torch.Tensor):
+            return output  # the engine names what is wrong with it
+        if tokens is None:
+            raise EngineUsageError(
+                "context_parallel: a mean loss, but the batch has no 'labels' to count its tokens by; each rank "
+                "holds a part of every sequence, and the parts' means weigh by their real tokens. Put the labels "
+                "(-100 at padding) under 'labels' in a mapping batch, or return (loss_sum, num_tokens)")
+        return loss * tokens, tokens
+
+
+def _attention_implementation(model) -> str | None:
+    """A Hugging Face model's attention implementation name (None: not a Hugging Face model)."""
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        return None
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _outermost(module: torch.nn.Module, chosen) -> list[torch.nn.Module]:
+    found = []
+
+    def visit(node):
+        for child in node.children():
+            if chosen(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
