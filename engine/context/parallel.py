@@ -114,15 +114,21 @@ class ContextParallel:
                                                         type(module).__name__)
 
     def _wrap_positions(self, model) -> None:
+        """The shard's positions as ``position_ids`` and, for a Hugging Face model, no key/value
+        cache (a cache would keep one micro-step's shard and hand it back to the recompute of
+        activation checkpointing, doubled)."""
         forward = model.forward
-        if "position_ids" not in inspect.signature(forward).parameters:
+        parameters = inspect.signature(forward).parameters
+        if "position_ids" not in parameters:
             log.warning("context_parallel: %s.forward takes no position_ids: each rank holds a part of every "
                         "sequence, and a model that numbers its positions itself starts every part at 0. Add a "
                         "position_ids argument if the model has position embeddings", type(model).__name__)
             return
-        activity, shards = self.activity, self.shards
+        activity, shards, caches = self.activity, self.shards, "use_cache" in parameters
 
         def run(*args, **kwargs):
+            if activity.on and caches and kwargs.get("use_cache") is None:
+                kwargs["use_cache"] = False
             if activity.on and kwargs.get("position_ids") is None:
                 inputs = kwargs.get("input_ids", args[0] if args else None)
                 if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
@@ -164,7 +170,8 @@ class ContextParallel:
                 "context_parallel: a mean loss, but the batch has no 'labels' to count its tokens by; each rank "
                 "holds a part of every sequence, and the parts' means weigh by their real tokens. Put the labels "
                 "(-100 at padding) under 'labels' in a mapping batch, or return (loss_sum, num_tokens)")
-        return loss * tokens, tokens
+        # A part without a real token: its mean is 0/0; it counts 0 and adds 0 (not NaN).
+        return torch.where(tokens > 0, loss, torch.zeros_like(loss)) * tokens, tokens
 
 
 def _attention_implementation(model) -> str | None:
