@@ -22,5 +22,5 @@ def test_data_parallel_only_by_default():
 
 
 def test_a_world_that_does_not_divide_names_the_sizes():
-    with pytest.raises(engine.ConfigError, match=r"world of 6 rank\(s\) does not divide into tensor 2 × pipeline 2 = 4"):
+    with pytest.raises(engine.ConfigError, match=r"world of 6 rank\(s\) does not divide into pipeline 2 × context 1 × tensor 2 = 4"):
         MeshLayout(6, tensor=2, pipeline=2)

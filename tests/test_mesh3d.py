@@ -272,5 +272,5 @@ def test_tensor_and_pipeline_compose_in_the_config():
                                  "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}})
     assert check_without_model(config) == []
     assert MeshLayout.from_config(config, 8).describe() == "world 8 = pipeline 2 × data 2 × tensor 2"
-    with pytest.raises(ConfigError, match="does not divide into tensor 2 × pipeline 2"):
+    with pytest.raises(ConfigError, match="does not divide into pipeline 2 × context 1 × tensor 2"):
         MeshLayout.from_config(config, 6)

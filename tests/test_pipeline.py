@@ -500,7 +500,7 @@ def test_plan_and_validate_show_the_mesh(capsys):
     assert main(["validate", "configs/pipeline.yaml"]) == 0
     assert "zero stage 0, pipeline 2 stages (1f1b, split auto), backend torch" in capsys.readouterr().out
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "3"]) == 2
-    assert "the world of 3 rank(s) does not divide into tensor 1 × pipeline 2" in capsys.readouterr().err
+    assert "the world of 3 rank(s) does not divide into pipeline 2 × context 1 × tensor 1" in capsys.readouterr().err
 
 
 def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatch):
