@@ -109,7 +109,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
-                                    sequence_keys=config.sequence_keys, schedule_steps=schedule_steps)
+                                    sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
+                                    length_multiple=context.shards.chunks if context is not None else 1)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

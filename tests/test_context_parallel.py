@@ -118,9 +118,49 @@ def gpt_script(rank, world, stage=0, loss=token_loss_sum, extra=None):
 
 
 CHECKPOINTING = {"activation_checkpointing": {"enabled": True}}
+# micro-batches of at most 48 tokens of whole sequences, each trimmed to its longest row
+# rounded up to 2 × context (the chunks): 3 micro-steps of 4-1-3 rows, or so, per window
+TOKEN_BUDGET = {"micro_batch_tokens": 48, "train_micro_batch_size_per_gpu": None}
 
 
-def two_rank_scenarios():
+def llama_token_budget(rank, world):
+    model, batches = llama(), padded_rows(2)
+    expected = reference_train(model, batches, model_loss, sgd)
+    cfg = config(2, **TOKEN_BUDGET)
+    del cfg["train_micro_batch_size_per_gpu"]
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
+    losses = [eng.train_batch(rank_slice(batch, eng.plan), model_loss) for batch in batches]
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "loss0": losses[0],
+            "expected_loss0": model_loss(model, batches[0]).item(), "micro_steps": eng.last_window.micro_steps,
+            "padded": eng.last_window.padded_tokens}
+
+
+def resume_without_context(rank, world, directory):
+    """A checkpoint saved under context 2 (data 1) resumed under context 1 (data 2): the files
+    do not depend on the context size."""
+    model, batches = llama(), padded_rows(2)
+    expected = reference_train(model, batches, model_loss, sgd)
+    split = engine.initialize(copy.deepcopy(model), config(2), optimizer=sgd)
+    split.train_batch(rank_slice(batches[0], split.plan), model_loss)
+    split.save_checkpoint(directory)
+    plain = engine.initialize(copy.deepcopy(model), config(1), optimizer=sgd)
+    plain.load_checkpoint(directory)
+    # without context parallelism the model's .loss is a mean per micro-batch: exact with
+    # (sum, count) over the same tokens (labels shifted by the model)
+    plain.train_batch(rank_slice(batches[1], plain.plan), llama_token_sum)
+    return {"diff": max_param_diff(plain.full_state_dict(), state(expected)), "steps": plain.global_steps}
+
+
+def llama_token_sum(model, batch):
+    labels = batch["labels"]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                             reduction="sum")
+    return loss, (targets != -100).sum()
+
+
+def two_rank_scenarios(directory):
     return {
         "llama": llama_script,
         "llama manual loop": functools.partial(llama_script, manual=True),
@@ -131,6 +171,8 @@ def two_rank_scenarios():
         "gpt sum": gpt_script,
         "gpt mean": functools.partial(gpt_script, loss=token_loss_mean),
         "gpt checkpointing": functools.partial(gpt_script, extra=CHECKPOINTING),
+        "llama token budget": llama_token_budget,
+        "llama resumed without context": functools.partial(resume_without_context, directory=directory),
     }
 
 
@@ -142,6 +184,9 @@ def check(results, llama_data):
                 assert result["diff"] > MISSED, (name, result["diff"])
                 continue
             assert result["diff"] < tolerance, (name, result["diff"])
+            if "resumed" in name:
+                assert result["steps"] == 2
+                continue
             # the window's loss is the global batch's mean token loss (transformers: in float32)
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6), name
             if name.startswith("llama"):
@@ -152,8 +197,12 @@ def check(results, llama_data):
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 @needs_transformers
-def test_context_2_on_two_ranks_equals_the_full_batch_reference():
-    check(run_scenarios(two_rank_scenarios(), world_size=2, timeout=380), llama_data=1)
+def test_context_2_on_two_ranks_equals_the_full_batch_reference(tmp_path):
+    results = run_scenarios(two_rank_scenarios(str(tmp_path / "checkpoint")), world_size=2, timeout=380)
+    check(results, llama_data=1)
+    # the token budget counts whole sequences (rows × padded length) and split this window in several
+    budgeted = results["llama token budget"][0]
+    assert budgeted["micro_steps"] > 1 and budgeted["padded"] <= 48 * budgeted["micro_steps"]
 
 
 @pytest.mark.distributed

@@ -66,7 +66,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -418,9 +418,13 @@ class TokenSplitter:
     function and ``sequence_keys``, and the log lines shown once per run (what is trimmed,
     and rows over the budget)."""
 
-    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None):
+    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None,
+                 length_multiple: int = 1):
         self.lengths = lengths
         self.sequence_keys = sequence_keys
+        # Context parallelism cuts every sequence into 2 × context equal chunks: a micro-batch's
+        # length is rounded up to that multiple (within the batch's own padding).
+        self.length_multiple = length_multiple
         self._described = self._warned = False
 
     def layout(self, batch: Any) -> SequenceLayout:
@@ -435,7 +439,12 @@ class TokenSplitter:
     def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
               max_rows: int | None = None) -> list[MicroGroup]:
         """The layout's rows in the ``micro_steps`` the ranks agreed on."""
-        return self.logged(layout, group_by_tokens(layout.lengths, budget, micro_steps, max_rows), budget)
+        groups = group_by_tokens(layout.lengths, budget, micro_steps, max_rows)
+        if self.length_multiple > 1:
+            multiple = self.length_multiple
+            groups = [replace(group, length=min(-(-group.length // multiple) * multiple, layout.padded_length))
+                      for group in groups]
+        return self.logged(layout, groups, budget)
 
     def logged(self, layout: SequenceLayout, groups: list[MicroGroup], budget: int) -> list[MicroGroup]:
         """``groups``, after the run's first layout and its first rows over the budget are logged."""
