@@ -94,7 +94,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if setup.mesh.context > 1:
         section = config.context_parallel
         context = ContextParallel(setup.mesh, dist_info.rank, method=section.method, labels=section.labels,
-                                  device_type=dist_info.device.type)
+                                  device=dist_info.device, check_micro_batches=section.check_micro_batches)
         context.apply(model)
     strategy.setup(model, optimizer)
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None

@@ -699,8 +699,11 @@ class Engine:
             return window.loss_total() / window.samples, samples, samples, (None, None), None
         device = self.strategy.device
         cost = window.tokens
-        values = [window.loss_total(), window.units(), float(window.samples),
-                  float(cost.real_tokens if cost else 0), float(cost.padded_tokens if cost else 0)]
+        # Context parallelism: the ranks of a context group share their rows (and the tokens of
+        # their whole sequences); each adds its 1/size share of them.
+        holders = self.context.size if self.context is not None else 1
+        values = [window.loss_total(), window.units(), float(window.samples) / holders,
+                  float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders]
         share = self.strategy.grad_squares_share()
         if share is not None:
             values.append(share)
@@ -708,7 +711,7 @@ class Engine:
                              for value in values])
         stats = self.strategy.all_reduce_sum(stats)
         counts = stats[2:].tolist()  # the step's one host sync
-        samples, real, padded = (int(n) for n in counts[:3])
+        samples, real, padded = (round(n) for n in counts[:3])
         tokens = (real, padded) if cost else (None, None)
         return stats[0] / stats[1], stats[1], samples, tokens, counts[3] if share is not None else None
 

@@ -47,14 +47,14 @@ def config(context, *, stage=0, global_batch=8, micro=2, **extra):
 
 
 # -- models and batches ---------------------------------------------------------------------------
-def llama():
+def llama(attention="sdpa"):
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
     # sdpa: eager attention takes its softmax in float32 even in a float64 model
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
+    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.float64)
 
 
 def padded_rows(steps, lengths=LENGTHS, vocab=13, seed=5):
@@ -85,8 +85,8 @@ def gpt_batches(steps, global_batch=8):
 
 
 # -- scenarios: each runs on every rank -----------------------------------------------------------
-def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None):
-    model, batches = llama(), padded_rows(2)
+def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None, attention="sdpa"):
+    model, batches = llama(attention), padded_rows(2)
     expected = reference_train(model, batches, model_loss, sgd)
     eng = breaking(engine.initialize(copy.deepcopy(model), config(2, stage=stage, **(extra or {})), optimizer=sgd))
     losses = []
@@ -105,7 +105,7 @@ def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, ext
         expected_eval = model_loss(expected, batches[0]).item()
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "loss0": losses[0],
             "expected_loss0": model_loss(model, batches[0]).item(), "eval": evaluated,
-            "expected_eval": expected_eval, "data": eng.plan.world_size}
+            "expected_eval": expected_eval, "data": eng.plan.world_size, "samples": eng.global_samples}
 
 
 def gpt_script(rank, world, stage=0, loss=token_loss_sum, extra=None):
@@ -132,7 +132,19 @@ def llama_token_budget(rank, world):
     losses = [eng.train_batch(rank_slice(batch, eng.plan), model_loss) for batch in batches]
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "loss0": losses[0],
             "expected_loss0": model_loss(model, batches[0]).item(), "micro_steps": eng.last_window.micro_steps,
-            "padded": eng.last_window.padded_tokens}
+            "padded": eng.last_window.padded_tokens, "real": eng.last_window.real_tokens}
+
+
+def different_rows(rank, world):
+    """Each rank slices the data by its global rank (a script unaware of the context group)."""
+    model, batch = llama(), padded_rows(1, lengths=LENGTHS * 2)[0]
+    eng = engine.initialize(copy.deepcopy(model), config(2), optimizer=sgd)
+    n = eng.plan.per_device_batch_size
+    try:
+        eng.train_batch({k: v[n * rank:n * (rank + 1)] for k, v in batch.items()}, model_loss)
+    except EngineUsageError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def resume_without_context(rank, world, directory):
@@ -172,12 +184,19 @@ def two_rank_scenarios(directory):
         "gpt mean": functools.partial(gpt_script, loss=token_loss_mean),
         "gpt checkpointing": functools.partial(gpt_script, extra=CHECKPOINTING),
         "llama token budget": llama_token_budget,
+        "llama eager attention": functools.partial(llama_script, attention="eager"),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
+        "different rows": different_rows,
     }
 
 
 def check(results, llama_data):
     for name, per_rank in results.items():
+        if name == "different rows":
+            for result in per_rank:
+                assert "the ranks of a context group were handed different rows at micro-batch 1 (ranks 0, 1 " \
+                       "(data index 0))" in result["error"], result["error"]
+            continue
         for result in per_rank:
             tolerance = LLAMA_TOL if name.startswith("llama") else GPT_TOL
             if "per shard" in name or "after split" in name:
@@ -189,7 +208,9 @@ def check(results, llama_data):
                 continue
             # the window's loss is the global batch's mean token loss (transformers: in float32)
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6), name
-            if name.startswith("llama"):
+            if "samples" in result:  # every row once, however many ranks split it
+                assert result["samples"] == 16, (name, result["samples"])
+            if "eval" in result:
                 assert result["eval"] == pytest.approx(result["expected_eval"], rel=1e-6), name
                 assert result["data"] == llama_data
 
@@ -203,6 +224,7 @@ def test_context_2_on_two_ranks_equals_the_full_batch_reference(tmp_path):
     # the token budget counts whole sequences (rows × padded length) and split this window in several
     budgeted = results["llama token budget"][0]
     assert budgeted["micro_steps"] > 1 and budgeted["padded"] <= 48 * budgeted["micro_steps"]
+    assert budgeted["real"] == sum(LENGTHS)
 
 
 @pytest.mark.distributed

@@ -434,17 +434,24 @@ class TokenSplitter:
     def read(self, batch: Any, budget: int, max_rows: int | None = None) -> tuple[SequenceLayout, int]:
         """``batch``'s layout and its fewest micro-steps (this rank's proposal)."""
         layout = self.layout(batch)
-        return layout, fewest_micro_steps(layout.lengths, budget, max_rows)
+        return layout, fewest_micro_steps(self._widths(layout), budget, max_rows)
 
     def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
               max_rows: int | None = None) -> list[MicroGroup]:
         """The layout's rows in the ``micro_steps`` the ranks agreed on."""
-        groups = group_by_tokens(layout.lengths, budget, micro_steps, max_rows)
-        if self.length_multiple > 1:
-            multiple = self.length_multiple
-            groups = [replace(group, length=min(-(-group.length // multiple) * multiple, layout.padded_length))
-                      for group in groups]
+        groups = group_by_tokens(self._widths(layout), budget, micro_steps, max_rows)
+        if self.length_multiple > 1:  # grouped by rounded widths; the real tokens are the rows' own
+            groups = [group if group.zero_weight else
+                      replace(group, real_tokens=sum(layout.lengths[row] for row in group.rows)) for group in groups]
         return self.logged(layout, groups, budget)
+
+    def _widths(self, layout: SequenceLayout) -> list[int]:
+        """The columns each row needs: its length, rounded up to ``length_multiple`` within the
+        batch's padded length."""
+        multiple = self.length_multiple
+        if multiple == 1:
+            return list(layout.lengths)
+        return [min(-(-length // multiple) * multiple, layout.padded_length) for length in layout.lengths]
 
     def logged(self, layout: SequenceLayout, groups: list[MicroGroup], budget: int) -> list[MicroGroup]:
         """``groups``, after the run's first layout and its first rows over the budget are logged."""

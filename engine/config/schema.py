@@ -296,6 +296,9 @@ class ContextParallelConfig(Section):
     size: PositiveInt = 1
     method: Literal["ulysses", "ring", "auto"] = "auto"
     labels: Literal["auto", "shift", "aligned"] = "auto"
+    # The first N micro-batches check that every rank of a context group got the same rows
+    # (a fingerprint, one small all-gather per micro-batch); 0 turns the check off.
+    check_micro_batches: Annotated[int, Field(ge=0)] = 4
 
 
 class Config(BaseModel):

@@ -30,6 +30,7 @@ from engine.context.sharding import ContextShards, shard_batch
 from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
 from engine.distributed.mesh import MeshLayout
 from engine.errors import ConfigError, EngineUsageError
+from engine.strategies.tensor_parallel import input_fingerprint
 
 log = logging.getLogger("engine")
 _POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
@@ -52,9 +53,11 @@ def resolve_method(method: str, device_type: str) -> str:
 class ContextParallel:
     """One rank's context group: splits batches, wraps the model's attention, weighs its losses."""
 
-    def __init__(self, mesh: MeshLayout, rank: int, *, method: str, labels: str, device_type: str):
-        self.size = mesh.context
-        self.method = resolve_method(method, device_type)
+    def __init__(self, mesh: MeshLayout, rank: int, *, method: str, labels: str, device: torch.device,
+                 check_micro_batches: int = 0):
+        self.size, self.mesh, self.device = mesh.context, mesh, device
+        self._checks_left, self._checked = check_micro_batches, 0
+        self.method = resolve_method(method, device.type)
         self.labels = labels
         # Every rank creates every group, in the same order (torch.distributed's rule).
         groups = [(ranks, dist.new_group(ranks)) for ranks in mesh.context_groups()]
@@ -146,9 +149,31 @@ class ContextParallel:
     def shard(self, batch):
         """This rank's part of ``batch`` (what the loss function and the model are handed); its
         real tokens are kept for :meth:`item_weighted`."""
+        if self._checks_left:
+            self._check_same_rows(batch)
         sharded = shard_batch(batch, self.shards, shift=self.shift)
         self._tokens = sharded.tokens
         return sharded.batch
+
+    def _check_same_rows(self, batch) -> None:
+        """Raise on every rank when the ranks of a context group were handed different rows
+        (one all-gather of a fingerprint over the world: every rank learns every group's verdict)."""
+        self._checks_left -= 1
+        self._checked += 1
+        mine = input_fingerprint((batch,), {}, self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
+        dist.all_gather(everyone, mine)
+        differing = [ranks for ranks in self.mesh.context_groups()
+                     if any(not torch.equal(everyone[ranks[0]], everyone[r]) for r in ranks)]
+        if differing:
+            groups = "; ".join(f"ranks {', '.join(map(str, ranks))} (data index {self.mesh.data_rank(ranks[0])})"
+                               for ranks in differing)
+            raise EngineUsageError(
+                f"context_parallel: the ranks of a context group were handed different rows at micro-batch "
+                f"{self._checked} ({groups}). The ranks of one context group split the same sequences between them "
+                f"and must see the same batch: slice the data by eng.plan.rank and eng.plan.world_size (the "
+                f"data-parallel index and size, {self.mesh.describe()}), or use eng.batches(dataset). "
+                "(context_parallel.check_micro_batches sets how many micro-batches are checked)")
 
     def shard_call(self, args: tuple, kwargs: dict):
         """``eng(*args, **kwargs)`` of a manual loop: the arguments' parts (the keyword
