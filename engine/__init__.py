@@ -10,8 +10,13 @@ from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
     NonFiniteGradientError, OutOfMemoryAtMicroBatchOne, PeerError, PeerLostError, RankDisagreementError,
+    UntestedFrameworkWarning,
 )
 from engine.state.preemption import Preempted
+from engine.verify import VerifyError, VerifyResult, verify
+from engine.error_report import install_from_environment
+
+install_from_environment()  # under `python -m launch`: a Microstep error is said once, by the launcher
 
 __all__ = [
     "initialize",
@@ -36,5 +41,9 @@ __all__ = [
     "PeerLostError",
     "NonFiniteGradientError",
     "RankDisagreementError",
+    "UntestedFrameworkWarning",
     "Preempted",
+    "verify",
+    "VerifyResult",
+    "VerifyError",
 ]

@@ -18,6 +18,7 @@ from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.pipeline_windows import PipelineWindows
+from engine.precision import check_autocast_computes
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
@@ -80,6 +81,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if setup.mesh.tensor == 1 and setup.tensor_parallel.plan != "auto":
         log.warning("a tensor-parallel plan was given (tensor_plan= or tensor_parallel.plan) but tensor_parallel.size "
                     "is 1: nothing is split; set tensor_parallel.size to split the model")
+    check_autocast_computes(model, setup.precision, "with torch_autocast" if setup.mesh.is_data_parallel_only
+                            else f"under {setup.mesh.describe()}")
     strategy = make_strategy(setup, dist_info)
     plan = plan_for_mesh(config, setup.mesh, dist_info.rank)
     check_same_settings(config, plan)

@@ -14,8 +14,11 @@ from engine.distributed.mesh import MeshLayout
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
+from engine.factories import FactoryError, load_factory
+from engine.verify import verify
 
 USAGE_ERROR = 2
+NOT_EQUAL = 1  # verify: the N processes and the one process trained different models
 
 
 def add_override_argument(parser: argparse.ArgumentParser) -> None:
@@ -43,37 +46,6 @@ def run_validate(args: argparse.Namespace) -> int:
         raise ConfigError(problems)
     print(f"OK: {summarize(config)}")
     return 0
-
-
-class FactoryError(MicrostepError, ValueError):
-    """A ``module:function`` reference that cannot be loaded."""
-
-
-def load_factory(reference: str):
-    """``package.module:function`` or ``path/to/file.py:function`` → the callable."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
-
-    where, colon, name = reference.rpartition(":")
-    if not colon or not where or not name:
-        raise FactoryError(f"{reference!r}: expected module:function or path/to/file.py:function")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise FactoryError(f"{reference!r}: no file {where}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as error:
-        raise FactoryError(f"{reference!r}: cannot import {where}: {error}") from None
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise FactoryError(f"{reference!r}: {where} has no callable named {name}")
-    return factory
 
 
 def _model_output_loss(model, batch):
@@ -128,6 +100,12 @@ def run_explore(args: argparse.Namespace) -> int:
         print("saved " + ", ".join(str(path) for path in saved if path is not None))
     eng.close()
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    result = verify(args.config, args.model, args.batch, args.loss, nproc=args.nproc, steps=args.steps,
+                    dtype=args.dtype, overrides=args.overrides, timeout_seconds=args.timeout, show=args.show)
+    return 0 if result.equal else NOT_EQUAL
 
 
 def summarize(config: Config) -> str:
@@ -201,6 +179,30 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
     explore.add_argument("--repeats", type=_count(1), default=3, help="timed windows per candidate (median)")
     add_override_argument(explore)
     explore.set_defaults(run=run_explore)
+
+    verify_command = commands.add_parser(
+        "verify", help="train a config on N CPU processes and on one process with the whole global batch, "
+                       "and compare the models",
+        description="Run the config on --nproc CPU processes (gloo; its mesh, ZeRO stage and accumulation as "
+                    "written) and one process on the whole global batch (plain PyTorch) for --steps steps, "
+                    "then print the tensors that differ most. The last line starts with 'equal:' (exit 0) or "
+                    "'not equal:' (exit 1), naming the worst tensor, the tolerance and why.")
+    verify_command.add_argument("config", help="config file (.yaml, .yml, .json or .py) with train_batch_size and optimizer")
+    verify_command.add_argument("--model", required=True, metavar="MODULE:FN",
+                                help="fn() -> nn.Module: the same initial model at every call (seed it inside)")
+    verify_command.add_argument("--batch", required=True, metavar="MODULE:FN",
+                                help="fn(step) -> the whole global batch of that step (train_batch_size rows)")
+    verify_command.add_argument("--loss", required=True, metavar="MODULE:FN",
+                                help="the script's loss_fn(model, micro_batch): a mean, or (loss_sum, count)")
+    verify_command.add_argument("--nproc", type=_count(1), default=2, help="processes for the config (default 2)")
+    verify_command.add_argument("--steps", type=_count(1), default=2, help="optimizer steps (default 2)")
+    verify_command.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                                help="model and batch dtype on both sides (default float64: tightest tolerance)")
+    verify_command.add_argument("--timeout", type=float, default=600.0,
+                                help="seconds for the N processes' whole run and for any one collective (default 600)")
+    verify_command.add_argument("--show", type=_count(1), default=5, help="tensors to list, worst first (default 5)")
+    add_override_argument(verify_command)
+    verify_command.set_defaults(run=run_verify)
     return parser
 
 

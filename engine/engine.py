@@ -57,6 +57,7 @@ import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
+from engine.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.distributed.collectives import positions_of_ranks
 from engine.batching.data import DistributedBatches
 from engine.errors import EngineUsageError, NonFiniteGradientError, PeerLostError, RankDisagreementError
@@ -132,6 +133,7 @@ class WindowRunner:
     out-of-memory that every rank agreed on."""
 
     chooses_micro_size = False  # True for the automatic micro-batch size
+    calls_loss_on_outputs = False  # True under a pipeline: loss_fn(outputs, labels)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         engine.run_window(batch, loss_fn)
@@ -567,6 +569,7 @@ class Engine:
                 "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
                 "or to engine.initialize(..., loss_fn=...)"
             )
+        check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.loss_checks
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
@@ -762,11 +765,8 @@ def loss_and_units(output, samples: int):
     if isinstance(output, (tuple, list)) and len(output) == 2:
         loss_sum, count = output
         if isinstance(loss_sum, torch.Tensor):
-            return loss_sum, count, True
-    raise EngineUsageError(
-        "the loss must be a scalar tensor (the mean over the micro-batch) or a pair "
-        f"(loss_sum, num_items); got {type(output).__name__}"
-    )
+            return loss_sum, checked_count(output, count), True
+    raise unrecognised_loss(output)
 
 
 def _share(samples: int, item_weighted: bool) -> int:

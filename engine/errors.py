@@ -61,8 +61,13 @@ class DistributedEnvError(MicrostepError, RuntimeError):
 
 
 class UnsupportedFrameworkError(MicrostepError, RuntimeError):
-    """An installed framework (torch, DeepSpeed) is a version Microstep was not tested with,
-    or lacks an internal Microstep relies on."""
+    """An installed framework (torch, DeepSpeed) is a version Microstep cannot run on: older
+    than supported, outside DeepSpeed's fence, or lacking an internal Microstep relies on."""
+
+
+class UntestedFrameworkWarning(UserWarning):
+    """An installed torch is newer than Microstep was tested with, and has every internal it
+    uses: training goes on (filter it with ``warnings.filterwarnings``)."""
 
 
 class OutOfMemoryAtMicroBatchOne(MicrostepError, RuntimeError):

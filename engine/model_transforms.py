@@ -16,6 +16,10 @@ dropout draws the same masks and gradients equal the run without it. With
 ``CheckpointSwitch`` (the strategy's ``checkpoint_switch``) that the micro-size tuner turns on
 and off between windows, without rebuilding or re-sharding anything. A compiled block then
 compiles the switchable forward: one graph per switch position (dynamo guards on it).
+
+Hugging Face blocks: a checkpointed block trains without the generation cache (``use_cache``
+off, an empty ``past_key_values`` not passed), as under transformers' own gradient
+checkpointing; otherwise the recomputation would write its keys and values a second time.
 """
 
 from __future__ import annotations
@@ -77,10 +81,43 @@ def repeated_blocks(module: torch.nn.Module, blocks="auto") -> list[torch.nn.Mod
     return found
 
 
+# The keyword arguments under which Hugging Face blocks receive the generation cache (one name
+# per model family) and the switch that makes them write to it.
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """``kwargs`` with the block's key/value cache taken away while gradients are recorded.
+
+    A Hugging Face model built from its config has ``use_cache`` on, so its blocks append their
+    keys and values to a cache during the forward; the recomputation in the backward would
+    append them a second time and attend over twice the sequence. Transformers' own
+    ``gradient_checkpointing_enable`` drops the cache in training for the same reason. An empty
+    cache holds nothing the block reads, so dropping it changes no result; a filled one (a
+    prefix of earlier tokens) would, so it is refused rather than silently ignored."""
+    if not torch.is_grad_enabled():
+        return kwargs  # no backward, no recomputation: the cache is written once
+    kept = dict(kwargs)
+    for name in CACHE_ARGUMENTS:
+        cache = kept.get(name)
+        if cache is None:
+            continue
+        filled = getattr(cache, "get_seq_length", lambda: 0)()
+        if filled:
+            raise ConfigError(f"activation_checkpointing: a checkpointed block was given a {name} cache that already "
+                              f"holds {filled} token(s); the backward recomputes the block, which would write them "
+                              f"into the cache a second time. Train without a filled cache (pass use_cache=False "
+                              f"and no {name}), or set activation_checkpointing.enabled: false")
+        kept[name] = None
+    if kept.get("use_cache"):
+        kept["use_cache"] = False
+    return kept
+
+
 def _checkpointed(forward):
     def run(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
-                                                 **kwargs)
+                                                 **_without_cache(kwargs))
 
     return run
 

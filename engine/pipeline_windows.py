@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torc
 class PipelineWindows(WindowRunner):
     """Runs training and evaluation windows through the pipeline schedule."""
 
+    calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
+
     def __init__(self, strategy: PipelineParallel, accumulation: int | None):
         """``accumulation``: the plan's, checked against the schedule; None when a token budget
         chooses it per window (as many as the schedule runs) or the automatic micro size does

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from engine.adapters.torch_internals import foreach_mul_, non_finite_check_and_unscale_
+from engine.errors import ConfigError
 
 
 class LossScaler:
@@ -114,3 +115,24 @@ class Precision:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+
+def check_autocast_computes(model: torch.nn.Module, half, why: str) -> None:
+    """Autocast casts only float32 tensors: over parameters of another floating dtype (float64)
+    it would compute nothing in ``half.dtype``, where one process's half-precision copy casts
+    every parameter. Refused rather than trained silently at full precision. ``half``: an
+    ``engine.setup.HalfPrecision``; ``why``: why autocast is used (the mesh, or torch_autocast)."""
+    if half.dtype is None or not half.autocast:
+        return
+    other = [(name, p.dtype) for name, p in model.named_parameters()
+             if p.is_floating_point() and p.dtype != torch.float32]
+    if not other:
+        return
+    key = "bf16" if half.dtype == torch.bfloat16 else "fp16"
+    dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype in other})
+    names = ", ".join(name for name, _ in other[:3]) + (", ..." if len(other) > 3 else "")
+    raise ConfigError([
+        f"{key}.enabled: {why}, {key} is autocast, which computes in {key} only what is float32; the model's "
+        f"parameters are {' and '.join(dtypes)} ({names}), which it would leave as they are: the run would "
+        f"compute nothing in {key}, unlike one process (which casts every parameter to {key}). Convert the model "
+        f"to float32 (model.float()) to train in {key}, or set {key}.enabled: false to train at its own precision"])

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from engine.config.deepspeed import deepspeed_config
-from engine.config.offload import TorchOffload, torch_offload
-from engine.config.schema import Config, half_precision
-from engine.config.torch_features import (CheckpointingRequest, CompileRequest, TorchOverlap, torch_features,
-                                          torch_overlap)
+from engine.config.offload import TorchOffload
+from engine.config.schema import Config, half_precision, torch_sections
+from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
 
@@ -97,7 +96,7 @@ class Setup:
 
 def _fsdp_even_alone(config: Config) -> bool:
     """CPU offload is FSDP2's, which needs a process group even in one process."""
-    return config.backend == "torch" and torch_offload(config.zero_optimization).to_host
+    return config.backend == "torch" and torch_sections(config).offload.to_host
 
 
 def process_group_request(config: Config) -> ProcessGroupRequest:
@@ -113,7 +112,8 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
     stage = zero.stage
     mesh = MeshLayout.from_config(config, dist_info.world_size)
     deepspeed = config.backend == "deepspeed"
-    features = torch_features(config.deepspeed_extras, half_precision(config))
+    sections = torch_sections(config)
+    features = sections.features
     half = half_precision(config) if deepspeed else features.autocast or half_precision(config)
     # Under a pipeline or a tensor mesh, half precision is autocast over fp32 parameters: the
     # policy's half-precision copy (ZeRO 0/1) and per-stage FSDP2 policies are not built there
@@ -122,7 +122,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
                               autocast=not deepspeed and (features.autocast is not None
                                                           or not mesh.is_data_parallel_only),
                               grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
-    offload = torch_offload(zero)
+    offload = sections.offload
     return Setup(
         backend=config.backend,
         strategy=_strategy_name(config, mesh),
@@ -137,7 +137,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
                                else tuple(config.pipeline.split)),
         checkpointing=features.checkpointing,
         compile=features.compile,
-        overlap=torch_overlap(zero.model_extra or {}),
+        overlap=sections.overlap,
         tensor_parallel=TensorParallelSetup(tensor_plan if tensor_plan is not None else config.tensor_parallel.plan,
                                             config.tensor_parallel.check_batches),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,

@@ -1,15 +1,21 @@
 """`python -m launch`: run a training script on N processes per node.
 
-A thin front over torchrun (``python -m torch.distributed.run``, the default) and the
-deepspeed launcher (``python -m deepspeed.launcher.runner``). It validates the arguments,
-prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP / SIGUSR1 to
-it and exits with its exit code, or with the workers' own code when they all stopped for such
-a signal (torchrun, signalled, exits 1 whatever its workers did).
+A thin front over torchrun (``python -m launch.torchrun``: torchrun's own entry point, the
+default) and the deepspeed launcher (``python -m deepspeed.launcher.runner``). It validates the
+arguments, prints the one command it runs to stderr, forwards SIGINT / SIGTERM / SIGHUP /
+SIGUSR1 to it and exits with its exit code, or with the workers' own code when they all
+stopped for such a signal (torchrun, signalled, exits 1 whatever its workers did).
+
+A Microstep error (config, batch plan, checkpoint, ranks disagreeing) that ends the workers is
+printed once, as the last thing on the screen: the workers report it instead of printing
+their tracebacks (``engine.error_report``), ``launch.torchrun`` leaves out torchrun's failure
+report for it, and the launcher prints it after the launcher it ran has exited.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shlex
 import shutil
@@ -31,6 +37,8 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # Where the engine's ranks write their exit code when they stop for a signal (engine.state.preemption).
 STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
+# Where the workers write an uncaught Microstep error (engine.error_report), for the launcher to print once.
+ERROR_REPORT_DIR = "MICROSTEP_ERROR_REPORT_DIR"
 
 
 class LaunchError(ValueError):
@@ -126,7 +134,7 @@ def _validate(args: argparse.Namespace) -> None:
 def _torchrun_command(args: argparse.Namespace, python: str) -> list[str]:
     nproc = str(args.nproc_per_node or 1)
     signals = os.environ.get("PET_SIGNALS_TO_HANDLE", TORCHRUN_SIGNALS)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "--signals-to-handle", signals]
+    cmd = [python, "-m", "launch.torchrun", "--nproc-per-node", nproc, "--signals-to-handle", signals]
     if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
         # One node: torchrun picks a free port itself, so concurrent jobs cannot collide.
         return cmd + ["--standalone", args.script, *args.script_args]
@@ -189,6 +197,7 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
     pending: list[int] = []  # signals that arrived before the child existed
     received: list[int] = []
     reports = tempfile.mkdtemp(prefix="microstep-stop-") if workers else None
+    errors = tempfile.mkdtemp(prefix="microstep-errors-")
 
     def on_signal(signum: int, _frame) -> None:
         received.append(signum)
@@ -203,7 +212,9 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
     try:
         # Forwarding, cmd gets a session of its own: a Ctrl-C in the terminal reaches this
         # process only, which passes it on once, instead of reaching cmd twice.
-        env = None if reports is None else dict(os.environ, **{STOP_REPORT_DIR: reports})
+        env = dict(os.environ, **{ERROR_REPORT_DIR: errors})
+        if reports is not None:
+            env[STOP_REPORT_DIR] = reports
         child = subprocess.Popen(cmd, start_new_session=forward, env=env)
         for signum in pending:
             _signal_group(child, signum)
@@ -215,12 +226,44 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
                   f"exit code {stopped} ({cmd[2] if cmd[1:2] == ['-m'] else cmd[0]} exited {code}); exiting {stopped}",
                   file=sys.stderr, flush=True)
             code = stopped
+        elif code != 0:
+            reported = worker_errors(errors)
+            if reported:
+                print(reported, file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if reports is not None:
             shutil.rmtree(reports, ignore_errors=True)
+        shutil.rmtree(errors, ignore_errors=True)
     return code
+
+
+def worker_errors(directory: str) -> str:
+    """The Microstep errors the workers reported, once each: ``error: <message>`` when every
+    reporting rank says the same, else one block per message naming its ranks, the first
+    reported last (the others are usually its consequences on the peers)."""
+    reports = []
+    for name in os.listdir(directory):
+        if not name.startswith("rank") or name.endswith(".partial"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    ranks: dict[tuple[str, str], list[int]] = {}
+    first_seen: dict[tuple[str, str], float] = {}
+    for report in sorted(reports, key=lambda r: r["time"]):
+        key = (report["error"], report["message"])
+        ranks.setdefault(key, []).append(report["rank"])
+        first_seen.setdefault(key, report["time"])
+    if len(ranks) == 1:
+        (kind, message), = ranks
+        return f"{kind}: {message}"
+    blocks = sorted(ranks, key=lambda key: -first_seen[key])
+    return "\n".join(f"{kind} on rank(s) {', '.join(map(str, sorted(ranks[(kind, message)])))}: {message}"
+                     for kind, message in blocks)
 
 
 def _reported_stop(directory: str, workers: int) -> int | None:

@@ -9,7 +9,10 @@ As a script, under torchrun (every rank writes ``OUT/rank<r>.pt``, a :func:`snap
 
 ``--kill-at N``: rank ``--kill-rank`` kills itself (SIGKILL) in its N-th micro-batch loss,
 on the first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0). ``--term-at N``: every
-rank sends itself SIGTERM there instead. ``--until-stopped``: every rank prints ``ready <pid>``
+rank sends itself SIGTERM there instead; ``--int-at N``: SIGINT (a Ctrl-C), with the default
+``stop_signals``. ``--kill-in-write N`` / ``--term-in-write N``: the signal comes from inside the
+background write of checkpoint ``step_N`` instead (SIGKILL on rank ``--kill-rank``, first attempt
+only; SIGTERM on every rank), before its checksums. ``--blocking``: ``checkpoint.async: false``. ``--until-stopped``: every rank prints ``ready <pid>``
 once its engine handles stop signals, then trains (slowly, without periodic saves) until one
 stops it.
 """
@@ -20,6 +23,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `engine` impo
 import torch
 
 import engine
+from engine.state import checkpoint
 from tests.reference import mlp, mse
 
 GLOBAL_BATCH, MICRO, STEPS, DATASET_SIZE = 8, 2, 8, 28  # 3 steps per epoch: resumes cross epochs
@@ -44,6 +49,20 @@ def config(stage: int, directory, **checkpoint) -> dict:
                                                                "warmup_num_steps": WARMUP}},
             "checkpoint": {"dir": str(directory), "every_steps": EVERY_STEPS, "keep_last": KEEP_LAST,
                            **checkpoint}}
+
+
+def signal_in_background_write(step: int, sig: int) -> None:
+    """Send ``sig`` to this process from inside the background write of ``step_<step>``, once
+    its files are written and before their checksums and publish."""
+    checksums = checkpoint._agreed_checksums
+
+    def signalled(tmp, rank, world_size):
+        if threading.current_thread() is not threading.main_thread() and f"step_{step:08d}" in tmp.name:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.5)  # SIGTERM: the main thread's handler runs meanwhile; SIGKILL: never returns
+        return checksums(tmp, rank, world_size)
+
+    checkpoint._agreed_checksums = signalled
 
 
 def dataset() -> torch.utils.data.TensorDataset:
@@ -119,6 +138,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--term-at", type=int, default=None)
+    parser.add_argument("--int-at", type=int, default=None)
+    parser.add_argument("--kill-in-write", type=int, default=None)
+    parser.add_argument("--term-in-write", type=int, default=None)
+    parser.add_argument("--blocking", action="store_true")
     parser.add_argument("--until-stopped", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -129,12 +152,18 @@ def main(argv=None) -> None:
         sys.stdout.write(f"ready {os.getpid()}\n")  # one write: torchrun's `python -u` would split a print
         sys.stdout.flush()
         train(eng, SlowLoss(), steps=10**9)
-    eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints"))
+    eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints", **{"async": not args.blocking}))
+    if first_attempt and args.kill_in_write is not None and eng.rank == args.kill_rank:
+        signal_in_background_write(args.kill_in_write, signal.SIGKILL)
+    elif args.term_in_write is not None:
+        signal_in_background_write(args.term_in_write, signal.SIGTERM)
     loss_fn = FaultyLoss()
     if first_attempt and args.kill_at is not None and eng.rank == args.kill_rank:
         loss_fn = FaultyLoss(args.kill_at, signal.SIGKILL)
     elif args.term_at is not None:
         loss_fn = FaultyLoss(args.term_at, signal.SIGTERM)
+    elif args.int_at is not None:
+        loss_fn = FaultyLoss(args.int_at, signal.SIGINT)
     batches = train(eng, loss_fn)
     torch.save(snapshot(eng, batches), out / f"rank{eng.rank}.pt")
     eng.close()

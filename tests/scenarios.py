@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import engine
@@ -109,7 +110,15 @@ MISUSES = {
                           r"the loss does not require grad: it was computed without the model's parameters, or under "
                           r"torch.no_grad\(\)"),
     "loss that is not a tensor": (None, lambda eng: eng.train_batch(_local(eng), lambda m, b: 1.0),
-                                  r"the loss must be a scalar tensor .* or a pair \(loss_sum, num_items\); got float"),
+                                  r"the loss must be a scalar tensor .* or a pair \(loss_sum, num_items\).*; got a float"),
+    "(loss, logits) returned": (None, lambda eng: eng.train_batch(_local(eng), lambda model, batch: (
+        mse(model, batch), model(batch[0]))), r"; got a tuple of 2: \(a tensor of shape \[\], a tensor of shape \[2, 3\]\): "
+                                              r"a pair is read as \(loss_sum, num_items\), and a tensor of shape \[2, 3\] is "
+                                              r"not a count. Returning \(loss, logits\) .* Return the loss alone"),
+    "loss_fn(outputs, labels) without a pipeline": (
+        None, lambda eng: eng.train_batch(_local(eng), lambda outputs, labels: F.mse_loss(outputs, labels)),
+        r"without a pipeline the engine calls loss_fn\(model, micro_batch\); yours takes \(outputs, labels\), a "
+        r"model's outputs. Decorate it with @engine.loss_on_outputs"),
     "mixed loss kinds": (_micro_step, lambda eng: eng.backward(_pair_loss(eng)),
                          r"one window mixes mean losses and \(sum, count\) losses; use one kind per window"),
     "train_batch mid-window": (_micro_step, lambda eng: eng.train_batch(_local(eng), mse),

@@ -7,10 +7,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import engine
 
 from engine.adapters import deepspeed_internals, torch_internals
 from engine.errors import ConfigError, PeerError, UnsupportedFrameworkError
@@ -23,11 +26,28 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 # -- torch: versions and tensor helpers ---------------------------------------------------------
 def test_torch_version_is_checked(monkeypatch):
-    torch_internals.check()  # the installed torch is a tested one
-    for version in ((2, 10), (2, 14)):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_internals.check()  # the installed torch is a tested one: no warning
+    for version in ((2, 10), (1, 13)):
         monkeypatch.setattr(torch_internals, "version", lambda v=version: v)
-        with pytest.raises(UnsupportedFrameworkError, match=r"tested with torch 2\.11 to 2\.13"):
+        with pytest.raises(UnsupportedFrameworkError, match=r"older than Microstep supports \(tested with torch 2\.11 to 2\.14\)"):
             torch_internals.check()
+
+
+def test_newer_torch_than_tested_warns_once_and_runs(monkeypatch):
+    monkeypatch.setattr(torch_internals, "version", lambda: (2, 16))
+    monkeypatch.setattr(torch_internals, "_warned_untested", False)
+    with pytest.warns(engine.UntestedFrameworkWarning, match=r"newer than Microstep was tested with \(torch 2\.11 to 2\.14\)"):
+        torch_internals.check()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_internals.check()  # once per process
+        eng = engine.initialize(torch.nn.Linear(2, 1), {"train_batch_size": 2},
+                                optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    x = torch.ones(2, 2)
+    eng.train_batch((x, torch.zeros(2, 1)), lambda model, batch: torch.nn.functional.mse_loss(model(batch[0]), batch[1]))
+    assert eng.global_steps == 1
 
 
 def test_torch_missing_internal_is_named(monkeypatch):

@@ -71,6 +71,7 @@ def _uninterrupted(rank, world, root, stage):
     eng = engine.initialize(mlp(0), job.config(stage, Path(root) / f"straight{stage}"))
     try:
         snapshot = job.snapshot(eng, job.train(eng))
+        eng.checkpoints.wait()  # the last save, written in the background
         dist.barrier()  # rank 0 removes old checkpoints after a save, while the others go on
         return snapshot, listing(eng.autosave.dir)
     finally:
@@ -205,22 +206,72 @@ def run_job(out, *args, launcher=(), timeout=240) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout)
 
 
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 3])
-def test_killed_rank_resumes_under_torchrun_with_nothing_counted_twice(two_ranks, tmp_path, stage):
-    """Rank 1 is SIGKILLed in the middle of window 6 (last checkpoint: step 4); torchrun restarts
-    both ranks, which resume from step 4 and end equal to the uninterrupted run."""
+@pytest.mark.parametrize("stage, blocking", [(0, True), (0, False), (3, False)])
+def test_killed_rank_resumes_under_torchrun_with_nothing_counted_twice(two_ranks, tmp_path, stage, blocking):
+    """Rank 1 is SIGKILLed in the middle of window 6 (the saves of steps 2 and 4 begun); torchrun
+    restarts both ranks, which resume from the newest complete checkpoint and end equal to the
+    uninterrupted run. A blocking save had finished step 4; a background one may still have
+    been writing it, and then step 2 is the newest complete."""
     out = tmp_path / "run"
-    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1")
-    result = run_job(out, "--stage", str(stage), "--kill-at", "11", launcher=torchrun)
+    result = run_job(out, "--stage", str(stage), "--kill-at", "11", *(["--blocking"] if blocking else []),
+                     launcher=TORCHRUN)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "exitcode: -9" in result.stderr  # the kill happened, and the restart finished the job
-    assert "resuming from step_00000004" in result.stderr
+    resumed = [step for step in (2, 4) if f"resuming from {checkpoint_name(step)}" in result.stderr]
+    assert resumed == [4] if blocking else len(resumed) == 1, result.stderr[-4000:]
     for rank, (expected, _) in enumerate(two_ranks[f"straight{stage}"]):
         got = torch.load(out / f"rank{rank}.pt", weights_only=False)
-        assert got["resumed_from"].endswith(checkpoint_name(4))
+        assert got["resumed_from"].endswith(checkpoint_name(resumed[0]))
         assert_same_run(got, expected)
     assert listing(out / "checkpoints") == steps(6, 8)
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_during_a_background_write_resumes_from_the_last_complete_checkpoint(two_ranks, tmp_path):
+    """Rank 1 is SIGKILLed inside the background write of step 4 (its files written, before the
+    checksums): step 4 is never published, the restart resumes from step 2, ends equal to the
+    uninterrupted run, and the half-written step 4 is swept away."""
+    out = tmp_path / "run"
+    result = run_job(out, "--kill-in-write", "4", launcher=TORCHRUN)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "exitcode: -9" in result.stderr
+    assert "resuming from step_00000002" in result.stderr, result.stderr[-4000:]
+    for rank, (expected, _) in enumerate(two_ranks["straight0"]):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert got["resumed_from"].endswith(checkpoint_name(2))
+        assert_same_run(got, expected)
+    assert listing(out / "checkpoints") == steps(6, 8)  # no .tmp- leftover either
+
+
+def test_sigterm_during_a_background_write_waits_for_it_saves_and_resumes(tmp_path):
+    """One process: SIGTERM arrives inside the background write of step 2. That write is
+    finished and published, the next boundary after the signal (step 3, or later: training goes
+    on while the write runs) saves and waits for its write, the process exits 75; the rerun
+    resumes from there and equals the uninterrupted run."""
+    out = tmp_path / "run"
+    stopped = run_job(out, "--term-in-write", "2")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    [stop] = [int(n) for n in re.findall(r"SIGTERM received: saved \S+ at global step (\d+)", stopped.stderr)]
+    assert 3 <= stop < job.STEPS
+    assert "saved checkpoint " + str(out / "checkpoints" / checkpoint_name(2)) in stopped.stderr
+    assert listing(out / "checkpoints")[-1] == checkpoint_name(stop)
+    for name in listing(out / "checkpoints"):  # complete: the process waited for its writes
+        verify_checkpoint(out / "checkpoints" / name)
+    finished = run_job(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"resuming from {checkpoint_name(stop)}" in finished.stderr
+    got = torch.load(out / "rank0.pt", weights_only=False)
+    eng = engine.initialize(mlp(0), job.config(0, tmp_path / "straight", stop_signals=[]))
+    try:
+        expected = job.snapshot(eng, job.train(eng))
+    finally:
+        eng.close()
+    assert_same_run(got, expected, tol=1e-13)
 
 
 def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes(tmp_path):
@@ -240,6 +291,20 @@ def test_stop_signal_exits_with_the_documented_code_and_the_same_command_resumes
     finally:
         eng.close()
     assert_same_run(got, expected, tol=1e-13)
+
+
+def test_ctrl_c_saves_and_stops_like_sigterm_and_the_same_command_resumes(tmp_path):
+    """One process with the default stop signals: a Ctrl-C mid-window saves at the boundary,
+    exits 75 with no traceback, and the rerun resumes from that checkpoint."""
+    out = tmp_path / "run"
+    stopped = run_job(out, "--int-at", "10")  # window 3 of 4 micro-steps
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "SIGINT received: saved" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert "Ctrl-C again to stop at once" in stopped.stderr
+    assert listing(out / "checkpoints") == steps(2, 3)
+    finished = run_job(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "resuming from step_00000003" in finished.stderr
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -334,12 +399,28 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
         assert eng.autosave.resumed_from == str(tmp_path / checkpoint_name(6)) and eng.global_steps == 6
         skipped = [r for r in caplog.records if r.levelno == logging.WARNING and "skipping" in r.getMessage()]
         assert len(skipped) == 1 and checkpoint_name(8) in skipped[0].getMessage()
+        # said once, of the checkpoint loaded: never "resuming from" the damaged one before skipping it
+        resuming = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+        assert len(resuming) == 1 and checkpoint_name(6) in resuming[0], resuming
         assert {"truncate": "truncated", "no manifest": "not a complete checkpoint",
                 "flipped bytes": "differs from what was saved (checksum mismatch)"}[damage] in skipped[0].getMessage()
         got = job.snapshot(eng, job.train(eng))
     finally:
         eng.close()
     assert_same_run(got, straight)
+
+
+def test_loading_a_data_position_without_data_says_how_to_restore_it(tmp_path, caplog):
+    trained(tmp_path, steps_=4)
+    eng = one_process(tmp_path / "elsewhere")
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            eng.load_checkpoint(tmp_path / checkpoint_name(4))
+        assert eng.global_steps == 4
+    finally:
+        eng.close()
+    [warning] = [r.getMessage() for r in caplog.records if "data position" in r.getMessage()]
+    assert "holds a data position (epoch 1, batch 1)" in warning and "data=eng.batches(...)" in warning
 
 
 @pytest.mark.parametrize("every, keep, kept",
@@ -514,6 +595,49 @@ def test_a_second_stop_signal_long_after_the_first_goes_to_the_handler_from_befo
     assert all("SIGTERM again" in text for text in errors.values()), errors
     assert "SIGTERM already had a handler" in errors["own handler"]
     assert "already had a handler" not in errors["default"]
+
+
+CTRL_C_TWICE = """
+import sys, time
+import engine.state.preemption as preemption
+stop = preemption.StopSignals(["SIGINT"])
+stop.install()
+print("ready", flush=True)
+while stop.received is None:
+    time.sleep(0.01)
+print("received", flush=True)
+try:
+    while True:  # a window that has not reached its boundary
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(9)
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The first Ctrl-C is remembered (save at the next boundary); a second one, a key press
+    later, goes to Python's own handler at once: KeyboardInterrupt, no 5 s wait."""
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_TWICE], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "received\n"
+        time.sleep(0.6)  # a person pressing the keys again
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert (code, out) == (9, "interrupted\n"), err
+    assert "SIGINT again" in err
+
+
+def test_sigint_is_a_default_stop_signal():
+    assert "SIGINT" in engine.load_config({"checkpoint": {"dir": "x"}}).checkpoint.stop_signals
 
 
 def _deepspeed_resume(rank, world, root):

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from launch.cli import TORCHRUN_SIGNALS, LaunchError, build_command, build_parser, main, run
+from engine import errors as engine_errors
+from launch.cli import ERROR_REPORT_DIR, TORCHRUN_SIGNALS, LaunchError, build_command, build_parser, main, run, worker_errors
 from tests.dist_utils import repo_first_on_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ def in_repo(monkeypatch):
 
 def test_torchrun_single_node_is_standalone():
     assert command("--nproc-per-node", "2", PROBE, "--lr", "0.1", "--nnodes", "9") == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "2", "--signals-to-handle", TORCHRUN_SIGNALS,
+        "PY", "-m", "launch.torchrun", "--nproc-per-node", "2", "--signals-to-handle", TORCHRUN_SIGNALS,
         "--standalone", PROBE, "--lr", "0.1", "--nnodes", "9",  # after the script: the script's arguments
     ]
 
@@ -55,7 +57,7 @@ def test_one_process_by_default():
 def test_torchrun_multi_node():
     assert command("--nproc_per_node", "4", "--nnodes", "2", "--node-rank", "1",
                    "--master-addr", "node0", "--master-port", "29600", PROBE) == [
-        "PY", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--signals-to-handle", TORCHRUN_SIGNALS,
+        "PY", "-m", "launch.torchrun", "--nproc-per-node", "4", "--signals-to-handle", TORCHRUN_SIGNALS,
         "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "--master-port", "29600", PROBE,
     ]
 
@@ -274,7 +276,7 @@ def test_demo_under_torchrun(launched, name):
     assert code == 0, err
     check_demo_output(out)
     if name == "launch":
-        assert "[launch] " in err and "torch.distributed.run" in err
+        assert "[launch] " in err and "launch.torchrun" in err
 
 
 @pytest.mark.distributed
@@ -360,3 +362,54 @@ def test_slurm_recipe_requeues_only_a_saved_stop(tmp_path, step_code, requeued):
     assert script.returncode == step_code, err
     calls = log.read_text().splitlines()
     assert calls == ["scancel --signal=USR1 4242"] + (["scontrol requeue 4242"] if requeued else []), err
+
+
+# --------------------------------------------------------------------------- errors under launch
+
+BUG_SCRIPT = """import os
+import engine  # noqa: F401  (installs the error report the launcher asked for)
+if os.environ["RANK"] == "1":
+    raise ValueError("a bug, not a Microstep error")
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_microstep_error_ends_a_two_process_run_once_as_the_last_line_and_a_bug_keeps_its_traceback(tmp_path):
+    bug = tmp_path / "bug.py"
+    bug.write_text(BUG_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=repo_first_on_path(REPO), OMP_NUM_THREADS="1")
+    runs = {"mistake": [DEMO, "--set", "gradient_accumulaton=2"], "bug": [str(bug)]}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", "2", *argv], cwd=REPO,
+                                    env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, argv in runs.items()}
+    out, err = procs["mistake"].communicate(timeout=150)
+    _, bug_err = procs["bug"].communicate(timeout=150)
+    code, bug_code = procs["mistake"].returncode, procs["bug"].returncode
+    screen = (out + err).strip().splitlines()
+    message = "ConfigError: --set: gradient_accumulaton: unknown key; did you mean gradient_accumulation?"
+    assert code == 1
+    assert screen[-1] == message, err
+    assert len(screen) == 2 and screen[0].startswith("[launch] "), err  # the command, then the error once
+    assert bug_code == 1
+    assert "Traceback" in bug_err and "ValueError: a bug, not a Microstep error" in bug_err
+    assert "Root Cause (first observed failure)" in bug_err  # torchrun's report: a real failure keeps it
+
+
+def test_the_workers_errors_are_said_once_each_the_first_reported_last(tmp_path):
+    from engine.error_report import write_report
+
+    for rank, (error, at) in enumerate([(engine_errors.PeerError({2: 1}), 2.0), (engine_errors.PeerError({2: 1}), 3.0),
+                                        (engine_errors.CheckpointError("checkpoint step_4: missing"), 1.0)]):
+        with mock.patch.dict(os.environ, RANK=str(rank)), mock.patch("time.time", return_value=at):
+            write_report(str(tmp_path), error)
+    assert worker_errors(str(tmp_path)).splitlines() == [
+        "PeerError on rank(s) 0, 1: rank(s) 2 failed in this window",
+        "CheckpointError on rank(s) 2: checkpoint step_4: missing"]
+
+
+def test_outside_the_launcher_a_microstep_error_keeps_python_s_own_report():
+    env = {k: v for k, v in os.environ.items() if k != ERROR_REPORT_DIR}
+    done = subprocess.run([sys.executable, "-c", "import engine; raise engine.ConfigError(['x: bad'])"], cwd=REPO,
+                          env=dict(env, PYTHONPATH=repo_first_on_path(REPO)), text=True, capture_output=True)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "engine.errors.ConfigError: x: bad" in done.stderr

@@ -1,6 +1,6 @@
 """The 3-D mesh (pipeline × data × tensor) against the float64 full-batch reference: tensor 2 ×
 pipeline 2 on 4 ranks (every schedule; ZeRO 0, 2 and 3; mean and (sum, count) losses; clipping on the global norm
-over every stage and tensor shard; a short last window), and pipeline 2 × data 2 × tensor 2 on
+over every stage and tensor shard; a short last window), and pipeline 2 × data 2 × context 1 × tensor 2 on
 8 ranks. The model is Llama-shaped (tests/tp_models.py), cut after its first block; each stage's
 layers are split by the tensor plan. Broken variants miss the tolerance: the replicated norms'
 gradients left unreduced over the tensor group, and micro-batch gradients summed (DeepSpeed
@@ -271,6 +271,6 @@ def test_tensor_and_pipeline_compose_in_the_config():
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
                                  "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}})
     assert check_without_model(config) == []
-    assert MeshLayout.from_config(config, 8).describe() == "world 8 = pipeline 2 × data 2 × tensor 2"
+    assert MeshLayout.from_config(config, 8).describe() == "world 8 = pipeline 2 × data 2 × context 1 × tensor 2"
     with pytest.raises(ConfigError, match="does not divide into pipeline 2 × context 1 × tensor 2"):
         MeshLayout.from_config(config, 6)

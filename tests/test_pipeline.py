@@ -234,7 +234,8 @@ def overflow_result(eng, expected) -> dict:
 def misuse(rank, world):
     """The manual loop names train_batch; a batch that is not (inputs, labels) says what is; a
     loss_fn that fails on the last stage raises on every rank, not only there; an
-    accumulation the schedule cannot run is refused naming the nearest; an evaluation of fewer
+    accumulation the schedule cannot run is refused naming the nearest; a loss_fn(model, batch)
+    is refused on every rank alike, naming @engine.loss_on_outputs; an evaluation of fewer
     micro-batches than 1F1B runs is padded with zero-weight ones."""
     model = mlp()
     eng = engine.initialize(copy.deepcopy(model), config(4, 1), optimizer=sgd)
@@ -249,7 +250,8 @@ def misuse(rank, world):
     unreduced = lambda outputs, labels: (outputs - labels) ** 2  # noqa: E731
     for name, call in {"forward": lambda: eng(x), "backward": lambda: eng.backward(x.sum()),
                        "batch": lambda: eng.train_batch(x, mse_outputs),
-                       "bad loss": lambda: eng.train_batch((x, y), unreduced)}.items():
+                       "bad loss": lambda: eng.train_batch((x, y), unreduced),
+                       "loss on the model": lambda: eng.train_batch((x, y), reference_mse)}.items():
         try:
             call()
         except EngineUsageError as error:
@@ -266,12 +268,17 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert result["skipped"] == 1 and result["steps"] == 3
         assert result["diff"] < 2e-4, result
     assert results["fp16"][0]["scale"] == results["fp16"][1]["scale"]
+    found_on_rank_0 = results["misuse"][0]
     for found in results["misuse"]:
         assert "train_batch((inputs, labels), loss_fn)" in found["forward"]
         assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
         assert "a pair (inputs, labels)" in found["batch"]
         assert "the loss must be a scalar" in found["bad loss"] or "failed on a last pipeline stage" in found["bad loss"]
         assert found["eval"] < TOL
+        assert found["loss on the model"] == found_on_rank_0["loss on the model"]
+        assert ("under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the model is "
+                "spread over the stages: none can call it); yours takes (model, batch). To train with and without a "
+                "pipeline, write it on the outputs and decorate it with @engine.loss_on_outputs" in found["loss on the model"])
         assert ("gradient_accumulation_steps: 5 micro-batches per window cannot run as a pipeline.schedule interleaved "
                 "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
                 in found["accumulation"])
@@ -350,7 +357,7 @@ def test_the_planner_counts_data_parallel_ranks_and_its_errors_name_the_mesh(cap
     with pytest.raises(engine.BatchConfigError) as raised:
         plan_for_mesh(config, MeshLayout.from_config(config, 8))
     assert str(raised.value).startswith(
-        "world 8 = pipeline 2 × data 4 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × tensor 1) = 4 "
+        "world 8 = pipeline 2 × data 4 × context 1 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × context 1 × tensor 1) = 4 "
         "data-parallel rank(s), so G = M·A·4: train_batch_size 12 is not divisible by micro 2 × world 4")
     with pytest.raises(ConfigError, match="world of 3 rank"):
         MeshLayout.from_config(config, 3)
@@ -494,8 +501,8 @@ def test_plan_and_validate_show_the_mesh(capsys):
 
     assert main(["plan", "configs/pipeline.yaml", "--world-size", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × tensor 1: the batch is planned for W_dp = 4 / "
-                      "(pipeline 2 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
+    assert out[0] == ("mesh: world 4 = pipeline 2 × data 2 × context 1 × tensor 1: the batch is planned for W_dp = 4 / "
+                      "(pipeline 2 × context 1 × tensor 1) = 2 data-parallel rank(s), so G = M·A·2")
     assert "accumulation steps: 4" in out
     assert main(["validate", "configs/pipeline.yaml"]) == 0
     assert "zero stage 0, pipeline 2 stages (1f1b, split auto), backend torch" in capsys.readouterr().out

@@ -443,8 +443,8 @@ def test_the_planner_counts_data_parallel_ranks_and_names_the_mesh():
     from engine.distributed.mesh import MeshLayout
 
     loaded = load_config({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 2}})
-    named = (r"world 8 = pipeline 1 × data 4 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × "
-             r"tensor 2\) = 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
+    named = (r"world 8 = pipeline 1 × data 4 × context 1 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × "
+             r"context 1 × tensor 2\) = 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
     with pytest.raises(engine.BatchConfigError, match=named):
         plan_for_mesh(loaded, MeshLayout.from_config(loaded, 8), 0)
     plan = plan_for_mesh(loaded, MeshLayout.from_config(loaded, 6), 4)  # global rank 4: data rank 2
@@ -458,7 +458,7 @@ def test_plan_command_shows_the_mesh(tmp_path, capsys):
     path.write_text("train_batch_size: 8\ntrain_micro_batch_size_per_gpu: 2\ntensor_parallel: {size: 2}\n")
     assert main(["plan", str(path), "--world-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "mesh: world 4 = pipeline 1 × data 2 × tensor 2" in out
+    assert "mesh: world 4 = pipeline 1 × data 2 × context 1 × tensor 2" in out
     assert "world size:         2" in out and "accumulation steps: 2" in out
     assert main(["validate", str(path)]) == 0
     assert "zero stage 0, tensor parallel 2, backend torch" in capsys.readouterr().out

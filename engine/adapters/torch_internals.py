@@ -1,24 +1,30 @@
 """The torch internals Microstep uses, checked once when a strategy is built.
 
-Supported: torch 2.11 (what the GPU machines ship) through 2.13 (CI). Each entry below is
-either a private name (leading underscore) or a semi-public attribute whose meaning is not
-documented as stable; docs/compatibility.md records what was checked in the 2.11 and 2.13
-sources for each. A torch outside the tested range, or one
-missing a name, is refused at ``engine.initialize`` with the tested versions named, instead
-of failing mid-training (``drop_unreduced_gradients`` runs only after an out-of-memory).
+Supported: torch 2.11 (what the GPU machines ship) and newer; tested 2.11 through 2.14 (CI:
+2.13). Each entry below is either a private name (leading underscore) or a semi-public
+attribute whose meaning is not documented as stable; docs/compatibility.md records what was
+checked in each version for each. What ``check`` decides at ``engine.initialize``:
+
+* older than 2.11: refused (names used here did not exist yet);
+* newer than the newest tested: a warning, once per process, then training goes on: a user
+  who installed a newer torch keeps it;
+* any torch lacking a name this module uses: refused, naming it, instead of failing
+  mid-training (``drop_unreduced_gradients`` runs only after an out-of-memory).
 """
 
 from __future__ import annotations
 
+import warnings
 
 import torch
 import torch._utils
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from engine.errors import UnsupportedFrameworkError
+from engine.errors import UnsupportedFrameworkError, UntestedFrameworkWarning
 
-TESTED = ((2, 11), (2, 13))  # inclusive, major.minor
+OLDEST_SUPPORTED = (2, 11)
+NEWEST_TESTED = (2, 14)  # the whole suite passed on it (docs/compatibility.md)
 
 # -- tensors (stable private helpers, used by torch.nn.utils and the optimizers) -----------
 flatten = torch._utils._flatten_dense_tensors
@@ -45,20 +51,36 @@ def pipeline_features_supported() -> bool:
     return version() >= PIPELINE_FEATURES_FROM
 
 
+_warned_untested = False  # the newer-than-tested warning is given once per process
+
+
+def _tested_range() -> str:
+    (low_major, low_minor), (high_major, high_minor) = OLDEST_SUPPORTED, NEWEST_TESTED
+    return f"{low_major}.{low_minor} to {high_major}.{high_minor}"
+
+
 def check() -> None:
-    """Refuse a torch this adapter was not tested with, or one lacking a name it uses."""
-    (low, high), found = TESTED, version()
-    tested = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
-    if not low <= found <= high:
+    """Refuse a torch older than supported or lacking a name this adapter uses; warn once for
+    one newer than tested."""
+    global _warned_untested
+    found = version()
+    if found < OLDEST_SUPPORTED:
         raise UnsupportedFrameworkError(
-            f"torch {torch.__version__} is not supported: Microstep is tested with torch {tested} and "
-            "relies on torch internals that change between releases; install a tested version "
-            "(e.g. pip install torch==2.13.0)")
+            f"torch {torch.__version__} is older than Microstep supports (tested with torch {_tested_range()}); "
+            f"the torch internals it relies on appeared in {OLDEST_SUPPORTED[0]}.{OLDEST_SUPPORTED[1]}: "
+            f"upgrade torch (e.g. pip install torch=={NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}.*)")
     missing = [name for name, present in _required() if not present]
     if missing:
         raise UnsupportedFrameworkError(
             f"torch {torch.__version__} lacks {', '.join(missing)}, which Microstep relies on "
-            f"(tested with torch {tested}); install a tested version")
+            f"(tested with torch {_tested_range()}); install a tested version")
+    if found > NEWEST_TESTED and not _warned_untested:
+        _warned_untested = True
+        warnings.warn(
+            f"torch {torch.__version__} is newer than Microstep was tested with (torch {_tested_range()}); "
+            "every torch internal it uses is present, so training goes on. If results look wrong, "
+            "python -m engine verify compares your config against one process (see README)",
+            UntestedFrameworkWarning, stacklevel=3)
 
 
 def _required():
@@ -80,6 +102,9 @@ def _required():
             yield f"FSDPParamGroup.{name}", hasattr(group, name)
     yield "FSDPParamGroup._register_state_dict_hooks", hasattr(_fsdp_param_group.FSDPParamGroup,
                                                                  "_register_state_dict_hooks")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    yield "DeviceMesh._flatten", hasattr(DeviceMesh, "_flatten")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
     # overridden by engine.adapters.pipelining (a pipeline's failure guard)
     yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
@@ -92,6 +117,14 @@ def autograd_sequence_nr(node) -> int:
     so a node's inputs (its ``next_functions``) carry smaller numbers than the node itself
     (``AccumulateGrad`` of a leaf: the largest integer)."""
     return node._sequence_nr()
+
+
+# -- DeviceMesh ------------------------------------------------------------------------------
+def flatten_device_mesh(mesh, name: str):
+    """``mesh`` (a submesh of several dimensions) as one dimension named ``name``: torch's
+    ``DeviceMesh._flatten``, how torchtitan builds its data × context group (no public
+    spelling in 2.11 – 2.13). Collective: every rank flattens the same dimensions."""
+    return mesh._flatten(mesh_dim_name=name)
 
 
 # -- DDP -------------------------------------------------------------------------------------

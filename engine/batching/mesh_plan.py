@@ -1,5 +1,5 @@
 """The batch plan of a mesh: the planner counts data-parallel ranks only, and its errors say
-how they follow from the world (``world 8 = pipeline 2 × data 4 × tensor 1``)."""
+how they follow from the world (``world 8 = pipeline 2 × data 4 × context 1 × tensor 1``)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ def plan_for_mesh(config, mesh: MeshLayout, rank: int = 0) -> BatchPlan:
 
 
 def describe_data_ranks(mesh: MeshLayout) -> str:
-    """'world 8 = pipeline 2 × data 4 × tensor 1: the batch is planned for W_dp = 8 / (2 × 1) = 4
-    data-parallel rank(s)'."""
-    context = f" × context {mesh.context}" if mesh.context > 1 else ""
+    """'world 8 = pipeline 2 × data 4 × context 1 × tensor 1: the batch is planned for W_dp =
+    8 / (pipeline 2 × context 1 × tensor 1) = 4 data-parallel rank(s), so G = M·A·4'."""
     return (f"{mesh.describe()}: the batch is planned for W_dp = {mesh.world_size} / "
-            f"(pipeline {mesh.pipeline}{context} × tensor {mesh.tensor}) = {mesh.data} data-parallel rank(s), "
-            f"so G = M·A·{mesh.data}")
+            f"(pipeline {mesh.pipeline} × context {mesh.context} × tensor {mesh.tensor}) = {mesh.data} data-parallel "
+            f"rank(s), so G = M·A·{mesh.data}")

@@ -30,9 +30,8 @@ from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
 from engine.config.deepspeed import deepspeed_backend_problems
-from engine.config.schema import Config, half_precision, locate
-from engine.config.offload import torch_offload
-from engine.config.torch_features import model_transforms_requested, torch_features, torch_overlap
+from engine.config.schema import Config, half_precision, locate, torch_sections
+from engine.config.torch_features import model_transforms_requested
 from engine.optim import check_sections
 
 
@@ -52,9 +51,7 @@ def check_without_model(config: Config) -> list[str]:
         problems += deepspeed_backend_problems(config)
         problems += model_transforms_requested(config.deepspeed_extras)[2]
     else:
-        problems += torch_offload(config.zero_optimization).problems
-        problems += torch_features(config.deepspeed_extras, half_precision(config)).problems
-        problems += torch_overlap(config.zero_optimization.model_extra or {}).problems
+        problems += torch_sections(config).problems
     return locate(config, problems)
 
 
@@ -103,7 +100,7 @@ def _tensor_problems(config: Config) -> list[str]:
     if size == 1:
         return []
     problems = []
-    if config.backend == "torch" and torch_offload(config.zero_optimization).to_host:
+    if config.backend == "torch" and torch_sections(config).offload.to_host:
         problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size}; remove "
                         "offload_param / offload_optimizer, or set tensor_parallel.size: 1")
     return problems
@@ -115,7 +112,7 @@ def _mesh_precision_problems(config: Config) -> list[str]:
     would not happen."""
     if config.backend != "torch" or (config.tensor_parallel.size == 1 and config.pipeline.stages == 1):
         return []
-    accumulation = torch_features(config.deepspeed_extras, half_precision(config)).grad_accum_dtype
+    accumulation = torch_sections(config).features.grad_accum_dtype
     if accumulation == "fp32":
         return []
     return [f"data_types.grad_accum_dtype: {accumulation} is not available under tensor_parallel.size "
@@ -164,7 +161,7 @@ def _pipeline_problems(config: Config) -> list[str]:
         problems.append("pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3 (torch's zero-bubble "
                         "V schedule computes wrong weight gradients on stages resharded after their forward); use "
                         "zero_optimization.stage 2, or another schedule")
-    if config.zero_optimization.stage >= 2 and torch_offload(config.zero_optimization).to_host:
+    if config.zero_optimization.stage >= 2 and torch_sections(config).offload.to_host:
         problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages")
     problems += _automatic_micro_size_problems(config)
     if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:

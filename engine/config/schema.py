@@ -19,6 +19,7 @@ import difflib
 import os
 import signal
 import warnings
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args
 
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
@@ -30,8 +31,9 @@ from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELI
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
-from engine.config.offload import KEYS as OFFLOAD_KEYS, torch_offload
-from engine.config.torch_features import OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, torch_features
+from engine.config.offload import KEYS as OFFLOAD_KEYS, TorchOffload, torch_offload
+from engine.config.torch_features import (OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, TorchFeatures, TorchOverlap,
+                                          torch_features, torch_overlap)
 
 __all__ = ["Config", "ConfigError", "load_config", "ALIASES"]
 
@@ -166,17 +168,21 @@ class CheckpointConfig(_DeepSpeedSection):
     keep_last: Optional[PositiveInt] = None  # None: keep every one
     # auto: the newest complete checkpoint in dir; never; or a path, used while dir holds none
     resume: Annotated[str, PlainValidator(_resume)] = "auto"
-    # Signals that make every rank save at the next boundary and exit with stop_exit_code.
+    # Signals that make every rank save at the next boundary and exit with stop_exit_code:
+    # a scheduler's (SIGTERM, Slurm's SIGUSR1 warning) and a person's Ctrl-C (SIGINT).
     stop_signals: list[Annotated[str, PlainValidator(_stop_signal)]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+        default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     stop_exit_code: Annotated[int, Field(ge=1, le=255)] = 75  # EX_TEMPFAIL: "try again"
+    # `async` (a Python keyword, hence the field's name): automatic saves wait for the host copy
+    # only; writing, checksums and publishing run in the background (engine.state.async_save).
+    async_: bool = Field(True, alias="async")
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_CHECKPOINT_KEYS
 
     @model_validator(mode="after")
     def _needs_dir(self):
         given = [key for key in ("every_steps", "keep_last") if getattr(self, key) is not None]
         # Set to something else than the default (to_dict() writes the defaults out: it must load back).
-        given += [key for key in ("stop_signals", "stop_exit_code")
+        given += [type(self).model_fields[key].alias or key for key in ("stop_signals", "stop_exit_code", "async_")
                   if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].get_default(
                       call_default_factory=True)]
         if given and self.dir is None:
@@ -338,6 +344,7 @@ class Config(BaseModel):
 
     _source: str = PrivateAttr(default="<Config>")
     _locations: dict = PrivateAttr(default_factory=dict)  # key path -> "file:line"
+    _torch_sections: Any = PrivateAttr(default=None)  # (what they were read from, TorchSections): torch_sections
 
     @field_validator("bf16")
     @classmethod
@@ -354,12 +361,44 @@ class Config(BaseModel):
 
     def to_dict(self) -> dict:
         """The canonical plain dict: every key, defaults included, aliases resolved."""
-        return self.model_dump()
+        return self.model_dump(by_alias=True)
 
 
 def half_precision(config: Config) -> Optional[str]:
     """"fp16", "bf16" or None: the half precision the config's fp16 / bf16 section enables."""
     return "fp16" if config.fp16.enabled else "bf16" if config.bf16.enabled else None
+
+
+@dataclass(frozen=True)
+class TorchSections:
+    """The torch backend's readings of DeepSpeed-spelled sections (offload keys, the precision
+    policy, activation checkpointing, compile and overlap sections), parsed once per config:
+    the notes ``load_config`` prints, the checks and the resolved setup all read these."""
+
+    features: TorchFeatures
+    offload: TorchOffload
+    overlap: TorchOverlap
+
+    @property
+    def problems(self) -> list[str]:
+        return [*self.offload.problems, *self.features.problems, *self.overlap.problems]
+
+    @property
+    def notes(self) -> list[str]:
+        return [*self.offload.notes, *self.features.notes]
+
+
+def torch_sections(config: Config) -> TorchSections:
+    """``config``'s :class:`TorchSections`, parsed at the first call and kept on the config (a
+    copy made with other sections, ``model_copy(update=...)``, parses its own)."""
+    read_from = (id(config.zero_optimization), id(config.deepspeed_extras), half_precision(config))
+    cached = config._torch_sections
+    if cached is None or cached[0] != read_from:
+        zero = config.zero_optimization
+        cached = read_from, TorchSections(torch_features(config.deepspeed_extras, half_precision(config)),
+                                          torch_offload(zero), torch_overlap(zero.model_extra or {}))
+        config._torch_sections = cached
+    return cached[1]
 
 
 def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
@@ -402,8 +441,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
                   and name not in TORCH_FEATURE_SECTIONS]
-        notes += [f"{config.source}: {note}" for note in torch_offload(config.zero_optimization).notes]
-        notes += [f"{config.source}: {note}" for note in torch_features(config.deepspeed_extras, half_precision(config)).notes]
+        notes += [f"{config.source}: {note}" for note in torch_sections(config).notes]
     if config.backend == "torch" and unused:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")
@@ -547,12 +585,13 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
     if not isinstance(data, dict):
         return
     extras = getattr(model, "deepspeed_keys", frozenset())
-    known = set(model.model_fields) | extras
+    fields = {field.alias or name: field for name, field in model.model_fields.items()}  # by the key written
+    known = set(fields) | extras
     suggestions = known | (set(ALIASES).union(*PASS_THROUGH.values()) if model is Config else set())
     for key in list(data):
         name = str(key)
-        if name in model.model_fields:
-            section = _section_model(model.model_fields[name].annotation)
+        if name in fields:
+            section = _section_model(fields[name].annotation)
             if section is not None:
                 _drop_unknown_keys(raw, section, path + (name,), data[key], problems)
         elif path + (name,) in REPLACED_KEYS:
@@ -563,7 +602,7 @@ def _drop_unknown_keys(raw: RawConfig, model: type[BaseModel], path: KeyPath, da
             match = difflib.get_close_matches(name, sorted(suggestions), n=1)
             hint = f"; did you mean {match[0]}?" if match else ""
             if not match and not extras and model is not Config:
-                hint = f"; expected one of: {', '.join(model.model_fields)}"
+                hint = f"; expected one of: {', '.join(fields)}"
             if not path and raw.source.endswith(".py") and raw.where((name,)) != "--set":
                 hint += " (a value of your own? name it in UPPER_CASE: it is kept in constants)"
             dotted = ".".join(path + (name,))

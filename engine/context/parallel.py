@@ -60,9 +60,9 @@ class ContextParallel:
         self.method = resolve_method(method, device.type)
         self.labels = labels
         # Every rank creates every group, in the same order (torch.distributed's rule).
-        groups = [(ranks, dist.new_group(ranks)) for ranks in mesh.context_groups()]
+        groups = [(ranks, dist.new_group(ranks)) for ranks in context_groups(mesh)]
         self.group = next(group for ranks, group in groups if rank in ranks)
-        self.shards = ContextShards(self.size, mesh.context_rank(rank))
+        self.shards = ContextShards(self.size, mesh.coordinates(rank).context)
         self.exchange = UlyssesExchange(self.shards, self.group)
         self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
         self.shift = labels == "shift"
@@ -163,7 +163,7 @@ class ContextParallel:
         mine = input_fingerprint((batch,), {}, self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
         dist.all_gather(everyone, mine)
-        differing = [ranks for ranks in self.mesh.context_groups()
+        differing = [ranks for ranks in context_groups(self.mesh)
                      if any(not torch.equal(everyone[ranks[0]], everyone[r]) for r in ranks)]
         if differing:
             groups = "; ".join(f"ranks {', '.join(map(str, ranks))} (data index {self.mesh.data_rank(ranks[0])})"
@@ -197,6 +197,13 @@ class ContextParallel:
                 "(-100 at padding) under 'labels' in a mapping batch, or return (loss_sum, num_tokens)")
         # A part without a real token: its mean is 0/0; it counts 0 and adds 0 (not NaN).
         return torch.where(tokens > 0, loss, torch.zeros_like(loss)) * tokens, tokens
+
+
+def context_groups(mesh: MeshLayout) -> list[list[int]]:
+    """The ranks of every context group (ranks that split the same sequences), each in context
+    order, the groups in order of their first rank."""
+    firsts = [rank for rank in range(mesh.world_size) if mesh.coordinates(rank).context == 0]
+    return [mesh.group_ranks(("context",), rank) for rank in firsts]
 
 
 def _attention_implementation(model) -> str | None:

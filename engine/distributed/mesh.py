@@ -1,25 +1,66 @@
-"""The device mesh: world = pipeline × data × context × tensor ranks.
+"""The mesh: world = pipeline × data × context × tensor ranks, resolved once.
 
 Ranks are numbered with the tensor dimension innermost (ranks of one tensor group are
 neighbours, usually on one node, where their traffic is heaviest), then context, then data,
-then pipeline: ``rank = ((pipeline_index · data + data_index) · context + context_index) ·
-tensor + tensor_index``, the order ``init_device_mesh(device, (pipeline, data, context,
-tensor))`` uses.
+then pipeline — the order ``init_device_mesh(device, (pipeline, data, context, tensor))`` uses:
+``rank = ((pipeline_index · data + data_index) · context + context_index) · tensor + tensor_index``.
 
-The batch planner counts data-parallel ranks only: ranks of one tensor group and of one
-context group see the same batch (a context group splits each of its sequences), ranks of one
-pipeline group the same per-data-rank batch.
+The data dimension is data-replicate × data-shard: one of the two is the whole data dimension
+(``data_sharded``: FSDP2 shards the model over it, ZeRO 2 / 3 on the torch backend; otherwise
+every data rank holds a whole replica). Experts borrow data × context ranks: ``expert`` of them
+split the experts between them (it must divide data × context), no rank is added for them.
+
+:class:`MeshLayout` is arithmetic on sizes (no process group needed: ``python -m engine plan``
+uses it); :class:`MeshGroups` builds the process groups of one mesh, once, collectively. Both
+name the groups the runtime needs, by the dimensions they span:
+
+=========================  =======================  ==============================================
+group                       dimensions               why
+=========================  =======================  ==============================================
+``GRADIENT_REDUCTION``      data × context           ranks holding the same parameters on different
+                                                     rows or sequence pieces: gradients averaged
+``WINDOW_STATISTICS``       data × context           samples, token counts, losses of a window are
+                                                     summed (every row and token counted once)
+``GRADIENT_NORM``           the whole world          every stage, shard and tensor piece; a piece
+                                                     held by several ranks divided by its copies
+``SAME_BATCH``              pipeline × context ×     ranks of one data index: they must be given the
+                            tensor                   same batch (checked, never assumed)
+``EXPERTS``                 data × context           the ranks experts are spread over
+=========================  =======================  ==============================================
+
+The batch planner counts data ranks only (its W is ``data``): the context, tensor and pipeline
+ranks of one data index see the same rows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from engine.adapters.torch_internals import flatten_device_mesh
+from engine.config.schema import Config, torch_sections
 from engine.errors import ConfigError
 
-MESH_DIMS = ("pipeline", "data", "context", "tensor")
+MESH_DIMS = ("pipeline", "data", "context", "tensor")  # outermost first: the rank order
+
+GRADIENT_REDUCTION = ("data", "context")
+WINDOW_STATISTICS = ("data", "context")
+GRADIENT_NORM = MESH_DIMS
+SAME_BATCH = ("pipeline", "context", "tensor")
+EXPERTS = ("data", "context")
+
+
+class MeshCoordinates(NamedTuple):
+    """Where one rank sits on the mesh."""
+
+    pipeline: int
+    data: int
+    context: int
+    tensor: int
 
 
 @dataclass(frozen=True)
@@ -30,61 +71,130 @@ class MeshLayout:
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1  # borrowed from data × context, not a factor of the world
+    data_sharded: bool = False  # the data dimension shards the model (FSDP2) rather than replicates it
 
     def __post_init__(self):
-        model = self.tensor * self.pipeline * self.context
-        if self.tensor < 1 or self.pipeline < 1 or self.context < 1 or self.world_size % model:
+        sizes = {"tensor": self.tensor, "pipeline": self.pipeline, "context": self.context, "expert": self.expert}
+        problems = [f"{name} size must be at least 1, got {size}" for name, size in sizes.items() if size < 1]
+        if problems:
+            raise ConfigError(problems)
+        model = self.pipeline * self.context * self.tensor
+        if self.world_size % model:
             raise ConfigError([
-                f"tensor_parallel / pipeline / context_parallel: the world of {self.world_size} rank(s) does not "
-                f"divide into pipeline {self.pipeline} × context {self.context} × tensor {self.tensor} = {model} "
-                f"ranks per data-parallel rank; launch a multiple of {model} processes, or change the sizes"])
+                f"mesh: the world of {self.world_size} rank(s) does not divide into pipeline {self.pipeline} × "
+                f"context {self.context} × tensor {self.tensor} = {model} ranks per data replica "
+                f"({self.world_size} / {model} = {self.world_size / model:.4g}); launch a multiple of {model} "
+                "processes, or change pipeline.stages / context_parallel.size / tensor_parallel.size"])
+        borrowed = self.data * self.context
+        if borrowed % self.expert:
+            raise ConfigError([
+                f"mesh: expert_parallel.size {self.expert} does not divide the data {self.data} × context "
+                f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); use a divisor "
+                f"of {borrowed}"])
 
     @classmethod
-    def from_config(cls, config, world_size: int) -> MeshLayout:
-        """The mesh a loaded config asks for on ``world_size`` ranks."""
+    def from_config(cls, config: Config, world_size: int) -> MeshLayout:
+        """The mesh a loaded config asks for on ``world_size`` ranks: the data dimension shards at
+        ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does)."""
+        sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
+                                                          and torch_sections(config).offload.to_host)
         return cls(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                   context=config.context_parallel.size)
+                   context=config.context_parallel.size, data_sharded=sharded)
 
+    # -- sizes -------------------------------------------------------------------------------
     @property
     def data(self) -> int:
-        """Data-parallel ranks: W_dp = world / (pipeline × context × tensor)."""
-        return self.world_size // (self.tensor * self.pipeline * self.context)
+        """Data-parallel ranks, the planner's W: world / (pipeline × context × tensor)."""
+        return self.world_size // (self.pipeline * self.context * self.tensor)
+
+    @property
+    def data_replicate(self) -> int:
+        """Data ranks holding whole replicas of what the data shards hold."""
+        return 1 if self.data_sharded else self.data
+
+    @property
+    def data_shard(self) -> int:
+        """Data ranks the model is sharded over (FSDP2)."""
+        return self.data if self.data_sharded else 1
+
+    def size(self, dims: tuple[str, ...]) -> int:
+        """The number of ranks in a group spanning ``dims`` (e.g. ``GRADIENT_REDUCTION``)."""
+        return math.prod(getattr(self, dim) for dim in dims)
 
     @property
     def is_data_parallel_only(self) -> bool:
         return self.tensor == 1 and self.pipeline == 1 and self.context == 1
 
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(pipeline index, data index, tensor index) of ``rank``."""
-        inner = self.context * self.tensor
-        return rank // (self.data * inner), rank // inner % self.data, rank % self.tensor
+    # -- where a rank sits -------------------------------------------------------------------
+    def coordinates(self, rank: int) -> MeshCoordinates:
+        """(pipeline, data, context, tensor) index of ``rank``."""
+        tensor, rest = rank % self.tensor, rank // self.tensor
+        context, rest = rest % self.context, rest // self.context
+        return MeshCoordinates(rest // self.data, rest % self.data, context, tensor)
 
-    def context_rank(self, rank: int) -> int:
-        """This rank's index in its context group (which part of each sequence it holds)."""
-        return rank // self.tensor % self.context
-
-    def context_groups(self) -> list[list[int]]:
-        """The ranks of every context group (ranks that split the same sequences), in context order."""
-        starts = [rank for rank in range(self.world_size) if self.context_rank(rank) == 0]
-        return [[start + index * self.tensor for index in range(self.context)] for start in starts]
+    def rank_at(self, coordinates: MeshCoordinates) -> int:
+        p, d, c, t = coordinates
+        return ((p * self.data + d) * self.context + c) * self.tensor + t
 
     def pipeline_rank(self, rank: int) -> int:
         """This rank's pipeline index: the stage (or first of the stages) it holds."""
-        return self.coordinates(rank)[0]
+        return self.coordinates(rank).pipeline
 
     def data_rank(self, rank: int) -> int:
         """This rank's data-parallel index: the batch planner's rank."""
-        return self.coordinates(rank)[1]
+        return self.coordinates(rank).data
+
+    def group_ranks(self, dims: tuple[str, ...], rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group spanning ``dims`` (ascending): those whose
+        coordinates differ from ``rank``'s in ``dims`` only."""
+        mine = self.coordinates(rank)
+        return [r for r in range(self.world_size)
+                if all(getattr(self.coordinates(r), dim) == getattr(mine, dim) for dim in MESH_DIMS if dim not in dims)]
 
     def describe(self) -> str:
-        """The mesh in words, for errors and logs: 'world 8 = pipeline 2 × data 2 × tensor 2'
-        ('× context 2' before the tensor size when sequences are split)."""
-        context = f" × context {self.context}" if self.context > 1 else ""
-        return (f"world {self.world_size} = pipeline {self.pipeline} × data {self.data}{context} × "
+        """The mesh in words, for errors and logs:
+        'world 8 = pipeline 2 × data 2 × context 1 × tensor 2' (and the experts where split)."""
+        text = (f"world {self.world_size} = pipeline {self.pipeline} × data {self.data} × context {self.context} × "
                 f"tensor {self.tensor}")
+        return text + (f", experts over {self.expert} of the data × context ranks" if self.expert > 1 else "")
 
     def device_mesh(self, device_type: str):
-        """The ``DeviceMesh`` over every rank, dimensions named ``pipeline``, ``data``, ``context``,
-        ``tensor`` (collective: every rank calls it)."""
-        return init_device_mesh(device_type, (self.pipeline, self.data, self.context, self.tensor),
-                                mesh_dim_names=MESH_DIMS)
+        """The ``DeviceMesh`` over every rank, dimensions named as ``MESH_DIMS`` (collective:
+        every rank calls it)."""
+        return init_device_mesh(device_type, tuple(getattr(self, dim) for dim in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+
+
+class MeshGroups:
+    """The process groups of one mesh, built once (collective: every rank builds it, in the
+    same order). ``submesh(dims)`` is the ``DeviceMesh`` spanning ``dims`` (one dimension, or
+    several flattened into one), ``group(dims)`` its process group."""
+
+    def __init__(self, layout: MeshLayout, device_type: str, rank: int):
+        self.layout, self.rank = layout, rank
+        self.device_mesh = layout.device_mesh(device_type)
+        self._submeshes: dict[tuple[str, ...], object] = {}
+        self.submesh(GRADIENT_REDUCTION)  # a flattened group when data and context both split: made by every rank
+
+    def submesh(self, dims: tuple[str, ...]):
+        """The ``DeviceMesh`` of this rank's group spanning ``dims``: one mesh dimension, or the
+        dimensions flattened into one (the first time: collective)."""
+        dims = tuple(dim for dim in MESH_DIMS if dim in dims)  # in rank order
+        if dims not in self._submeshes:
+            spanned = tuple(dim for dim in dims if getattr(self.layout, dim) > 1) or dims[:1]
+            if len(spanned) == 1:
+                self._submeshes[dims] = self.device_mesh[spanned[0]]
+            else:
+                self._submeshes[dims] = flatten_device_mesh(self.device_mesh[spanned], "_".join(spanned))
+        return self._submeshes[dims]
+
+    def group(self, dims: tuple[str, ...]):
+        """The process group of this rank's group spanning ``dims`` (the whole world: None, the default group)."""
+        if self.layout.size(dims) == self.layout.world_size:
+            return None
+        return self.submesh(dims).get_group()
+
+    def global_rank(self, dims: tuple[str, ...], index: int) -> int:
+        """The global rank of the ``index``-th rank of this rank's group spanning ``dims``."""
+        group = self.group(dims)
+        return index if group is None else dist.get_global_rank(group, index)

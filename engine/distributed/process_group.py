@@ -15,10 +15,12 @@ Three launch styles are understood, in this order:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Mapping, MutableSequence
 
@@ -291,7 +293,7 @@ def shutdown(barrier_timeout_seconds: float = 30) -> None:
     process with "terminate called without an active exception". A group this module did
     not create is left to its owner.
     """
-    global _owns_group, _control
+    global _owns_group, _control, _writer
     if not (_owns_group and dist.is_initialized()):
         _owns_group = False
         return
@@ -300,7 +302,7 @@ def shutdown(barrier_timeout_seconds: float = 30) -> None:
             _bounded_barrier(barrier_timeout_seconds)
         except Exception:  # a peer has already gone; tear down our side anyway
             pass
-    _control = None
+    _control = _writer = None
     dist.destroy_process_group()
     _owns_group = False
 
@@ -341,6 +343,35 @@ def barrier() -> None:
         dist.barrier()
 
 
+_this_thread = threading.local()  # .control: a thread's own control group (a background checkpoint writer's)
+_writer: tuple | None = None  # (the default group it belongs to, the background writer's group)
+
+
+def background_control_group() -> dist.ProcessGroup | None:
+    """A second gloo group like the control group, for a thread that runs its agreements and
+    checkpoint collectives while the main thread trains (an asynchronous checkpoint write):
+    sharing a group, the two threads' collectives would pair up with each other's on the peers.
+    Created at the first call, which is therefore collective; None when not distributed."""
+    global _writer
+    if not is_distributed():
+        return None
+    if _writer is None or _writer[0] is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=agreement_timeout_seconds()))
+        _writer = (dist.group.WORLD, group)
+    return _writer[1]
+
+
+@contextlib.contextmanager
+def control_group_of_this_thread(group: dist.ProcessGroup | None):
+    """Inside, on this thread only, :func:`control_group` is ``group``: everything that agrees or
+    gathers on the control group (checkpoint agreements, DCP's planning) uses it instead."""
+    _this_thread.control = group
+    try:
+        yield
+    finally:
+        _this_thread.control = None
+
+
 def control_group() -> dist.ProcessGroup | None:
     """A gloo group for agreements: small CPU-side collectives (flags, counts, strings) whose
     waits are bounded by the agreement timeout, not the training group's.
@@ -353,6 +384,9 @@ def control_group() -> dist.ProcessGroup | None:
     """
     if not is_distributed():
         return None
+    own = getattr(_this_thread, "control", None)
+    if own is not None:
+        return own
     if _control is None or _control[0] is not dist.group.WORLD:
         _ensure_control_group(AGREEMENT_TIMEOUT_SECONDS)
     return _control[1]

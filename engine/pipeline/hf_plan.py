@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError, EngineUsageError
-from engine.pipeline.split import balanced_starts, cut, owned_outputs
+from engine.pipeline.split import balanced_starts, cut, owned_outputs, too_few_parts
 
 
 def is_hugging_face_model(model: nn.Module) -> bool:
@@ -66,7 +66,7 @@ def plan_of(model: nn.Module) -> list[str] | None:
 class PlanSplit:
     """The stages of a Hugging Face model cut by its pipeline plan."""
 
-    def __init__(self, model: nn.Module, plan: list[str], stages: int, split):
+    def __init__(self, model: nn.Module, plan: list[str], stages: int, split, per_rank: int = 1):
         self.model = model
         self.base_name = _base_name(model)
         # a head (lm_head) around the base model: the last stage returns the model's logits
@@ -74,10 +74,9 @@ class PlanSplit:
         head, layers, tail = _plan_parts(model, plan)
         self.parts = [*head, *layers, *tail]
         if isinstance(split, str) and len(layers) < stages:
-            raise ConfigError([
-                f"pipeline.stages: {type(model).__name__} has {len(layers)} decoder layer(s) for {stages} pipeline "
-                f"stage(s), and its pipeline plan gives every stage at least one: use at most {len(layers)} "
-                "stage(s), or name the parts where stages start in pipeline.split"])
+            raise ConfigError([too_few_parts(
+                f"{type(model).__name__} has {len(layers)} decoder layer(s), and its pipeline plan gives every stage "
+                "at least one,", len(layers), stages, per_rank, "name the parts where stages start in pipeline.split")])
         if split == "auto":
             sizes = [_parameter_count(layer) for _, layer in layers]
             sizes[0] += sum(_parameter_count(part) for _, part in head)
@@ -86,10 +85,10 @@ class PlanSplit:
         elif split == "uniform":
             starts = [round(i * len(layers) / stages) for i in range(stages)]
         else:
-            self.pieces = cut(self.parts, stages, list(split))
+            self.pieces = cut(self.parts, stages, list(split), per_rank)
             return
         bounds = [start + len(head) for start in starts[1:]]
-        self.pieces = cut(self.parts, stages, [self.parts[bound][0] for bound in bounds])
+        self.pieces = cut(self.parts, stages, [self.parts[bound][0] for bound in bounds], per_rank)
 
     def check_inputs(self, inputs: tuple) -> None:
         """The first stage takes the ``input_ids`` alone: an EngineUsageError naming the batch's

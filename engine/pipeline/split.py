@@ -86,14 +86,27 @@ def _traced_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return parts
 
 
-def cut(parts: list[tuple[str, nn.Module]], stages: int, split) -> list[list[tuple[str, nn.Module]]]:
-    """The parts of each of ``stages`` consecutive stages, as ``split`` asks."""
+def too_few_parts(have: str, count: int, stages: int, per_rank: int, fix: str) -> str:
+    """The error for a model of ``count`` parts (``have`` says what they are) cut into ``stages``
+    stages, ``per_rank`` of them on each pipeline rank; ``fix``: the model-side remedy."""
+    if per_rank == 1:
+        return (f"pipeline.stages: {have} for {stages} pipeline stage(s); every stage needs at least one: use at "
+                f"most {count} stage(s), or {fix}")
+    ranks = stages // per_rank
+    fewer = (f"pipeline.stages: {count // per_rank} with this schedule" if count >= per_rank
+             else "no pipeline with this schedule")
+    return (f"pipeline.stages: {have} for {ranks} pipeline rank(s) × {per_rank} stages each (the schedule holds "
+            f"{per_rank} stages per rank: {ranks} × {per_rank} = {stages} stages); every stage needs at least one: "
+            f"use pipeline.schedule 1f1b or gpipe (one stage per rank: up to {count} ranks), {fewer}, or {fix}")
+
+
+def cut(parts: list[tuple[str, nn.Module]], stages: int, split, per_rank: int = 1) -> list[list[tuple[str, nn.Module]]]:
+    """The parts of each of ``stages`` consecutive stages, as ``split`` asks (``per_rank``:
+    stages each pipeline rank holds, for the error's advice)."""
     names = [name for name, _ in parts]
     if len(parts) < stages:
-        raise ConfigError([
-            f"pipeline.stages: the model has {len(parts)} part(s) ({', '.join(names)}) for {stages} pipeline "
-            f"stage(s); every stage needs at least one: use at most {len(parts)} stages, or split the model into "
-            "more modules"])
+        raise ConfigError([too_few_parts(f"the model has {len(parts)} part(s) ({', '.join(names)})", len(parts),
+                                         stages, per_rank, "split the model into more modules")])
     if split == "auto":
         starts = balanced_starts([_parameter_count(module) for _, module in parts], stages)
     elif split == "uniform":
@@ -208,8 +221,8 @@ class StageModule(nn.Module):
 class SequenceSplit:
     """A model cut as a sequence of parts (``sequence_of``, ``cut``): each stage a :class:`StageModule`."""
 
-    def __init__(self, model: nn.Module, stages: int, split):
-        self.pieces = cut(sequence_of(model), stages, split)
+    def __init__(self, model: nn.Module, stages: int, split, per_rank: int = 1):
+        self.pieces = cut(sequence_of(model), stages, split, per_rank)
 
     def stage(self, index: int, forward_context: Callable[[], contextlib.AbstractContextManager]
               = contextlib.nullcontext, own_outputs: bool = False) -> StageModule:

@@ -15,10 +15,11 @@ from engine.pipeline.hf_plan import PlanSplit, is_hugging_face_model, plan_of
 from engine.pipeline.split import SequenceSplit
 
 
-def split_model(model: nn.Module, stages: int, split) -> PlanSplit | SequenceSplit:
-    """``model`` cut into ``stages`` consecutive stages as ``split`` (auto, uniform, names) asks."""
+def split_model(model: nn.Module, stages: int, split, per_rank: int = 1) -> PlanSplit | SequenceSplit:
+    """``model`` cut into ``stages`` consecutive stages as ``split`` (auto, uniform, names) asks;
+    ``per_rank``: how many of them each pipeline rank holds (the schedule's), for the errors."""
     if not is_hugging_face_model(model):
-        return SequenceSplit(model, stages, split)
+        return SequenceSplit(model, stages, split, per_rank)
     plan = plan_of(model)
     if plan is None:
         raise ConfigError([
@@ -26,4 +27,4 @@ def split_model(model: nn.Module, stages: int, split) -> PlanSplit | SequenceSpl
             "(its config's base_model_pp_plan is empty), which says where it may be cut; run it with "
             "pipeline.stages: 1 (ZeRO-3 or tensor_parallel shard it instead), or give its config class a "
             "base_model_pp_plan (embeddings, the list of decoder layers, the final norm), as Llama's has"])
-    return PlanSplit(model, plan, stages, split)
+    return PlanSplit(model, plan, stages, split, per_rank)

@@ -14,7 +14,10 @@
   position goes to the ``DistributedBatches`` of ``eng.batches()``, the random generators are
   set when training starts (``eng.batches()`` or the first training forward).
 * At every boundary: every ``every_steps`` optimizer steps, ``dir/step_<N>`` is saved with the
-  data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted.
+  data position of ``eng.batches()``; then all but the newest ``keep_last`` are deleted. With
+  ``async`` (the default) training goes on once the state is in host memory, and the write,
+  its publish and the deletions run in the background (``engine.state.async_save``); a stop
+  signal's save and ``close()`` wait for it.
 * A stop signal (``stop_signals``, default SIGTERM and SIGUSR1) on any rank: every rank saves
   at the next boundary (the one they agree on, see ``engine.state.preemption``) and raises
   ``Preempted``, which exits the process with ``stop_exit_code`` (75) unless caught.
@@ -25,7 +28,7 @@ applied (the data position, the random generators) is dropped.
 ``AutoCheckpoint`` is one of the engine's hooks (``engine.hooks``): the engine calls
 ``on_batches`` / ``on_window_start`` / ``on_window_closed`` / ``on_state_loaded`` / ``on_close``
 and knows nothing else of this module; saves and loads go through the engine's public
-``save_checkpoint`` and ``checkpoints``.
+``checkpoints`` (the ``CheckpointManager``).
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ class AutoCheckpoint(EngineHook):
             if self.rank == 0:
                 log.warning("checkpoint.resume: skipping %s, it is damaged: %s", path, found)
             damaged.append(path)
+        if self.rank == 0:  # only now: the ranks' checksums may still have rejected it
+            log.info("%s", decision["says"])
         position = _DataPosition() if decision["data_position"] else None
         self._pending_restore = engine.checkpoints.restore(path, data=position, checked=True)
         self._position = position.state if position is not None else None
@@ -170,9 +175,9 @@ class AutoCheckpoint(EngineHook):
             except CheckpointError as error:
                 log.warning("checkpoint.resume: skipping %s, it is incomplete or damaged: %s", path, error)
                 continue
-            log.info("checkpoint.resume: %s: resuming from %s, the newest complete checkpoint in %s",
-                     mode, path.name, self.dir)
-            return {"path": str(path), "data_position": manifest.get("data_position", True), "explicit": False}
+            return {"path": str(path), "data_position": manifest.get("data_position", True), "explicit": False,
+                    "says": f"checkpoint.resume: {mode}: resuming from {path.name}, the newest complete checkpoint "
+                            f"in {self.dir}"}
         if mode == "auto":
             log.info("checkpoint.resume: auto: %s holds no complete checkpoint; starting at step 0",
                      self.dir if self.dir is not None else "(no checkpoint.dir)")
@@ -181,8 +186,8 @@ class AutoCheckpoint(EngineHook):
             manifest = verify_checkpoint(mode)
         except CheckpointError as error:
             return {"error": f"checkpoint.resume: {mode}: {error}"}
-        log.info("checkpoint.resume: resuming from %s (checkpoint.dir holds no checkpoint of its own yet)", mode)
-        return {"path": mode, "data_position": manifest.get("data_position", True), "explicit": True}
+        return {"path": mode, "data_position": manifest.get("data_position", True), "explicit": True,
+                "says": f"checkpoint.resume: resuming from {mode} (checkpoint.dir holds no checkpoint of its own yet)"}
 
     def _checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of the ``step_<N>`` directories in dir, oldest first."""
@@ -239,6 +244,7 @@ class AutoCheckpoint(EngineHook):
         if received is None:
             return
         saved = saved or self.save(engine)
+        engine.checkpoints.wait()  # a background write finishes before the process exits
         self.stop.stopping()  # saved: a repeated signal must not change the exit code
         code = self.section.stop_exit_code
         report_stop(self.rank, code)
@@ -250,18 +256,20 @@ class AutoCheckpoint(EngineHook):
     # -- saving -------------------------------------------------------------------------------------
     def save(self, engine) -> str:
         """Save ``dir/step_<N>`` of ``engine`` now (at a boundary), then keep the newest ``keep_last``.
-        Collective."""
+        Collective. With ``async`` (the default) it returns once the state is in host memory; the
+        write, its publish and the removal of older checkpoints follow in the background."""
         steps = engine.global_steps
         target = self.dir / checkpoint_name(steps)
+        engine.checkpoints.wait()  # the previous save may still be writing: its removals come first
         if self.rank == 0 and target.is_dir() and not (target / MANIFEST).exists():
             # A save or a removal of ours cut short (no manifest: never loadable); the save
             # would refuse to replace a directory that is not a checkpoint.
             log.info("removing %s, an incomplete checkpoint, before saving there", target)
             shutil.rmtree(target, ignore_errors=True)
-        path = engine.save_checkpoint(target, data=self.data)
+        removal = None
         if self.section.keep_last is not None and self.rank == 0:
-            self._remove_older(steps)
-        return path
+            removal = lambda: self._remove_older(steps)  # noqa: E731 - once the save is published
+        return engine.checkpoints.save(target, data=self.data, background=self.section.async_, on_published=removal)
 
     def _remove_older(self, newest: int) -> None:
         """Rank 0, once checkpoint ``newest`` is complete: delete all but the newest
@@ -291,3 +299,4 @@ class AutoCheckpoint(EngineHook):
     def on_close(self, engine) -> None:
         if self.stop is not None:
             self.stop.uninstall()
+        engine.checkpoints.wait()  # the last background save is published (or its failure raised)

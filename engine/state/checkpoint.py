@@ -29,6 +29,7 @@ unpickles is said in docs/checkpoints.md.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from engine.distributed.collectives import agree, describe, gathered, peer_lost_as_error
 from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError, EngineUsageError
+from engine.state.async_save import BackgroundWriter, deferred_writes
 from engine.state.rng import restore_rng_state, rng_state, seed_everything
 
 __all__ = ["CheckpointManager", "CheckpointError", "CheckpointPosition", "MANIFEST", "Restored", "verify_checkpoint",
@@ -111,9 +113,12 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self.seed = seed  # re-seeds the generators of a rank the checkpoint did not have
         self.config_record = config_record  # the run's config, saved alongside
+        self.writer: BackgroundWriter | None = None  # the first background save creates it
 
-    def save(self, path, *, data=None, client_state: dict | None = None) -> str:
-        return save_checkpoint(self, path, data=data, client_state=client_state)
+    def save(self, path, *, data=None, client_state: dict | None = None, background: bool = False,
+             on_published: Callable[[], None] | None = None) -> str:
+        return save_checkpoint(self, path, data=data, client_state=client_state, background=background,
+                               on_published=on_published)
 
     def load(self, path, *, data=None) -> dict:
         return load_checkpoint(self, path, data=data)
@@ -121,13 +126,32 @@ class CheckpointManager:
     def restore(self, path, *, data=None, checked: bool = False) -> Restored:
         return restore_checkpoint(self, path, data=data, checked=checked)
 
+    def wait(self) -> None:
+        """Until a background save in flight is published; raises its failure (on every rank,
+        which agreed on it). Collective in effect: every rank's write must finish."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory holding the state for background saves (0 without them)."""
+        return self.writer.staging.bytes if self.writer is not None else 0
+
 
 # =========================================================================== save
-def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state: dict | None = None) -> str:
+def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state: dict | None = None,
+                    background: bool = False, on_published: Callable[[], None] | None = None) -> str:
     """Write everything needed to resume at this boundary into directory ``path`` (replacing a
-    checkpoint already there). Collective: every rank calls it. Returns the absolute path."""
+    checkpoint already there). Collective: every rank calls it. Returns the absolute path.
+
+    ``background``: return once the state is copied to host memory; the files, checksums and
+    publish follow on the manager's background writer (``engine.state.async_save``), and
+    ``manager.wait()`` raises their failure. A save waits first for one still in flight.
+    ``on_published``: called (on the writer's thread when in the background) once ``path`` is
+    published."""
     position = manager.position()
     _require_boundary(position, "save_checkpoint")
+    manager.wait()  # at most one save in flight, and in order
     started = time.perf_counter()
     rank = manager.rank
     target = Path(os.path.abspath(path))
@@ -141,45 +165,93 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
         agree(problem)
         problem, cause = None, None
         try:
-            _write_local_files(manager, tmp, data, client_state)
+            local_files = _local_files(manager, tmp, data, client_state)
+            if not background:
+                for name, obj in local_files.items():
+                    _save(tmp / name, obj)
         except CheckpointError as error:
             problem, cause = str(error), error
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             problem, cause = f"writing the rank's own files failed: {error!r}", error
         agree(problem, cause)
-        manager.training_state.save_training_state(str(tmp / STATE_DIR))
-        checksums = _agreed_checksums(tmp, rank, manager.world_size)
-        problem, cause = None, None
-        if rank == 0:
-            try:
-                _write_manifest(manager, position, tmp, checksums, data_position=data is not None)
-                _publish(tmp, target, token)
-            except Exception as error:  # noqa: BLE001
-                problem, cause = f"publishing failed: {error!r}", error
-        agree(problem, cause)
+        if background:
+            if manager.writer is None:
+                manager.writer = BackgroundWriter()
+            with deferred_writes(manager.writer.staging) as training_state_writes:
+                manager.training_state.save_training_state(str(tmp / STATE_DIR))
+            # Serialised now: the objects may change once training goes on.
+            local_bytes = {name: _serialised(obj) for name, obj in local_files.items()}
+        else:
+            manager.training_state.save_training_state(str(tmp / STATE_DIR))
+            _checksum_and_publish(manager, position, target, tmp, token, data is not None)
     except BaseException as error:
-        if rank == 0 and tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(
-            f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
-            f"already at that path is untouched): {_full_disk_note(target.parent)}{describe(error)}"
-        ) from error
+        _raise_save_failure(rank, target, tmp, error)
+    if background:
+        copied = time.perf_counter() - started
+
+        def write_and_publish():
+            try:
+                for name, content in local_bytes.items():
+                    _write_bytes(tmp / name, content)
+                for write in training_state_writes:
+                    write()
+                _checksum_and_publish(manager, position, target, tmp, token, data is not None)
+            except BaseException as error:
+                _raise_save_failure(rank, target, tmp, error)
+            if rank == 0:
+                log.info("saved checkpoint %s (global step %d) in the background: training waited %.2f s for the "
+                         "host copy, the write took %.2f s more", target, position.global_steps, copied,
+                         time.perf_counter() - started - copied)
+            if on_published is not None:
+                on_published()
+
+        manager.writer.submit(write_and_publish, target.name)
+        return str(target)
     if rank == 0:
         log.info("saved checkpoint %s (global step %d) in %.2f s", target, position.global_steps,
                  time.perf_counter() - started)
+    if on_published is not None:
+        on_published()
     return str(target)
 
 
-def _write_local_files(manager: CheckpointManager, tmp: Path, data, client_state) -> None:
+def _checksum_and_publish(manager: CheckpointManager, position: CheckpointPosition, target: Path, tmp: Path,
+                          token: str, data_position: bool) -> None:
+    """Once every file is written: the checksums, the manifest and the rename into place.
+    Collective (on the control group of the calling thread)."""
+    checksums = _agreed_checksums(tmp, manager.rank, manager.world_size)
+    problem, cause = None, None
+    if manager.rank == 0:
+        try:
+            _write_manifest(manager, position, tmp, checksums, data_position=data_position)
+            _publish(tmp, target, token)
+        except Exception as error:  # noqa: BLE001
+            problem, cause = f"publishing failed: {error!r}", error
+    agree(problem, cause)
+
+
+def _raise_save_failure(rank: int, target: Path, tmp: Path | None, error: BaseException):
+    """Raise what a failed save raises, once rank 0 has removed its temporary directory."""
+    if rank == 0 and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        raise error
+    raise CheckpointError(
+        f"saving the checkpoint {target} failed, nothing was published (a checkpoint "
+        f"already at that path is untouched): {_full_disk_note(target.parent)}{describe(error)}") from error
+
+
+def _local_files(manager: CheckpointManager, tmp: Path, data, client_state) -> dict[str, dict]:
+    """{file name: what it holds} of this rank's own files (engine_state.pt on rank 0)."""
     if not tmp.is_dir():
         raise CheckpointError(f"{tmp.parent} is not visible from rank {manager.rank}, where rank 0 "
                               "created it: checkpoints need a filesystem shared by all ranks")
     data_state = data.state_dict() if data is not None else None
+    files = {}
     if manager.rank == 0:
-        _save(tmp / ENGINE_STATE, _engine_state(manager, data_state, client_state))
-    _save(tmp / rank_file(manager.rank), {"rng": rng_state(), "data": data_state})
+        files[ENGINE_STATE] = _engine_state(manager, data_state, client_state)
+    files[rank_file(manager.rank)] = {"rng": rng_state(), "data": data_state}
+    return files
 
 
 def _engine_state(manager: CheckpointManager, data_state, client_state) -> dict:
@@ -332,6 +404,7 @@ def restore_checkpoint(manager: CheckpointManager, path, *, data=None, checked: 
     every file's checksum was verified just before (an automatic resume's choice)."""
     position = manager.position()
     _require_boundary(position, "load_checkpoint")
+    manager.wait()  # a background save in flight is published first (it may be the one asked for)
     started = time.perf_counter()
     target = Path(os.path.abspath(path))
     rank = manager.rank
@@ -353,6 +426,10 @@ def restore_checkpoint(manager: CheckpointManager, path, *, data=None, checked: 
         if data is not None and saved.get("data") is None:
             raise CheckpointError(f"{target} holds no data position (it was saved without data=); "
                                   "load it without data= and position the data yourself")
+        if data is None and saved.get("data") is not None and rank == 0:
+            log.warning("%s holds a data position (epoch %s, batch %s), which is not restored without data=: "
+                        "pass data=eng.batches(...) (the data the run trains from) to continue where it stopped, "
+                        "or position the data yourself", target, saved["data"].get("epoch"), saved["data"].get("step"))
     except CheckpointError as error:
         problem, cause = str(error), error
     except Exception as error:  # noqa: BLE001 - e.g. a manifest with missing fields
@@ -568,6 +645,22 @@ class _WriteErrors:
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def _serialised(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_bytes(path: Path, content: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        raise CheckpointError(_write_failure(path, error)) from error
 
 
 def _save(path: Path, obj) -> None:

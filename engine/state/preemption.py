@@ -1,5 +1,6 @@
-"""Stop signals: a SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) is only
-remembered when it arrives; the ranks act on it together at a window boundary.
+"""Stop signals: a SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job), or a
+SIGINT (a person's Ctrl-C), is only remembered when it arrives; the ranks act on it together
+at a window boundary.
 
 A signal may reach some ranks and not others, or reach them in different micro-steps, so no
 rank may decide alone where to stop. At every boundary each rank adds what it has received
@@ -14,7 +15,9 @@ handler the signal had before the first of them is put back when the last one cl
 boundary may never come (a rank hung in a collective, a long evaluation, the script past its
 loop), so the same signal delivered again more than ``REPEAT_AFTER_SECONDS`` after the first
 is given to that earlier handler (by default: the process ends); repeats closer together are
-one event sent twice (a launcher and the scheduler both forwarding it). Once the ranks have
+one event sent twice (a launcher and the scheduler both forwarding it). A person who presses
+Ctrl-C twice means "stop now", so for SIGINT that interval is ``INTERACTIVE_REPEAT_SECONDS``:
+the second Ctrl-C raises ``KeyboardInterrupt`` (its default handler) at once. Once the ranks have
 saved for a signal and raised ``Preempted``, that signal is ignored for the rest of the process
 (even after the engine closes), so that the exit code stays ``stop_exit_code``.
 """
@@ -33,9 +36,18 @@ from engine.distributed.collectives import max_over_ranks, peer_lost_as_error
 log = logging.getLogger("engine")
 
 REPEAT_AFTER_SECONDS = 5.0
+# SIGINT comes from a terminal, once per key press (`python -m launch` passes a Ctrl-C on once):
+# a repeat is a person asking to stop now, unless it comes faster than a key can be pressed twice.
+INTERACTIVE_REPEAT_SECONDS = 0.3
 # `python -m launch` names a directory here; each rank that stops for a signal writes its exit
 # code into it, so the launcher can report the workers' code (torchrun, signalled, exits 1).
 STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
+
+
+def repeat_after(sig: signal.Signals) -> float:
+    """Seconds after a first delivery of ``sig`` from which a repeat is a new request to stop
+    at once rather than the same event delivered twice."""
+    return INTERACTIVE_REPEAT_SECONDS if sig == signal.SIGINT else REPEAT_AFTER_SECONDS
 
 
 class Preempted(SystemExit):
@@ -138,7 +150,7 @@ class _Handlers:
             log.warning("%s already had a handler (%r): while the engine is open it saves and stops at the next "
                         "boundary instead; a second %s more than %g s after the first goes to that handler, "
                         "which gets the signal back when the engine closes",
-                        sig.name, slot.previous, sig.name, REPEAT_AFTER_SECONDS)
+                        sig.name, slot.previous, sig.name, repeat_after(sig))
 
     def remove(self, sig: signal.Signals, listener: StopSignals) -> None:
         slot = self.slots.get(sig)
@@ -174,10 +186,13 @@ class _Handlers:
             for listener in slot.listeners:
                 if listener.received is None:
                     listener.received = sig
+            if sig == signal.SIGINT:
+                os.write(2, b"[microstep] Ctrl-C (SIGINT): saving at the next window boundary, then stopping; "
+                            b"Ctrl-C again to stop at once without saving\n")
             return
-        if now - slot.first <= REPEAT_AFTER_SECONDS:
+        if now - slot.first <= repeat_after(sig):
             return  # the same event, sent twice
-        os.write(2, f"[microstep] {sig.name} again, {now - slot.first:.0f} s after the first, which no window "
+        os.write(2, f"[microstep] {sig.name} again, {now - slot.first:.1f} s after the first, which no window "
                     "boundary has acted on: handing it to the handler it had before the engine\n".encode())
         previous = self._give_back(sig)
         if callable(previous):

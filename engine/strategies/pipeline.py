@@ -103,7 +103,7 @@ class PipelineParallel(TorchStrategy):
         broadcast_(tensors, src=0)
         self.transform(module)  # checkpoint / compile the blocks before the model is cut
         self._key_order = list(module.state_dict())
-        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split)
+        split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split, self.stages_per_rank)
         pieces = split.pieces
         if self.rank == 0:
             log.info("pipeline: %d stage(s), %s schedule: %s", self.num_stages, self.settings.pipeline.schedule,

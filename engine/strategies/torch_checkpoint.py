@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from engine.distributed.collectives import agree, describe
 from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError
+from engine.state.async_save import defer
 
 
 def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
@@ -36,13 +37,15 @@ def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
                 for key, value in optimizer.state.get(p, {}).items():
                     # a tuple is stored whole (pickled); a tensor as its own entry
                     state.setdefault(names[id(p)], {})[key] = value if torch.is_tensor(value) else (value,)
-        payload = {"model": get_model_state_dict(module),
+        payload = {"model": _model_state(module),
                    "optimizer": {"type": _type_name(optimizer), "param_groups": (_hyperparameters(optimizer),),
                                  "state": state}}
     except Exception as error:  # noqa: BLE001 - agreed on before DCP's own collectives
         problem, cause = f"collecting the model/optimizer state failed: {describe(error)}", error
     agree(problem, cause)
-    _dcp(dcp.save, payload, directory)
+    # checkpoint.async: copied to host memory now, written by the background writer later
+    if not defer(lambda staged: _dcp(dcp.save, staged, directory), payload):
+        _dcp(dcp.save, payload, directory)
 
 
 def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
@@ -57,7 +60,7 @@ def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
     problem, cause, model_state, templates, saved_groups = None, None, None, {}, None
     try:
         saved = FileSystemReader(directory).read_metadata().state_dict_metadata
-        model_state = get_model_state_dict(module)
+        model_state = _model_state(module)
         problem = _model_mismatch(model_state, saved, directory, model_keys)
         small = {"optimizer": {"type": None, "param_groups": None}}
         _dcp(dcp.load, small, directory, local=True)
@@ -88,7 +91,8 @@ def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"reading the model/optimizer state in {directory} failed (the model "
                               f"may be partly loaded: re-create the engine): {describe(error)}") from error
-    set_model_state_dict(module, payload["model"])
+    if payload["model"]:
+        set_model_state_dict(module, payload["model"])
     loaded = payload["optimizer"]["state"]
     index, torch_state, torch_groups = 0, {}, []
     for group, hyper in zip(optimizer.param_groups, saved_groups):
@@ -116,6 +120,14 @@ def read_model_state(directory: str) -> dict[str, torch.Tensor]:
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - library errors, rephrased
         raise CheckpointError(f"cannot read the model state in {directory}: {describe(error)}") from error
     return {key[len("model."):]: value for key, value in model.items()}
+
+
+def _model_state(module: torch.nn.Module) -> dict:
+    """``get_model_state_dict(module)``; {} for a module without state (a pipeline rank whose
+    stages hold no parameters or buffers, e.g. an activation alone), which torch refuses."""
+    if not module.state_dict():
+        return {}
+    return get_model_state_dict(module)
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:

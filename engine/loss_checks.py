@@ -1,0 +1,124 @@
+"""What a ``loss_fn`` must look like, checked where the engine first meets it, so that a
+mistake is named with its fix instead of failing deep inside the engine or inside torch.
+
+Two calls exist (``engine.losses``): without a pipeline ``loss_fn(model, micro_batch)``; on a
+pipeline's last stage ``loss_fn(outputs, labels)`` (no stage holds the whole model). A plain
+function written for the other call is recognised by its first parameter's name, on every rank
+alike before anything runs (a pipeline's other stages never call it, so only a check that
+needs no call says the same thing everywhere). ``@engine.loss_on_outputs`` serves both.
+
+A loss returns a scalar tensor (the mean over the micro-batch), a pair ``(loss_sum,
+num_items)``, or a Hugging Face output with a ``loss``; a pair whose second element is not a
+count (e.g. ``(loss, logits)``) is refused with what was returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from engine.errors import EngineUsageError
+
+# First parameters that say which call a plain function was written for.
+MODEL_NAMES = frozenset({"model", "module", "engine", "eng", "net", "network", "m"})
+OUTPUT_NAMES = frozenset({"outputs", "output", "out", "logits", "preds", "pred", "predictions", "prediction",
+                          "y_pred", "y_hat", "yhat", "input"})  # `input`: torch's own losses, F.* and nn.*Loss
+
+ON_OUTPUTS_FIX = ("write it on the outputs and decorate it with @engine.loss_on_outputs, which serves both calls:\n"
+                  "    @engine.loss_on_outputs\n"
+                  "    def loss_fn(outputs, labels):\n"
+                  "        return F.cross_entropy(outputs, labels)   # a mean, or (loss_sum, num_items)\n"
+                  "and give batches (inputs, labels)")
+
+
+def _parameters(loss_fn) -> list[inspect.Parameter] | None:
+    """``loss_fn``'s parameters as a call sees them (a module's: its forward's), None when
+    Python cannot tell (some builtins)."""
+    target = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    try:
+        return list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _written(parameters: list[inspect.Parameter]) -> str:
+    return "(" + ", ".join(p.name for p in parameters) + ")"
+
+
+def check_loss_signature(loss_fn, on_outputs: bool) -> None:
+    """Refuse a ``loss_fn`` written for the other call, or one that cannot take two arguments
+    (``on_outputs``: a pipeline calls ``loss_fn(outputs, labels)``). Once per function."""
+    try:
+        hash(loss_fn)
+    except TypeError:  # an unhashable callable: checked at every call
+        _check_signature(loss_fn, on_outputs)
+    else:
+        _check_signature_once(loss_fn, on_outputs)
+
+
+def _check_signature(loss_fn, on_outputs: bool) -> None:
+    if hasattr(loss_fn, "on_outputs"):  # @engine.loss_on_outputs: right under both calls
+        return
+    parameters = _parameters(loss_fn)
+    if parameters is None:
+        return
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_more = any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    required = [p for p in positional if p.default is p.empty]
+    call = "loss_fn(outputs, labels)" if on_outputs else "loss_fn(model, micro_batch)"
+    if len(required) > 2 or (len(positional) < 2 and not takes_more):
+        raise EngineUsageError(f"loss_fn: the engine calls {call} (two arguments); yours takes "
+                               f"{_written(parameters)}")
+    first = positional[0].name.lower() if positional else ""
+    if on_outputs and first in MODEL_NAMES:
+        raise EngineUsageError(
+            f"loss_fn: under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the "
+            f"model is spread over the stages: none can call it); yours takes {_written(parameters)}. To train "
+            f"with and without a pipeline, {ON_OUTPUTS_FIX}")
+    if not on_outputs and first in OUTPUT_NAMES:
+        raise EngineUsageError(
+            f"loss_fn: without a pipeline the engine calls loss_fn(model, micro_batch); yours takes "
+            f"{_written(parameters)}, a model's outputs. Decorate it with @engine.loss_on_outputs (the engine then "
+            f"calls the model on each micro-batch's inputs and your function on (outputs, labels), for batches "
+            f"(inputs, labels)), or write loss_fn(model, micro_batch)")
+
+
+_check_signature_once = functools.lru_cache(maxsize=32)(_check_signature)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {', '.join(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(_describe(v) for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+EXPECTED = ("the loss must be a scalar tensor (the mean over the micro-batch) or a pair (loss_sum, num_items), "
+            "e.g. (F.cross_entropy(..., reduction='sum'), (labels != -100).sum())")
+
+
+def checked_count(output, count):
+    """``count`` when the pair ``output`` = (loss_sum, count) holds a count: a number or a
+    one-element tensor."""
+    if isinstance(count, (int, float)) and not isinstance(count, bool):
+        return count
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        return count
+    raise EngineUsageError(
+        f"{EXPECTED}; got {_describe(output)}: a pair is read as (loss_sum, num_items), and "
+        f"{_describe(count)} is not a count. Returning (loss, logits) or (loss, outputs)? Return the loss alone")
+
+
+def unrecognised_loss(output) -> EngineUsageError:
+    """The error for a return that is neither a tensor, a pair, nor an output with a ``loss``."""
+    hint = ""
+    if isinstance(output, dict) and "loss" in output:
+        hint = "; return output['loss']"
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        hint = "; return the loss alone, or (loss_sum, num_items)"
+    return EngineUsageError(f"{EXPECTED}; got {_describe(output)}{hint}")
