@@ -17,7 +17,8 @@ model's SDPA in the same all-to-all (``engine.context.ulysses.UlyssesExchange``,
 the engine's own overhead is in the ratio), backward of each micro-batch's token sum, one
 all-reduce of the gradients per window, divides by the window's token count, steps. Variants
 interleaved, the slowest rank's time, median over rounds; tokens/s counts every padded
-position of the global batch.
+position of the global batch. CPU time per step (mean over ranks, median over rounds) as well:
+on a shared machine, what each variant computes without the time spent waiting for a core.
 
 Results: bench/results/context_w<W>.json (rank 0 prints a table).
 """
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 import engine
 from bench.common import interleaved, save
+from bench.tensor_parallel import cpu_interleaved
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
@@ -145,21 +147,23 @@ def main(argv=None):
         memory.append({"length": length, "context_1_bytes": alone, "context_2_bytes": split,
                        "ratio": split / alone})
         hand = HandUlysses(length, info.rank, size)
-        times = interleaved({"engine": lambda: eng.train_batch(batch, token_sum), "hand": lambda: hand.step(batch)},
-                            rounds=args.rounds, steps=args.steps, distributed=True)
+        runs = {"engine": lambda: eng.train_batch(batch, token_sum), "hand": lambda: hand.step(batch)}
+        times = interleaved(runs, rounds=args.rounds, steps=args.steps, distributed=True)
+        cpu = cpu_interleaved(runs, rounds=args.rounds, steps=args.steps)
         tokens = ROWS * length
         speed.append({"length": length, "engine_s": times["engine"], "hand_s": times["hand"],
                       "engine_tokens_per_s": tokens / times["engine"], "hand_tokens_per_s": tokens / times["hand"],
-                      "ratio": times["engine"] / times["hand"]})
+                      "ratio": times["engine"] / times["hand"], "engine_cpu_s": cpu["engine"],
+                      "hand_cpu_s": cpu["hand"], "cpu_ratio": cpu["engine"] / cpu["hand"]})
         eng.close()
     if info.rank == 0:
         load = os.getloadavg()
         print(f"context {size} on {info.world_size} ranks (load {load[0]:.1f})")
-        print("length  activations/rank ctx1  ctx2      ratio | engine tok/s  hand tok/s  engine/hand time")
+        print("length  activations/rank ctx1  ctx2      ratio | engine tok/s  hand tok/s  engine/hand: time  CPU time")
         for m, s in zip(memory, speed):
             print(f"{m['length']:6d}  {m['context_1_bytes'] / 2**20:16.1f} MiB {m['context_2_bytes'] / 2**20:6.1f} MiB "
                   f"{m['ratio']:.2f} | {s['engine_tokens_per_s']:12.0f} {s['hand_tokens_per_s']:11.0f} "
-                  f"{s['ratio']:.3f}")
+                  f"{s['ratio']:17.3f} {s['cpu_ratio']:9.3f}")
         save(f"context_w{info.world_size}", {"load_average": load, "rows": ROWS, "micro_batch": MICRO,
                                              "memory": memory, "speed": speed})
     dist.destroy_process_group()
