@@ -184,6 +184,7 @@ def two_rank_scenarios(directory):
         "gpt sum": gpt_script,
         "gpt mean": functools.partial(gpt_script, loss=token_loss_mean),
         "gpt checkpointing": functools.partial(gpt_script, extra=CHECKPOINTING),
+        "gpt compiled": functools.partial(gpt_script, extra={"compile": {"enabled": True, "backend": "aot_eager"}}),
         "llama token budget": llama_token_budget,
         "llama eager attention": functools.partial(llama_script, attention="eager"),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
