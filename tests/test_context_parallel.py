@@ -22,6 +22,7 @@ from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import load_config
 from engine.context.parallel import context_groups
 from engine.context.sharding import ContextShards, check_right_padding, shard_batch, shift_labels
+from engine.context.ulysses import UlyssesExchange
 from engine.distributed.mesh import MeshLayout
 from engine.errors import BatchConfigError, ConfigError, EngineUsageError
 from examples.gpt import GPT, GPTConfig
@@ -58,14 +59,14 @@ def llama(attention="sdpa"):
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.float64)
 
 
-def padded_rows(steps, lengths=LENGTHS, vocab=13, seed=5):
+def padded_rows(steps, lengths=LENGTHS, vocab=13, seed=5, width=WIDTH):
     """Right-padded rows of the given real lengths: input_ids, attention_mask, labels = input_ids
     with -100 at the padding (as a Hugging Face collator makes them)."""
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (len(lengths), WIDTH), generator=g)
-        mask = (torch.arange(WIDTH)[None, :] < torch.tensor(lengths)[:, None]).long()
+        ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         ids = ids * mask
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return batches
@@ -86,8 +87,9 @@ def gpt_batches(steps, global_batch=8):
 
 
 # -- scenarios: each runs on every rank -----------------------------------------------------------
-def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None, attention="sdpa"):
-    model, batches = llama(attention), padded_rows(2)
+def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None, attention="sdpa",
+                 width=WIDTH):
+    model, batches = llama(attention), padded_rows(2, lengths=[min(n, width) for n in LENGTHS], width=width)
     expected = reference_train(model, batches, model_loss, sgd)
     eng = breaking(engine.initialize(copy.deepcopy(model), config(2, stage=stage, **(extra or {})), optimizer=sgd))
     losses = []
@@ -187,6 +189,7 @@ def two_rank_scenarios(directory):
         "gpt compiled": functools.partial(gpt_script, extra={"compile": {"enabled": True, "backend": "aot_eager"}}),
         "llama token budget": llama_token_budget,
         "llama eager attention": functools.partial(llama_script, attention="eager"),
+        "llama rows of 14 tokens, padded by the engine": functools.partial(llama_script, width=14),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
         "different rows": different_rows,
     }
@@ -267,10 +270,21 @@ def test_labels_are_shifted_before_the_split_and_counted_over_the_whole_sequence
     assert "shift_labels" not in aligned.batch and aligned.batch["labels"].shape == (8, 8)
 
 
-def test_a_length_the_context_cannot_split_is_refused_naming_the_fix():
+def test_a_length_the_context_cannot_split_is_padded_with_labels_and_refused_without():
     with pytest.raises(EngineUsageError, match=r"a sequence of 10 tokens does not cut into 4 equal chunks .*"
                                                r"pad_to_multiple_of=4"):
         shard_batch({"input_ids": torch.zeros(2, 10, dtype=torch.long)}, ContextShards(2, 0), shift=True)
+    batch = padded_rows(1, lengths=[10, 3], width=10)[0]
+    parts = [shard_batch(batch, ContextShards(2, index), shift=True) for index in range(2)]
+    assert all(part.padded == 2 and part.batch["input_ids"].shape == (2, 6) for part in parts)
+    assert sum(int(part.tokens) for part in parts) == 9 + 2
+    assert int(parts[0].batch["attention_mask"][0, -1]) == 0  # rank 0's tail ends in the added padding
+    exchange = UlyssesExchange(ContextShards(2, 0), None)
+    exchange.padded = True
+    exchange.check_causal(True, "LlamaAttention")
+    with pytest.raises(EngineUsageError, match="attends without a causal mask, and this micro-batch's sequences were "
+                                               "padded"):
+        exchange.check_causal(False, "BertSelfAttention")
 
 
 def test_left_padding_is_refused():

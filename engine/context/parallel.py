@@ -66,6 +66,7 @@ class ContextParallel:
         self.exchange = UlyssesExchange(self.shards, self.group)
         self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
         self.shift = labels == "shift"
+        self._told_padding = False
         self._tokens = None  # the real tokens of the micro-step being run (after shard)
 
     # -- the model ------------------------------------------------------------------------------
@@ -153,6 +154,11 @@ class ContextParallel:
             self._check_same_rows(batch)
         sharded = shard_batch(batch, self.shards, shift=self.shift)
         self._tokens = sharded.tokens
+        self.exchange.padded = sharded.padded > 0
+        if sharded.padded and not self._told_padding:
+            self._told_padding = True
+            log.info("context_parallel: sequences padded on the right by %d column(s) to cut into %d equal chunks "
+                     "(labels -100 there; shown once)", sharded.padded, self.shards.chunks)
         return sharded.batch
 
     def _check_same_rows(self, batch) -> None:

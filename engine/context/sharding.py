@@ -20,7 +20,11 @@ S), with:
   whole sequence holds, summed over the group (counting after a split-then-shift would lose
   one token per shard seam);
 * the attention mask checked to be right padding (a prefix of ones per row): under causal
-  attention a real token never sees the padding after it, so the mask needs no splitting.
+  attention a real token never sees the padding after it, so the mask needs no splitting;
+* a length that does not cut into equal chunks padded on the right to the next multiple when
+  the batch has ``labels`` (-100 there, mask 0, other tensors 0): under causal attention the
+  real tokens and their losses are those of the unpadded batch (``ShardedBatch.padded`` says
+  so, and the exchange refuses non-causal attention then). Without labels it is refused.
 
 Positions (:func:`shard_positions`) are the shard's tokens' places in the whole sequence, for
 a model's ``position_ids`` (rotary embeddings, position tables).
@@ -60,7 +64,8 @@ class ContextShards:
                 f"(2 × context size {self.size}: each rank holds a head and a tail chunk, which balances causal "
                 f"attention); {length} % {multiple} = {length % multiple}. Pad every batch's sequences to a multiple "
                 f"of {multiple} (e.g. tokenizer(..., padding=True, pad_to_multiple_of={multiple}), labels -100 at "
-                f"the padding), or choose a context size that divides the lengths")
+                f"the padding), or hand a mapping batch with its 'labels' (-100 at padding): the engine then pads "
+                f"on the right itself")
 
     def positions(self, length: int, index: int | None = None, device=None) -> torch.Tensor:
         """The places in a sequence of ``length`` tokens of rank ``index``'s tokens (default: this rank's)."""
@@ -128,11 +133,13 @@ def check_right_padding(mask: torch.Tensor) -> None:
 
 @dataclass
 class ShardedBatch:
-    """A rank's part of a batch: ``batch`` (same structure) and the real tokens it holds
-    (labels other than -100, as a 0-dim tensor; None when the batch has no ``labels``)."""
+    """A rank's part of a batch: ``batch`` (same structure), the real tokens it holds (labels
+    other than -100, as a 0-dim tensor; None when the batch has no ``labels``) and the columns
+    of padding added to make the length cut into equal chunks."""
 
     batch: object
     tokens: torch.Tensor | None
+    padded: int = 0
 
 
 def shard_batch(batch, shards: ContextShards, *, shift: bool) -> ShardedBatch:
@@ -144,15 +151,21 @@ def shard_batch(batch, shards: ContextShards, *, shift: bool) -> ShardedBatch:
         raise EngineUsageError(
             "context_parallel: the batch holds no tensor of shape (rows, sequence, ...) to split over the context "
             "ranks; give the input ids as a 2-D tensor (a mapping's input_ids or tokens)")
-    shards.check_length(length)
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        shards.check_length(length)
+        labels = None
     if not isinstance(batch, Mapping):
         return ShardedBatch(_split_sequences(batch, shards, length), None)
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         check_right_padding(mask)
+    padded = -length % shards.chunks
+    if padded:
+        batch = {key: _pad_sequences(key, value, length, padded) for key, value in batch.items()}
+        length, labels = length + padded, batch["labels"]
     sharded = {key: _split_sequences(value, shards, length) for key, value in batch.items()}
-    labels = batch.get("labels")
-    if not isinstance(labels, torch.Tensor):
+    if labels is None:
         return ShardedBatch(sharded, None)
     if shift:
         sharded["labels"] = sharded["shift_labels"] = shards.split(shift_labels(labels))
@@ -160,7 +173,18 @@ def shard_batch(batch, shards: ContextShards, *, shift: bool) -> ShardedBatch:
     if shift:
         # The model divides its shard's sum by this: its mean over the shard's real tokens, 0 for none.
         sharded["num_items_in_batch"] = tokens.clamp(min=1)
-    return ShardedBatch(sharded, tokens)
+    return ShardedBatch(sharded, tokens, padded)
+
+
+_PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
+
+
+def _pad_sequences(key, value, length: int, columns: int):
+    """``value`` with ``columns`` columns of padding after its ``length`` ones (a sequence tensor)."""
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length):
+        return value
+    pad = value.new_full((value.shape[0], columns, *value.shape[2:]), _PAD_VALUES.get(key, 0))
+    return torch.cat([value, pad], dim=1)
 
 
 def _split_sequences(value, shards: ContextShards, length: int):

@@ -64,6 +64,7 @@ class UlyssesExchange:
 
     def __init__(self, shards: ContextShards, group):
         self.shards, self.group = shards, group
+        self.padded = False  # the micro-step's sequences were padded to cut into equal chunks
         self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _order(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +74,14 @@ class UlyssesExchange:
             gathered = self.shards.gathered_positions(length, device)
             self._orders[key] = (torch.argsort(gathered), gathered)
         return self._orders[key]
+
+    def check_causal(self, causal: bool, what: str) -> None:
+        """Raise when attention that is not causal meets padding the engine added (it would attend to it)."""
+        if self.padded and not causal:
+            raise EngineUsageError(
+                f"context_parallel: {what} attends without a causal mask, and this micro-batch's sequences were "
+                f"padded on the right to cut into {self.shards.chunks} equal chunks: the real tokens would attend to "
+                f"that padding. Pad every batch's sequences to a multiple of {self.shards.chunks} yourself")
 
     def check_heads(self, heads: int, what: str) -> None:
         size = self.shards.size
@@ -136,10 +145,11 @@ def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange
         if not activity.on:
             return inner(module, query, key, value, attention_mask, **kwargs)
         what = type(module).__name__
+        causal = getattr(module, "is_causal", True)
+        exchange.check_causal(causal, what)
         query, key, value = (exchange.to_sequence(t, what) for t in (query, key, value))
         # The shard's positions: flash attention would read their jumps as packed sequences.
         kwargs.pop("position_ids", None)
-        causal = getattr(module, "is_causal", True)
         mask = None if implementation in SELF_MASKING or not causal else causal_mask(query.shape[-2], query.dtype,
                                                                                     query.device)
         output, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, sequence, heads / N, d)
@@ -166,6 +176,7 @@ class SequenceAttention(TorchFunctionMode):
                 "rows and columns cover one rank's shard of the sequence, not the whole sequence the exchange "
                 "attends over. Use is_causal=True (right padding needs no mask under causal attention)")
         self.calls += 1
+        self.exchange.check_causal(kwargs.get("is_causal", rest[2] if len(rest) > 2 else False), self.what)
         query, key, value = (self.exchange.to_sequence(t, self.what) for t in (query, key, value))
         return self.exchange.to_heads(func(query, key, value, *rest, **kwargs))
 
