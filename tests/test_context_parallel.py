@@ -21,7 +21,7 @@ import engine
 from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import load_config
 from engine.context.parallel import context_groups
-from engine.context.sharding import ContextShards, check_right_padding, shard_batch, shift_labels
+from engine.context.sharding import ContextShards, check_right_padding, label_convention, shard_batch, shift_labels
 from engine.context.ulysses import UlyssesExchange
 from engine.distributed.mesh import MeshLayout
 from engine.errors import BatchConfigError, ConfigError, EngineUsageError
@@ -268,6 +268,18 @@ def test_labels_are_shifted_before_the_split_and_counted_over_the_whole_sequence
     assert int(parts[1].tokens) < whole and int(parts[1].batch["num_items_in_batch"]) >= 1
     aligned = shard_batch({"tokens": batch["input_ids"], "labels": batch["labels"]}, ContextShards(2, 0), shift=False)
     assert "shift_labels" not in aligned.batch and aligned.batch["labels"].shape == (8, 8)
+
+
+def test_auto_labels_tell_hugging_face_labels_from_next_token_labels():
+    batch = padded_rows(1)[0]
+    assert label_convention(batch) == "shift"  # labels = input_ids, -100 at padding
+    ids = batch["input_ids"]
+    aligned = {"input_ids": ids, "labels": shift_labels(batch["labels"])}
+    assert label_convention(aligned) == "aligned"
+    aligned["labels"][0, -1] = 7  # the last column's target (beyond the row) is not compared
+    assert label_convention(aligned) == "aligned"
+    assert label_convention({"input_ids": ids, "labels": torch.randint(0, 13, ids.shape)}) == "shift"
+    assert label_convention({"tokens": ids, "labels": ids}) is None
 
 
 def test_a_length_the_context_cannot_split_is_padded_with_labels_and_refused_without():

@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from engine.context.sharding import ContextShards, shard_batch
+from engine.context.sharding import ContextShards, label_convention, shard_batch
 from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
 from engine.distributed.mesh import MeshLayout
 from engine.errors import ConfigError, EngineUsageError
@@ -67,6 +67,7 @@ class ContextParallel:
         self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
         self.shift = labels == "shift"
         self._told_padding = False
+        self._labels_read = True  # labels: shift / aligned, or auto once decided
         self._tokens = None  # the real tokens of the micro-step being run (after shard)
 
     # -- the model ------------------------------------------------------------------------------
@@ -76,6 +77,7 @@ class ContextParallel:
         hugging_face = _attention_implementation(model) is not None
         if self.labels == "auto":
             self.shift = hugging_face and getattr(model, "loss_type", None) == "ForCausalLM"
+            self._labels_read = not self.shift  # a causal LM's first labelled batch says which convention
         if hugging_face:
             self._wrap_hugging_face(model)
         else:
@@ -152,6 +154,8 @@ class ContextParallel:
         real tokens are kept for :meth:`item_weighted`."""
         if self._checks_left:
             self._check_same_rows(batch)
+        if not self._labels_read:
+            self._read_label_convention(batch)
         sharded = shard_batch(batch, self.shards, shift=self.shift)
         self._tokens = sharded.tokens
         self.exchange.padded = sharded.padded > 0
@@ -160,6 +164,20 @@ class ContextParallel:
             log.info("context_parallel: sequences padded on the right by %d column(s) to cut into %d equal chunks "
                      "(labels -100 there; shown once)", sharded.padded, self.shards.chunks)
         return sharded.batch
+
+    def _read_label_convention(self, batch) -> None:
+        """``labels: auto`` on a Hugging Face causal LM: its first labelled batch says whether the
+        labels are the input ids (shifted before the split: the model shifts them) or the next
+        tokens already (kept as they are, for a loss written on the logits). Decided once."""
+        convention = label_convention(batch)
+        if convention is None:
+            return
+        self._labels_read = True
+        if convention == "aligned":
+            self.shift = False
+            log.info("context_parallel: the labels are the next tokens already (labels[t] = input_ids[t + 1]): "
+                     "taken as aligned with positions, not shifted (context_parallel.labels: shift or aligned "
+                     "says it explicitly)")
 
     def _check_same_rows(self, batch) -> None:
         """Raise on every rank when the ranks of a context group were handed different rows

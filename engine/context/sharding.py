@@ -95,6 +95,24 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
+def label_convention(batch) -> str | None:
+    """Which convention a mapping batch's ``labels`` follow against its ``input_ids``: ``"shift"``
+    (they are the input ids where labelled: Hugging Face's, the model shifts them), ``"aligned"``
+    (they are the next input ids: already aligned with positions), or None (no labels or input
+    ids to compare). Labels that are neither, or both (a row of one repeated token), are
+    Hugging Face's."""
+    if not isinstance(batch, Mapping):
+        return None
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    if not (isinstance(ids, torch.Tensor) and isinstance(labels, torch.Tensor)) or ids.shape != labels.shape:
+        return None
+    labelled = labels != IGNORE_INDEX
+    as_inputs = bool((labels == ids)[labelled].all())
+    # the last column's target lies beyond the row: it cannot be compared
+    as_next = bool((labels[:, :-1] == ids[:, 1:])[labelled[:, :-1]].all())
+    return "aligned" if as_next and not as_inputs else "shift"
+
+
 def sequence_length(batch) -> int | None:
     """S of a batch: dim 1 of its input ids (``input_ids`` / ``tokens`` of a mapping, else its
     first tensor of two or more dimensions); None when it holds none."""
