@@ -138,6 +138,27 @@ def llama_token_budget(rank, world):
             "padded": eng.last_window.padded_tokens, "real": eng.last_window.real_tokens}
 
 
+def deepspeed_script(rank, world):
+    """A DeepSpeed Ulysses script, unchanged: ``import engine.compat.deepspeed as deepspeed``, its
+    JSON with ``sequence_parallel_size``, the manual loop on the model's own loss."""
+    import engine.compat.deepspeed as deepspeed
+
+    model, batches = llama(), padded_rows(2)
+    expected = reference_train(model, batches, model_loss, sgd)
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    model_engine, *_ = deepspeed.initialize(model=copy.deepcopy(model), config=config)
+    rows = model_engine.train_micro_batch_size_per_gpu()
+    for batch in batches:
+        mine = rank_slice(batch, model_engine.engine.plan)
+        for start in range(0, len(mine["input_ids"]), rows):
+            loss = model_engine(**{k: v[start:start + rows] for k, v in mine.items()}).loss
+            model_engine.backward(loss)
+            model_engine.step()
+    return {"diff": max_param_diff(model_engine.engine.full_state_dict(), state(expected)),
+            "data": model_engine.dp_world_size}
+
+
 def different_rows(rank, world):
     """Each rank slices the data by its global rank (a script unaware of the context group)."""
     model, batch = llama(), padded_rows(1, lengths=LENGTHS * 2)[0]
@@ -192,6 +213,7 @@ def two_rank_scenarios(directory):
         "llama rows of 14 tokens, padded by the engine": functools.partial(llama_script, width=14),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
         "different rows": different_rows,
+        "llama through the DeepSpeed facade": deepspeed_script,
     }
 
 
@@ -208,6 +230,9 @@ def check(results, llama_data):
                 assert result["diff"] > MISSED, (name, result["diff"])
                 continue
             assert result["diff"] < tolerance, (name, result["diff"])
+            if "DeepSpeed" in name:
+                assert result["data"] == llama_data
+                continue
             if "resumed" in name:
                 assert result["steps"] == 2
                 continue
