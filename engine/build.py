@@ -13,12 +13,11 @@ from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
-from engine.context.parallel import ContextParallel
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
 from engine.pipeline_windows import PipelineWindows
-from engine.precision import check_autocast_computes
+from engine.precision.policy import check_autocast_computes
 from engine.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
@@ -91,15 +90,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     fixed = not plan.is_provisional and plan.micro_batch_tokens is None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
     optimizer = _materialise_optimizer(optimizer, model, config)
-    # context_parallel (issue 31): the attention exchange and the shard's positions, installed on
-    # the model before the strategy wraps or shards it.
-    context = None
-    if setup.mesh.context > 1:
-        section = config.context_parallel
-        context = ContextParallel(setup.mesh, dist_info.rank, method=section.method, labels=section.labels,
-                                  device=dist_info.device, check_micro_batches=section.check_micro_batches)
-        context.apply(model)
     strategy.setup(model, optimizer)
+    context = strategy.context  # context_parallel: installed by the strategy's parallelize
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     pipeline = schedule_steps = None

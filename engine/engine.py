@@ -294,6 +294,15 @@ class Engine:
         measured there (``engine.memory.PeakMeter``); otherwise nothing."""
         return self._peak.forward() if self._recording else contextlib.nullcontext()
 
+    def micro_step_weight(self, samples: int, item_weighted: bool) -> float:
+        """What a micro-batch's loss is multiplied by before its backward, in every window runner:
+        its share (samples for a mean, 1 for a sum, 0 for a zero-weight step) × W / G, W the ranks
+        the gradients are averaged over and G the planned (or nominal) global batch. W is the data
+        ranks, times the context ranks under context parallelism: gradients are averaged over data
+        × context ranks, and the parts of one sequence add up (engine.context.parallel)."""
+        ranks = self.plan.world_size * (self.context.size if self.context is not None else 1)
+        return _share(samples, item_weighted) * ranks / self._weighting_batch()
+
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
         ``engine.pipeline_windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
@@ -598,13 +607,10 @@ class Engine:
             # The automatic micro size agrees on each window's failures instead.
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
-        share = _share(samples, item_weighted)
-        # W: the data-parallel ranks, over which the strategy averages gradients; with context
-        # parallelism it averages over data × context ranks, whose parts of a sequence add up.
-        ranks = self.plan.world_size * (self.context.size if self.context is not None else 1)
         with self._context_running():
-            self.strategy.backward(loss, share * ranks / self._weighting_batch())
-        self._count_micro_step(loss, units, samples, share, item_weighted, exact_counts=exact_counts)
+            self.strategy.backward(loss, self.micro_step_weight(samples, item_weighted))
+        self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted,
+                               exact_counts=exact_counts)
 
     def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool, *,
                           exact_counts: bool) -> None:

@@ -71,7 +71,6 @@ class PipelineWindows(WindowRunner):
         sizes = [n for _, n in pieces]
         engine.start_window()
         engine.planned_window(split)
-        weight = self.strategy.mesh.data / engine.window_split.weighting_batch(engine.plan)
         records = _Records(len(pieces))
 
         def weighted_loss(outputs, index):
@@ -88,7 +87,7 @@ class PipelineWindows(WindowRunner):
                 self._failed(records, error)
                 return _zero_from(outputs)
             records.put(k, loss, sizes[k], count, item_weighted)
-            return loss * ((1 if item_weighted else sizes[k]) * weight)
+            return loss * engine.micro_step_weight(sizes[k], item_weighted)
 
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks

@@ -10,7 +10,7 @@ import torch
 
 import engine
 from engine.batching.microbatch import split_batch
-from engine.precision import LossScaler
+from engine.precision.loss_scaler import LossScaler
 from tests import broken
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, mse, reference_train, regression_batches, sgd, state

@@ -19,7 +19,7 @@ import engine
 from engine.batching.microbatch import split_batch
 from engine.config.schema import load_config
 from engine.errors import ConfigError, EngineUsageError
-from engine.strategies.parallelize import mlp_pairs, model_plan, resolve_plan
+from engine.strategies.tensor_plan import mlp_pairs, model_plan, resolve_plan
 from tests.broken import unreduced_replicated_gradients
 from tests.dist_utils import run_scenarios
 from tests.reference import (
@@ -74,7 +74,7 @@ def clipped_mean(rank, world, stage, broken=False):
         norms.append(float(eng.last_window.step.grad_norm))
     full = eng.full_state_dict()
     return {"diff": max_param_diff(full, state(ref)), "norms": norms, "expected_norms": expected_norms,
-            "keys": list(full), "model_keys": list(model.state_dict()), "strategy": type(eng.strategy).__name__,
+            "keys": list(full), "model_keys": list(model.state_dict()), "strategy": eng.strategy.name,
             "plan_world": eng.plan.world_size, "plan_rank": eng.plan.rank}
 
 
@@ -271,8 +271,7 @@ def check(results, world):
             assert all(norm > 0.5 for norm in result["expected_norms"])  # clipping acted
             assert result["keys"] == result["model_keys"]  # the model's own names, whole
             assert (result["plan_world"], result["plan_rank"]) == (data, rank // 2)
-            assert result["strategy"] == ("TensorParallel", "TensorParallelZero1", "TensorFullySharded",
-                                          "TensorFullySharded")[stage]
+            assert result["strategy"] == ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[stage]
         for result in results[("balanced tokens", stage)]:
             assert result["diff"] < TOL and result["samples"] == 21
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-12)

@@ -26,11 +26,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from engine.context.sharding import ContextShards, label_convention, shard_batch
+from engine.context.sharding import ContextShards, label_convention, shard_batch, tensors
 from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
-from engine.distributed.mesh import MeshLayout
+from engine.distributed.mesh import MeshGroups, MeshLayout
 from engine.errors import ConfigError, EngineUsageError
-from engine.strategies.tensor_parallel import input_fingerprint
+from engine.strategies.same_batch import input_fingerprint
 
 log = logging.getLogger("engine")
 _POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
@@ -53,16 +53,13 @@ def resolve_method(method: str, device_type: str) -> str:
 class ContextParallel:
     """One rank's context group: splits batches, wraps the model's attention, weighs its losses."""
 
-    def __init__(self, mesh: MeshLayout, rank: int, *, method: str, labels: str, device: torch.device,
-                 check_micro_batches: int = 0):
-        self.size, self.mesh, self.device = mesh.context, mesh, device
+    def __init__(self, mesh: MeshLayout, groups: MeshGroups, *, method: str, labels: str, check_micro_batches: int = 0):
+        self.size, self.mesh = mesh.context, mesh
         self._checks_left, self._checked = check_micro_batches, 0
-        self.method = resolve_method(method, device.type)
+        self.method = resolve_method(method, groups.device_mesh.device_type)
         self.labels = labels
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        groups = [(ranks, dist.new_group(ranks)) for ranks in context_groups(mesh)]
-        self.group = next(group for ranks, group in groups if rank in ranks)
-        self.shards = ContextShards(self.size, mesh.coordinates(rank).context)
+        self.group = groups.group(("context",))  # None: the context group is the whole world
+        self.shards = ContextShards(self.size, mesh.coordinates(groups.rank).context)
         self.exchange = UlyssesExchange(self.shards, self.group)
         self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
         self.shift = labels == "shift"
@@ -184,7 +181,8 @@ class ContextParallel:
         (one all-gather of a fingerprint over the world: every rank learns every group's verdict)."""
         self._checks_left -= 1
         self._checked += 1
-        mine = input_fingerprint((batch,), {}, self.device)
+        device = next((t.device for t in tensors(batch)), torch.device("cpu"))  # the compute device
+        mine = input_fingerprint((batch,), {}, device)
         everyone = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
         dist.all_gather(everyone, mine)
         differing = [ranks for ranks in context_groups(self.mesh)

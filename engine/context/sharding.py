@@ -121,21 +121,22 @@ def sequence_length(batch) -> int | None:
             value = batch.get(key)
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
                 return value.shape[1]
-    for tensor in _tensors(batch):
+    for tensor in tensors(batch):
         if tensor.dim() >= 2:
             return tensor.shape[1]
     return None
 
 
-def _tensors(batch):
+def tensors(batch):
+    """Every tensor in a batch of mappings, tuples and lists."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            yield from _tensors(value)
+            yield from tensors(value)
     elif isinstance(batch, (tuple, list)):
         for value in batch:
-            yield from _tensors(value)
+            yield from tensors(value)
 
 
 def check_right_padding(mask: torch.Tensor) -> None:

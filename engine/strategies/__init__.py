@@ -1,4 +1,18 @@
-"""The strategy a resolved ``engine.setup.Setup`` names, built on the joined process group."""
+"""The holder a resolved ``engine.setup.Setup`` asks for, built on the joined process group.
+
+One holder per way the data dimension holds the model, each composing the model-parallel
+dimensions the same way (``engine.strategies.parallelize``) on the mesh's groups:
+
+* ``DataParallel`` (``ddp.py``): DDP, gradients all-reduced in the window's closing backward
+  (ZeRO 0; ZeRO 1 with the optimizer state owned, ``zero1.py``), on a mesh of data ranks;
+* ``Replicas`` (``replicas.py``): replicas averaged after the window (one process, low-precision
+  parameters at ZeRO 0 / 1, a tensor dimension at ZeRO 0 / 1);
+* ``FullyShardedDataParallel`` (``fsdp.py``): FSDP2 over the data dimension, reducing per
+  micro-step or deferred (ZeRO 2 / 3, offload), tensor-split layers included;
+* ``PipelineParallel`` (``pipeline.py``): stages on a schedule, each whole or sharded on its data
+  replicas, tensor-split or not;
+* ``DeepSpeedStrategy`` (``deepspeed.py``): DeepSpeed's own engine.
+"""
 
 from __future__ import annotations
 
@@ -13,36 +27,18 @@ __all__ = ["make_strategy"]
 
 
 def make_strategy(setup: Setup, dist_info: DistInfo):
-    """The strategy ``setup.strategy`` names (imported lazily: ``import engine`` never imports
+    """The holder ``setup.holder`` names (imported lazily: ``import engine`` never imports
     DeepSpeed or FSDP)."""
     if setup.strategy == "single" and setup.stage > 0:
         log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
-    if setup.strategy == "deepspeed":
+    if setup.holder == "deepspeed":
         from engine.strategies.deepspeed import DeepSpeedStrategy as chosen
-    elif setup.strategy in ("single", "ddp") and setup.precision.low_precision_parameters:
-        from engine.strategies.low_precision import LowPrecisionReplicas as chosen
-    elif setup.strategy == "zero1" and setup.precision.low_precision_parameters:
-        from engine.strategies.low_precision import LowPrecisionShardedOptimizer as chosen
-    elif setup.strategy == "single":
-        from engine.strategies.single import SingleProcess as chosen
-    elif setup.strategy == "pipeline":
+    elif setup.holder == "pipeline":
         from engine.strategies.pipeline import PipelineParallel as chosen
-    elif setup.strategy == "pipeline_fsdp":
-        from engine.strategies.pipeline import ShardedPipelineParallel as chosen
-    elif setup.strategy == "tensor_pipeline":
-        from engine.strategies.tensor_pipeline import TensorPipelineParallel as chosen
-    elif setup.strategy == "tensor_pipeline_fsdp":
-        from engine.strategies.tensor_pipeline import ShardedTensorPipelineParallel as chosen
-    elif setup.strategy == "ddp":
-        from engine.strategies.ddp import DataParallel as chosen
-    elif setup.strategy == "tensor":
-        from engine.strategies.tensor_parallel import TensorParallel as chosen
-    elif setup.strategy == "tensor_zero1":
-        from engine.strategies.tensor_parallel import TensorParallelZero1 as chosen
-    elif setup.strategy == "tensor_fsdp":
-        from engine.strategies.tensor_parallel import TensorFullySharded as chosen
-    elif setup.strategy == "zero1":
-        from engine.strategies.zero1 import ShardedOptimizerDataParallel as chosen
-    else:
+    elif setup.holder == "fsdp":
         from engine.strategies.fsdp import FullyShardedDataParallel as chosen
+    elif setup.holder == "ddp":
+        from engine.strategies.ddp import DataParallel as chosen
+    else:
+        from engine.strategies.replicas import Replicas as chosen
     return chosen(setup, dist_info)

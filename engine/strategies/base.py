@@ -19,13 +19,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from engine.adapters import torch_internals
-from engine.distributed.collectives import broadcast_, failure_vote, sum_of_squares
+from engine.distributed.collectives import average_used_gradients_, broadcast_, check_peers, failure_vote
+from engine.distributed.mesh import GRADIENT_REDUCTION, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
-from engine.model_transforms import transform_model
-from engine.precision import Precision, scale_
+from engine.errors import EngineUsageError
+from engine.precision.loss_scaler import scale_
+from engine.precision.policy import precision_policy
 from engine.setup import Setup
+from engine.strategies.gradients import local, squares_share
+from engine.strategies.parallelize import parallelize
+from engine.strategies.same_batch import SameBatchCheck
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
 
 
@@ -64,12 +70,14 @@ class Strategy(ABC):
     name: str  # short name recorded in checkpoints ("ddp", "fsdp", ...)
     checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
-    group = None  # process group of the strategy's gradient collectives (None: the default)
     # Whether a forward issues collectives (parameters gathered): the engine then has the ranks
     # compare their positions before every training forward, not only at a window's first.
     forward_communicates = False
     # activation_checkpointing: auto: the switch of the model's checkpointed blocks (the tuner flips it)
     checkpoint_switch = None
+    # context_parallel: the context dimension's batch split and attention exchange
+    # (engine.context.parallel), which the engine drives; None without a context dimension
+    context = None
     # Whether a window may issue collectives before the backward that closes it (a reduction in
     # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
     # positions at the window's start too, not only before that backward.
@@ -77,7 +85,15 @@ class Strategy(ABC):
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
+        self.mesh = setup.mesh
         self.rank, self.world_size, self.device = dist_info.rank, dist_info.world_size, dist_info.device
+        # The mesh's process groups (engine.distributed.mesh.MeshGroups); None where every rank is a
+        # data rank, whose groups are all the world's.
+        self.groups = None
+
+    def group_of(self, dims: tuple[str, ...]):
+        """The process group of this rank's mesh group spanning ``dims`` (None: the world)."""
+        return None if self.groups is None else self.groups.group(dims)
 
     @abstractmethod
     def setup(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -128,13 +144,14 @@ class Strategy(ABC):
     def zero_grad(self) -> None: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of a small tensor over ranks (window statistics)."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor)
+        """Sum of a small tensor over the window-statistics group (data × context: every row and
+        token once; the tensor and pipeline ranks of one data index share its batch)."""
+        if self.mesh.size(WINDOW_STATISTICS) > 1:
+            dist.all_reduce(tensor, group=self.group_of(WINDOW_STATISTICS))
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Maximum of a small tensor over ranks."""
+        """Maximum of a small tensor over every rank (an overflow on any stage or shard counts everywhere)."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
@@ -157,9 +174,18 @@ class Strategy(ABC):
     def gathered(self, modifier_rank: int | None):
         """Whole parameters in ``self.module`` for the block (they are whole here); afterwards
         ``modifier_rank``'s values, when given, are every rank's. Collective."""
+        self.check_gatherable()
         yield
         if modifier_rank is not None and self.world_size > 1:
             broadcast_([p.detach() for p in self.module.parameters()], src=modifier_rank)
+
+    def check_gatherable(self) -> None:
+        """Raise where whole parameters cannot be gathered on one rank: a mesh that splits the model."""
+        if not self.mesh.is_data_parallel_only:
+            raise EngineUsageError(
+                f"gathered parameters (GatheredParameters, eng.gathered_parameters) are not available under "
+                f"{self.mesh.describe()}: each rank holds its own pieces of the model; read the whole model with "
+                "eng.full_state_dict(), change it through a checkpoint (eng.load_checkpoint)")
 
     # -- checkpoints (engine.state.checkpoint) ---------------------------------------------------
     def save_training_state(self, directory: str) -> None:
@@ -187,7 +213,13 @@ class Strategy(ABC):
         Returns {rank: failure} of the ranks that failed, the same everywhere."""
         if self.world_size == 1:
             return {self.rank: failure} if failure else {}
-        return failure_vote(failure, self.rank, self.world_size, self.device, self.group)
+        # On the whole world, as every guard's check (check_peers_before): a failed rank's one vote
+        # answers every peer's check, whatever group the guarded collective uses.
+        return failure_vote(failure, self.rank, self.world_size, self.device)
+
+    def check_peers_before(self, group) -> None:
+        """The failure guard before a collective (on ``group``): the peers' failure flags, on the world."""
+        check_peers(None, rank=self.rank, world_size=self.world_size, device=self.device)
 
     def discard_window(self) -> None:
         """Forget a window abandoned mid-way: its gradients and any half-done reduction."""
@@ -195,76 +227,109 @@ class Strategy(ABC):
 
 
 class TorchStrategy(Strategy):
-    """Shared boundary logic of the strategies built on PyTorch's own machinery: a dynamic
-    loss scaler from ``engine.precision`` and clipping by the global gradient norm."""
+    """What every way of holding a model on PyTorch's own machinery shares: the mesh's groups,
+    the composition of parallelisms (``engine.strategies.parallelize``), the precision policy
+    (``engine.precision``) and the boundary — the averaging of used gradients over the
+    gradient-reduction group, the placement-aware gradient norm (``engine.strategies.gradients``),
+    clipping, the non-finite check and the step. Each holder says only how it holds the model
+    and when its gradients move."""
 
-    # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any
-    # world size. ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
+    # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any world size.
+    # ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
     checkpoint_format = "torch-dcp"
-    # Whether ``all_reduce_sum`` spans exactly the ranks whose gradient pieces make up the whole
-    # gradient, so that the norm can travel in the window statistics' all-reduce.
-    norm_in_statistics = False
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         torch_internals.check()
         super().__init__(setup, dist_info)
-        self.precision = Precision(setup.precision, self.device.type)
+        self.name = setup.strategy  # recorded in checkpoints (only the format is checked at a load)
+        self.precision = precision_policy(setup.precision, self.device.type)
+        if not self.mesh.is_data_parallel_only:  # collective: every rank builds the same groups
+            self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
+        self.same_batch = SameBatchCheck(self, setup.tensor_parallel.check_batches) if self.mesh.tensor > 1 else None
 
     @property
     def loss_scaler(self):
         return self.precision.scaler
 
-    def transform(self, module: torch.nn.Module) -> None:
-        """Checkpoint and compile ``module``'s blocks as the setup asks, before it is wrapped or sharded."""
-        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
+    def enable_failure_guard(self):
+        if self.same_batch is not None:
+            self.same_batch.guarded = True
 
+    # -- building ------------------------------------------------------------------------------
+    def start_equal(self, module: torch.nn.Module) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP's constructor does)."""
+        if self.world_size > 1:
+            broadcast_([t.detach() for t in (*module.parameters(), *module.buffers())], src=0)
+
+    def parallelize(self, module: torch.nn.Module, *, tensor_plan: dict | None = None, transform: bool = True) -> None:
+        """Apply the model-parallel dimensions and the model transforms to ``module`` in their fixed
+        order (``engine.strategies.parallelize``); the holder shards the data dimension after it."""
+        done = parallelize(module, self.settings, self.groups, tensor_plan=tensor_plan, transform=transform)
+        if transform:
+            self.checkpoint_switch = done.checkpoint_switch
+        self.context = done.context
+
+    # -- a micro-step ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        with self.precision.autocast():
+        if self.same_batch is not None:
+            self.same_batch.check(args, kwargs)
+        with self.precision.forward_context():
             return self.forward_module(*args, **kwargs)
 
     def backward(self, loss, weight):
-        (loss * (weight * self.precision.loss_scale)).backward()
+        self.precision.scale_loss(loss, weight).backward()
 
-    # -- what subclasses describe -------------------------------------------------------
+    # -- the boundary ------------------------------------------------------------------------------
+    def average_gradients(self) -> list[int]:
+        """Average the used gradients over the gradient-reduction group (data × context), as one
+        process on the whole batch would have them (``collectives.average_used_gradients_``);
+        returns how many ranks used each parameter."""
+        ranks = self.mesh.size(GRADIENT_REDUCTION)
+        if ranks == 1:
+            return []
+        return average_used_gradients_(self.module.parameters(), ranks, self.device,
+                                       group=self.group_of(GRADIENT_REDUCTION),
+                                       bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+
     def local_gradients(self) -> list[torch.Tensor]:
-        """The gradient tensors this rank holds after reduction (shards for sharded models)."""
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
+        """This rank's pieces of the reduced gradient (shards and tensor pieces of DTensors)."""
+        return [local(p.grad) for p in self.module.parameters() if p.grad is not None]
 
-    def gradients_are_sharded(self) -> bool:
-        """True when ranks hold disjoint pieces of the gradient (norms must be summed)."""
-        return False
+    def gradient_squares(self) -> torch.Tensor:
+        """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
+        the squared norm; ``engine.strategies.gradients``)."""
+        return squares_share(self.module.parameters(), self.world_size // self.mesh.pipeline, self.device)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole gradient, identical on every rank."""
+        squares = self.gradient_squares()
+        if self.world_size > 1:
+            dist.all_reduce(squares)
+        return squares.sqrt()
+
+    def grad_squares_share(self):
+        # The statistics' all-reduce carries the norm where it spans the world (no pipeline, no tensor
+        # dimension); the loss scaler checks overflow on the unscaled gradient, in step.
+        if self.mesh.size(WINDOW_STATISTICS) != self.world_size or self.precision.scaler is not None:
+            return None
+        return self.gradient_squares()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
 
-    def full_state_dict(self):
-        return cpu_state_dict(self.module.state_dict())
-
-    def save_training_state(self, directory):
-        save_training_state(self.module, self.optimizer, directory)
-
-    def load_training_state(self, directory):
-        load_training_state(self.module, self.optimizer, directory)
-
-    # -- shared boundary logic ----------------------------------------------------------
-    def grad_squares_share(self):
-        if not self.norm_in_statistics or self.precision.scaler is not None:
-            return None  # the loss scaler checks overflow on the unscaled gradient, in step
-        squares = sum_of_squares(self.local_gradients(), self.device)
-        return squares if self.gradients_are_sharded() else squares / self.world_size  # replicas: W equal shares
-
     def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
+        result = self._update(multiplier, max_norm, want_norm, grad_squares)
+        if self.same_batch is not None:
+            self.same_batch.step_done()
+        return result
+
+    def _update(self, multiplier, max_norm, want_norm, grad_squares) -> StepResult:
         grads = self.local_gradients()
         scaler = self.precision.scaler
-        if scaler is not None:
-            # .to: offloaded gradients (and so the flag) are on the host; nccl reduces device tensors
-            overflow = bool(self.all_reduce_max(scaler.unscale_(grads, multiplier).to(self.device)).item())
-            at_minimum = scaler.scale <= scaler.min_scale  # a smaller scale cannot cure this one
-            scaler.update(overflow)
-            if overflow:
-                return StepResult(applied=False, non_finite=at_minimum)
-        elif isinstance(multiplier, torch.Tensor) or multiplier != 1.0:
-            scale_(grads, multiplier)
+        discard, non_finite = self.precision.unscale_(grads, multiplier,
+                                                      lambda found: self.all_reduce_max(found.to(self.device)))
+        if discard:
+            return StepResult(applied=False, non_finite=non_finite)
         # The global norm is the non-finite check too (an inf or nan anywhere makes it so, on every
         # rank alike): one fused pass over the gradient and one host sync per optimizer step. Given
         # ``grad_squares`` (only without a scaler), the engine's statistics brought both already.
@@ -272,7 +337,7 @@ class TorchStrategy(Strategy):
             norm = torch.as_tensor(grad_squares, dtype=torch.float64, device=self.device).sqrt() * multiplier
             non_finite = not math.isfinite(grad_squares)
         else:
-            norm = self.global_grad_norm(grads) if scaler is None or max_norm > 0 or want_norm else None
+            norm = self.global_grad_norm() if scaler is None or max_norm > 0 or want_norm else None
             non_finite = scaler is None and not bool(torch.isfinite(norm))
         if non_finite:
             return StepResult(applied=False, grad_norm=norm, non_finite=True)
@@ -287,9 +352,13 @@ class TorchStrategy(Strategy):
         # The module, not the optimizer: a sharded optimizer holds only this rank's parameters.
         self.module.zero_grad(set_to_none=True)
 
-    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of the whole gradient, identical on every rank."""
-        squares = sum_of_squares(grads, self.device)
-        if self.gradients_are_sharded():
-            squares = self.all_reduce_sum(squares)
-        return squares.sqrt()
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self):
+        return cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
+                               for name, value in self.module.state_dict().items()})
+
+    def save_training_state(self, directory):
+        save_training_state(self.module, self.optimizer, directory)
+
+    def load_training_state(self, directory):
+        load_training_state(self.module, self.optimizer, directory)

@@ -1,4 +1,5 @@
-"""ZeRO stage 0: DistributedDataParallel, one gradient all-reduce per window.
+"""ZeRO stages 0 and 1 on a mesh of data ranks: DistributedDataParallel, one gradient
+all-reduce per window (at ZeRO 1 with the optimizer state owned, ``engine.strategies.zero1``).
 
 DDP decides in the *forward* whether the coming backward all-reduces, so the engine calls
 ``prepare_micro_step`` before every forward; only the micro-step that closes the window
@@ -21,16 +22,14 @@ import logging
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.adapters.torch_internals import set_ddp_gradient_sync
-from engine.distributed.collectives import average_used_gradients_
+from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.strategies.base import TorchStrategy
+from engine.strategies.zero1 import OwnedOptimizerState
 
 log = logging.getLogger("engine")
 
 
 class DataParallel(TorchStrategy):
-    name = "ddp"
-    norm_in_statistics = True  # every rank holds the whole reduced gradient
-
     @property
     def communicates_before_closing_backward(self) -> bool:
         # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
@@ -40,11 +39,13 @@ class DataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
-        self.transform(self.module)
+        self.parallelize(self.module)
         self._has_buffers = any(True for _ in self.module.buffers())
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
+        self.owned = OwnedOptimizerState(self, self.module, optimizer) \
+            if self.settings.stage == 1 and self.mesh.size(GRADIENT_REDUCTION) > 1 else None
         self._backward_syncs = False
         self._defer_reduction = False
         self._probing_usage = True  # the first window: which parameters get gradients
@@ -66,7 +67,14 @@ class DataParallel(TorchStrategy):
         set_ddp_gradient_sync(self.forward_module, syncs)
         self._backward_syncs = syncs
 
+    def optimizer_step(self):
+        if self.owned is None:
+            self.optimizer.step()
+        else:
+            self.owned.step()
+
     def enable_failure_guard(self):
+        super().enable_failure_guard()
         # No collective inside a window at all: the all-reduce runs after the window's vote,
         # so a rank failing in its backward can never leave a peer inside DDP's reducer.
         # (ZeRO-0 holds full-size gradients anyway: deferring costs no memory.)
@@ -75,8 +83,7 @@ class DataParallel(TorchStrategy):
     def reduce_gradients(self):
         if self._backward_syncs:
             return
-        users = average_used_gradients_(self.module.parameters(), self.world_size, self.device,
-                                        bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        users = self.average_gradients()
         if self._probing_usage:
             self._probing_usage = False
             unused = sum(count < self.world_size for count in users)

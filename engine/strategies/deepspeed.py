@@ -40,6 +40,7 @@ from engine.adapters.torch_internals import foreach_mul_
 from engine.distributed.collectives import sum_of_squares
 from engine.errors import CheckpointError, ConfigError
 from engine.model_transforms import transform_model
+from engine.precision.compute_copy import cast_floating
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral
 
@@ -124,7 +125,7 @@ class DeepSpeedStrategy(Strategy):
 
     def forward(self, *args, **kwargs):
         if self._cast_inputs is not None:  # DeepSpeed's half-precision models want half inputs
-            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
+            args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
         return self.ds_engine(*args, **kwargs)
 
     # -- a window -----------------------------------------------------------------------------
@@ -306,13 +307,3 @@ class DeepSpeedStrategy(Strategy):
             self.discard_window()
             self._close_block()  # no gradient left: its flush reduces nothing
         self.ds_engine.destroy()
-
-
-def _cast_floating(tree, dtype):
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dtype) if tree.is_floating_point() else tree
-    if isinstance(tree, dict):
-        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cast_floating(v, dtype) for v in tree)
-    return tree

@@ -39,13 +39,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
 )
-from engine.distributed.collectives import broadcast_, check_peers
+from engine.distributed.collectives import broadcast_
+from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.deferral import ReductionDeferral
@@ -105,9 +106,6 @@ def _local_bytes(param: torch.Tensor, element_size: int | None = None) -> int:
 
 
 class FullyShardedDataParallel(TorchStrategy):
-    name = "fsdp"
-    norm_in_statistics = True  # disjoint shards over the world, as the statistics are added up
-
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.stage = setup.stage
@@ -117,20 +115,18 @@ class FullyShardedDataParallel(TorchStrategy):
 
     def setup(self, module, optimizer):
         module = module.to(self.device)
-        broadcast_([*module.parameters(), *module.buffers()], src=0)  # as DDP does: every rank starts from rank 0's model
-        self.transform(module)  # blocks checkpointed / compiled before they are sharded
+        self.start_equal(module)
         names = {id(p): name for name, p in module.named_parameters()}
-        mesh = self.sharding_mesh(module)
-        half = self.settings.precision
-        gathered_size = half.dtype.itemsize if half.low_precision_parameters else None
+        self.parallelize(module)  # tensor split, checkpointing, compile: before the data dimension shards
+        mesh = self.sharding_mesh()
         # This rank's bytes (a tensor split holds a piece of each split layer).
         trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
-        everything = sum(_local_bytes(p, gathered_size) for p in module.parameters())
+        everything = sum(_local_bytes(p, self.precision.compute_itemsize) for p in module.parameters())
         offload = self.settings.offload
         # Pinned host memory needs an accelerator to copy to.
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
-        inner, root = self._mixed_precision_policies()
+        inner, root = self.precision.fsdp_policies()
         self.inner_units, unit_sizes = [], []
         for group in shard_units(module, self.settings.shard_unit_size):
             unit_sizes.append(sum(map(_parameter_count, group)))
@@ -145,8 +141,7 @@ class FullyShardedDataParallel(TorchStrategy):
         repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
-        self.group = mesh.get_group()
-        self._gloo = dist.get_backend(self.group) == "gloo"
+        self._gloo = dist.get_backend(mesh.get_group()) == "gloo"
         if self._gloo:
             self._set_comms(guard=None)
         # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
@@ -157,28 +152,18 @@ class FullyShardedDataParallel(TorchStrategy):
             self._gather()
             state_dict_as_held(self._units())
 
-    def _mixed_precision_policies(self) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
-        """(inner units', root's) policy. Low-precision parameters: gathered and computed in
-        the half precision, gradients reduced in fp32 (and so, when a window defers, accumulated
-        in fp32: FSDP2 accumulates unreduced gradients in the reduce dtype) unless
-        ``data_types.grad_accum_dtype`` asks for the half precision. The root returns fp32
-        outputs, so that the loss is computed in fp32 as autocast would."""
-        half = self.settings.precision
-        if not half.low_precision_parameters:
-            return MixedPrecisionPolicy(), MixedPrecisionPolicy()
-        inner = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype)
-        return inner, MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=half.grad_accum_dtype,
-                                           output_dtype=torch.float32)
-
-    def sharding_mesh(self, module: torch.nn.Module):
-        """The mesh the shards are spread over: every rank (a mesh with a tensor dimension
-        splits ``module`` first and shards over its data dimension)."""
-        return init_device_mesh(self.device.type, (self.world_size,))
+    def sharding_mesh(self):
+        """The mesh the shards are spread over: the gradient-reduction group (data × context; every
+        rank on a mesh of data ranks only)."""
+        if self.groups is None:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return self.groups.submesh(GRADIENT_REDUCTION)
 
     @property
     def communicates_before_closing_backward(self) -> bool:
-        # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for it.
-        return not (self.rests_gathered and self.deferral.deferring)
+        # Split layers communicate in every forward; otherwise only ZeRO-2 deferring its reduction
+        # (parameters gathered since the last step) waits for the closing backward.
+        return self.mesh.tensor > 1 or not (self.rests_gathered and self.deferral.deferring)
 
     @property
     def forward_communicates(self) -> bool:
@@ -261,6 +246,7 @@ class FullyShardedDataParallel(TorchStrategy):
 
     @contextlib.contextmanager
     def gathered(self, modifier_rank):
+        self.check_gatherable()
         self._gather()
         # What the block found: only what the modifier changed is written back (under the
         # precision policy the gathered parameters are half-precision copies of the fp32 shards).
@@ -301,13 +287,10 @@ class FullyShardedDataParallel(TorchStrategy):
 
     # -- surviving a failed micro-step ----------------------------------------------------------
     def enable_failure_guard(self):
+        super().enable_failure_guard()
         # Every all-gather and reduce-scatter first checks the peers' flags, so gradients can
         # still be reduced after every micro-step (ZeRO memory) under an automatic micro size.
         self._set_comms(self.check_peers_before)
-
-    def check_peers_before(self, group) -> None:
-        """The failure guard before a collective on ``group``: the peers' flags, on that group."""
-        check_peers(group, rank=self.rank, world_size=self.world_size, device=self.device)
 
     def _set_comms(self, guard) -> None:
         for unit in self._units():
@@ -321,18 +304,14 @@ class FullyShardedDataParallel(TorchStrategy):
         self._window_defers = None
 
     # -- what this rank holds ---------------------------------------------------------------------
-    def local_gradients(self):
-        return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
-
-    def gradients_are_sharded(self):
-        return True
-
     def held_tensors(self):
         return super().held_tensors() + list(fsdp_held_tensors(self._units()))
 
     def full_state_dict(self):
+        if self.mesh.tensor > 1:  # each DTensor whole: its tensor pieces and data shards gathered
+            return super().full_state_dict()
         # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
-        masters_gathered = self.rests_gathered and self._is_gathered() and not self.settings.precision.low_precision_parameters
+        masters_gathered = self.rests_gathered and self._is_gathered() and not self.precision.converts_parameters
         if masters_gathered:  # every rank holds the whole model: nothing to gather
             return cpu_state_dict(self.module.state_dict())
         with self._sharded():

@@ -3,8 +3,13 @@ zero-bubble schedules) and runs windows as ``torch.distributed.pipelining`` sche
 
 Ranks: the mesh's ``pipeline`` dimension holds the stages of one model replica (its ranks
 pass activations and their gradients point to point); the ``data`` dimension holds replicas
-of the same stage, whose gradients are averaged once per window (ZeRO-0, as ``ddp``;
-:class:`ShardedPipelineParallel`: ZeRO-2/3, each stage sharded by FSDP2 over its replicas).
+of the same stage, whose gradients are averaged once per window (ZeRO-0) or which shard each
+stage by FSDP2 (ZeRO-2/3). The model is cut first; each rank then applies the same composition
+as without a pipeline (``engine.strategies.parallelize``) to the stages it holds: with a tensor
+dimension, the plan is resolved on the whole model (every pattern must match a module of the
+model, under the model's own names) and its layers held here are split over the tensor group.
+A stage may not end on a layer whose output stays split (``tensor_plan.stage_boundary_problems``):
+each rank sends its stage's outputs to the rank of the same tensor index in the next stage.
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
@@ -36,12 +41,14 @@ from torch.distributed.tensor import DTensor
 
 from engine.adapters.pipelining import GuardedPipelineStage
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
-from engine.distributed.collectives import average_used_gradients_, broadcast_, sum_of_squares
+from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
+from engine.model_transforms import transform_model
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.stage_failures import StageFailures
+from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
 from engine.strategies.torch_checkpoint import load_training_state
 
 log = logging.getLogger("engine")
@@ -57,20 +64,17 @@ LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 class PipelineParallel(TorchStrategy):
-    name = "pipeline"
-
     def __init__(self, setup, dist_info):
-        super().__init__(setup, dist_info)
         if setup.stage == 1:  # engine.config.checks says so first; a Setup built by hand lands here
             raise EngineUsageError("pipeline: ZeRO stage 1 is not available under a pipeline; use "
                                    "zero_optimization.stage 0, 2 or 3")
-        mesh = self.mesh = setup.mesh
+        super().__init__(setup, dist_info)
+        mesh = self.mesh
+        self.sharded = setup.stage >= 2  # each stage sharded by FSDP2 over its data replicas
         self.schedule_class, self.stages_per_rank = SCHEDULES[setup.pipeline.schedule]
         self.num_stages = mesh.pipeline * self.stages_per_rank
         self.position = mesh.pipeline_rank(self.rank)
-        device_mesh = self.device_mesh = mesh.device_mesh(self.device.type)
-        self.pipeline_group = device_mesh["pipeline"].get_group()
-        self.data_group = device_mesh["data"].get_group()
+        self.pipeline_group = self.groups.submesh(("pipeline",)).get_group()
         self.stage_indices = self._stage_indices()
         holder_of_last = self._position_of(self.num_stages - 1)
         self.last_stage_rank = dist.get_global_rank(self.pipeline_group, holder_of_last)
@@ -98,10 +102,10 @@ class PipelineParallel(TorchStrategy):
 
     # -- the model -------------------------------------------------------------------------
     def setup(self, module, optimizer):
-        # Every rank starts from rank 0's model, as under DDP.
-        tensors = [t.data for t in (*module.parameters(), *module.buffers())]
-        broadcast_(tensors, src=0)
-        self.transform(module)  # checkpoint / compile the blocks before the model is cut
+        self.start_equal(module)  # every rank starts from rank 0's model, as under DDP
+        # Checkpoint / compile the blocks before the model is cut: its blocks are found on the whole
+        # model (engine.strategies.parallelize says why this commutes with the rest).
+        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
         self._key_order = list(module.state_dict())
         split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split, self.stages_per_rank)
         pieces = split.pieces
@@ -114,7 +118,7 @@ class PipelineParallel(TorchStrategy):
         # What the user sees (eng.module): this rank's parts under the model's own names.
         self.module = StageModule(mine).to(self.device)
         zero_bubble = self.schedule_class is ScheduleZBVZeroBubble
-        self.stage_modules = [split.stage(index, self.precision.autocast, own_outputs=zero_bubble).to(self.device)
+        self.stage_modules = [split.stage(index, self.precision.forward_context, own_outputs=zero_bubble).to(self.device)
                               for index in self.stage_indices]
         self._last_stage = self.stage_modules[self.stage_indices.index(self.num_stages - 1)] \
             if self.holds_last_stage else None
@@ -124,23 +128,41 @@ class PipelineParallel(TorchStrategy):
         _release_others(module, [self.module, *self.stage_modules])  # a stage may hold more (rotary embeddings)
         self.optimizer = optimizer
         self.forward_module = self.module
-        self.split_stages(module, pieces)
-        self.shard_stages()
+        if self.mesh.tensor > 1:
+            self._split_stages(module, pieces)
+        if self.sharded:
+            self._shard_stages()
 
-    def split_stages(self, model: torch.nn.Module, pieces: list) -> None:
-        """Without a tensor dimension: every stage's layers whole on each of its ranks."""
+    def _split_stages(self, model: torch.nn.Module, pieces: list) -> None:
+        """The tensor dimension, on the layers this rank's stages hold, by the plan of the whole model."""
+        plan = resolve_plan(model, self.settings.tensor_parallel.plan, self.mesh.tensor)
+        problems = stage_boundary_problems(pieces, plan)
+        if problems:  # raised on every rank: every rank sees every stage
+            raise ConfigError(problems)
+        held = dict(self.module.named_modules())
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self.parallelize(self.module, tensor_plan={name: style for name, style in plan.items() if name in held},
+                         transform=False)
+        repoint_optimizer(self.optimizer, names, self.module)
 
-    def shard_stages(self) -> None:
-        """ZeRO 0: every data-parallel rank holds its stages whole."""
+    def _shard_stages(self) -> None:
+        """ZeRO 2 / 3: each stage sharded by FSDP2 over its data replicas. torch's schedules let a
+        stage's gradients accumulate unsharded over the window's micro-batches and reduce-scatter
+        them (a mean over the replicas) after the last one; stage 3 frees the gathered parameters
+        after every forward, stage 2 keeps them."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        mesh = self.groups.submesh(GRADIENT_REDUCTION)
+        gloo = dist.get_backend(mesh.get_group()) == "gloo"
+        for stage in self.stage_modules:
+            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
+            if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
+                all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
+                stage.set_custom_all_gather(all_gather)
+                stage.set_custom_reduce_scatter(reduce_scatter)
+        repoint_optimizer(self.optimizer, names, self.module)
 
     def forward(self, *args, **kwargs):
         self.check_manual_loop()
-
-    def gathered(self, modifier_rank):
-        raise EngineUsageError(
-            f"gathered parameters (GatheredParameters, eng.gathered_parameters) are not available under "
-            f"{self.mesh.describe()}: each rank holds its own stages; read the whole model with "
-            "eng.full_state_dict(), change it through a checkpoint (eng.load_checkpoint)")
 
     def check_manual_loop(self):
         raise EngineUsageError(
@@ -190,6 +212,7 @@ class PipelineParallel(TorchStrategy):
         The window runner raises it with ``raise_stage_failure`` once the schedule and its
         collectives are through; the tuner's vote follows. ZeRO 0 only (engine.config.checks):
         FSDP's collectives inside a stage's forward and backward would not pair up."""
+        super().enable_failure_guard()
         self._failures = StageFailures(self.device)
         for stage in self.stage_modules:
             stage.failures = self._failures
@@ -222,6 +245,8 @@ class PipelineParallel(TorchStrategy):
         index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
         times the fp16 loss scale; evaluation: a zero computed from the outputs)."""
         self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
+        if self.same_batch is not None:  # every rank is given its replica's inputs, whatever its stage
+            self.same_batch.check(_as_tuple(inputs), {})
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
         schedule = self._schedule((shapes, micro_batches))
         self._loss = loss_fn
@@ -245,7 +270,7 @@ class PipelineParallel(TorchStrategy):
             self._loss = None
 
     def _scaled_loss(self, output, target):
-        return self._loss(output, target) * self.precision.loss_scale
+        return self.precision.scale_loss(self._loss(output, target), 1.0)
 
     def _schedule(self, key):
         schedule = self._schedules.pop(key, None)
@@ -278,25 +303,20 @@ class PipelineParallel(TorchStrategy):
         dist.broadcast(tensor, src=self.last_stage_rank, group=self.pipeline_group)
         return tensor
 
-    # -- collectives ---------------------------------------------------------------------------
-    def all_reduce_sum(self, tensor):
-        """Over the data-parallel ranks: every stage holds its replica's window statistics."""
-        if self.mesh.data > 1:
-            dist.all_reduce(tensor, group=self.data_group)
-        return tensor
-
-    # all_reduce_max stays over every rank: an overflow on any stage discards the window everywhere.
-
+    # -- the boundary ------------------------------------------------------------------------------
     def reduce_gradients(self):
-        if self.mesh.data == 1:
-            return
-        average_used_gradients_(self.module.parameters(), self.mesh.data, self.device, group=self.data_group,
-                                bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        if not self.sharded:  # sharded: the schedule reduce-scattered them after the window's last backward
+            self.average_gradients()
 
-    def global_grad_norm(self, grads):
-        squares = sum_of_squares(grads, self.device)
-        dist.all_reduce(squares, group=self.pipeline_group)  # each stage holds its own piece
-        return squares.sqrt()
+    def held_tensors(self):
+        held = super().held_tensors()
+        return held + list(fsdp_held_tensors(self.stage_modules)) if self.sharded else held
+
+    def discard_window(self):
+        if self.sharded:
+            for stage in self.stage_modules:
+                drop_unreduced_gradients(stage, [stage])
+        self.zero_grad()
 
     # -- checkpoints: a DCP checkpoint keyed by the model's own names (each stage writes and
     # reads its own entries), so it loads on any data-parallel size, and on any pipeline size.
@@ -313,46 +333,6 @@ class PipelineParallel(TorchStrategy):
         dist.all_gather_object(pieces, cpu_state_dict(self._stage_state()), group=self.pipeline_group)
         whole = {key: value for piece in pieces for key, value in piece.items()}
         return {key: whole[key] for key in self._key_order if key in whole}
-
-
-class ShardedPipelineParallel(PipelineParallel):
-    """ZeRO 2 / 3 on the data-parallel dimension: each stage is sharded by FSDP2 over its
-    data-parallel replicas. torch's schedules let a stage's gradients accumulate unsharded over
-    the window's micro-batches and reduce-scatter them (a mean over the replicas) after the
-    last one; stage 3 frees the gathered parameters after every forward, stage 2 keeps them."""
-
-    name = "pipeline_fsdp"
-
-    def shard_stages(self):
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        mesh = self.device_mesh["data"]
-        gloo = dist.get_backend(mesh.get_group()) == "gloo"
-        for stage in self.stage_modules:
-            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
-            if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
-                all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
-                stage.set_custom_all_gather(all_gather)
-                stage.set_custom_reduce_scatter(reduce_scatter)
-        repoint_optimizer(self.optimizer, names, self.module)
-
-    def reduce_gradients(self):
-        """The schedule reduce-scattered them after the window's last backward."""
-
-    def local_gradients(self):
-        return [p.grad.to_local() for p in self.module.parameters() if p.grad is not None]
-
-    def global_grad_norm(self, grads):
-        squares = sum_of_squares(grads, self.device)
-        dist.all_reduce(squares)  # every rank holds a disjoint piece: a shard of a stage
-        return squares.sqrt()
-
-    def held_tensors(self):
-        return super().held_tensors() + list(fsdp_held_tensors(self.stage_modules))
-
-    def discard_window(self):
-        for stage in self.stage_modules:
-            drop_unreduced_gradients(stage, [stage])
-        self.zero_grad()
 
 
 def _release_others(model: torch.nn.Module, mine: list[torch.nn.Module]) -> None:

@@ -24,19 +24,24 @@ import functools
 import torch
 
 
-def _cast_floating(value, dtype: torch.dtype):
-    """``value`` with every floating-point tensor in it (nested in tuples, lists, dicts) cast."""
+def cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (nested in tuples, lists, namedtuples, dicts)
+    cast to ``dtype``; the containers are new ones of the same type (a dict subclass such as a
+    Hugging Face ``ModelOutput`` shallow-copied, so it keeps its type and attributes): the caller's
+    own batch is never changed."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, tuple):  # a namedtuple
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, dict):
-        for key in list(value):  # in place: keeps dict subclasses (Hugging Face ModelOutput) intact
-            value[key] = _cast_floating(value[key], dtype)
-        return value
+        cast = copy.copy(value)
+        for key in list(value):
+            cast[key] = cast_floating(value[key], dtype)
+        return cast
     return value
+
 
 
 def _add_into_master(master: torch.nn.Parameter, half: torch.nn.Parameter) -> None:
@@ -102,5 +107,5 @@ class _HalfPrecisionForward(torch.nn.Module):
         self.dtype = dtype
 
     def forward(self, *args, **kwargs):
-        output = self.model(*_cast_floating(args, self.dtype), **_cast_floating(kwargs, self.dtype))
-        return _cast_floating(output, torch.float32)
+        output = self.model(*cast_floating(args, self.dtype), **cast_floating(kwargs, self.dtype))
+        return cast_floating(output, torch.float32)

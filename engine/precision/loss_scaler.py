@@ -1,8 +1,4 @@
-"""Mixed precision for the torch backend: low-precision parameters (or autocast) for the
-forward and backward, a dynamic loss scaler for fp16. Master weights and optimizer state stay
-in the parameters' own dtype (fp32). How the low-precision parameters are held is the
-strategy's: FSDP2's ``MixedPrecisionPolicy`` at ZeRO-2/3, a half-precision copy of the model
-otherwise (``engine.strategies.compute_copy``).
+"""fp16's dynamic loss scaler, and the in-place multiply of gradients it and the boundary use.
 
 The scaler multiplies every micro-step's loss by the current scale; unscaling, the
 overflow check and the scale update happen once per window, at the boundary, so an
@@ -11,13 +7,11 @@ overflow anywhere in the window discards the whole window.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
 
 from engine.adapters.torch_internals import foreach_mul_, non_finite_check_and_unscale_
-from engine.errors import ConfigError
 
 
 class LossScaler:
@@ -89,50 +83,3 @@ def scale_(grads: list[torch.Tensor], multiplier: float | torch.Tensor) -> None:
     for (device, dtype), group in _by_device_and_dtype(grads).items():
         factor = multiplier if isinstance(multiplier, float) else multiplier.to(device=device, dtype=dtype)
         foreach_mul_(group, factor)
-
-
-class Precision:
-    """What the config's ``fp16`` / ``bf16`` sections ask of the forward and the backward
-    (``half``: an ``engine.setup.HalfPrecision``)."""
-
-    def __init__(self, half, device_type: str):
-        self.dtype = half.dtype
-        self.uses_autocast = half.autocast
-        self.device_type = device_type
-        self.scaler = None
-        if half.loss_scaling is not None:
-            fp16 = half.loss_scaling
-            self.scaler = LossScaler(fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-                                     fp16.min_loss_scale, fp16.loss_scale)
-
-    def autocast(self):
-        """Autocast when the config asks for it (``torch_autocast``); otherwise the parameters
-        themselves are in the low precision and nothing is cast per op."""
-        if self.dtype is None or not self.uses_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
-
-
-def check_autocast_computes(model: torch.nn.Module, half, why: str) -> None:
-    """Autocast casts only float32 tensors: over parameters of another floating dtype (float64)
-    it would compute nothing in ``half.dtype``, where one process's half-precision copy casts
-    every parameter. Refused rather than trained silently at full precision. ``half``: an
-    ``engine.setup.HalfPrecision``; ``why``: why autocast is used (the mesh, or torch_autocast)."""
-    if half.dtype is None or not half.autocast:
-        return
-    other = [(name, p.dtype) for name, p in model.named_parameters()
-             if p.is_floating_point() and p.dtype != torch.float32]
-    if not other:
-        return
-    key = "bf16" if half.dtype == torch.bfloat16 else "fp16"
-    dtypes = sorted({str(dtype).removeprefix("torch.") for _, dtype in other})
-    names = ", ".join(name for name, _ in other[:3]) + (", ..." if len(other) > 3 else "")
-    raise ConfigError([
-        f"{key}.enabled: {why}, {key} is autocast, which computes in {key} only what is float32; the model's "
-        f"parameters are {' and '.join(dtypes)} ({names}), which it would leave as they are: the run would "
-        f"compute nothing in {key}, unlike one process (which casts every parameter to {key}). Convert the model "
-        f"to float32 (model.float()) to train in {key}, or set {key}.enabled: false to train at its own precision"])

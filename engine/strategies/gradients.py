@@ -1,0 +1,55 @@
+"""The gradient norm, placement-aware, written once for every way of holding the model.
+
+A rank holds pieces of the gradient: whole tensors (replicas), shards (FSDP2's DTensors over
+the data dimension), tensor-parallel pieces (DTensors over the tensor dimension), or both
+(a 2-D DTensor), of the stages its pipeline index holds. The squared norm of the whole
+gradient is the sum over the world of every rank's pieces' squares, each divided by the number
+of ranks that hold the same piece; that count is the ranks holding the module the piece belongs
+to (the world over the pipeline: every rank of a pipeline index holds its stages) over the number
+of distinct pieces its placements cut it into. So one all-reduce of one float64 number over the
+world gives the norm, identical on every rank, whatever the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from engine.distributed.collectives import sum_of_squares
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a plain tensor is its own piece)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def copies(tensor: torch.Tensor, holders: int) -> int:
+    """On how many ranks this rank's piece of ``tensor`` is held identically: the ``holders``
+    of the module it belongs to over the number of distinct pieces (mesh dimensions it is
+    split on)."""
+    if not isinstance(tensor, DTensor):
+        return holders
+    # Every placement but Replicate splits (FSDP2 on a tensor split shards with _StridedShard,
+    # which is not a Shard); gradients are never Partial once reduced.
+    pieces = math.prod(tensor.device_mesh.size(dim) for dim, placement in enumerate(tensor.placements)
+                       if not placement.is_replicate())
+    return holders // pieces
+
+
+def squares_share(params, holders: int, device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared norm of the whole gradient of ``params`` (a float64
+    scalar on ``device``): summed over the world it is the squared norm. ``holders``: the ranks
+    holding each of this rank's modules (world / pipeline)."""
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_copies.setdefault(copies(p.grad, holders), []).append(local(p.grad))
+    if len(by_copies) == 1:  # the usual case: one fused pass
+        ((count, pieces),) = by_copies.items()
+        return sum_of_squares(pieces, device) / count
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for count, pieces in by_copies.items():
+        squares = squares + sum_of_squares(pieces, device) / count
+    return squares
