@@ -49,17 +49,17 @@ def config(context, *, stage=0, global_batch=8, micro=2, **extra):
 
 
 # -- models and batches ---------------------------------------------------------------------------
-def llama(attention="sdpa"):
+def llama(attention="sdpa", kv_heads=2):
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32)
     torch.manual_seed(0)
     # sdpa: eager attention takes its softmax in float32 even in a float64 model
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.float64)
 
 
-def padded_rows(steps, lengths=LENGTHS, vocab=13, seed=5, width=WIDTH):
+def padded_rows(steps, lengths=LENGTHS, vocab=16, seed=5, width=WIDTH):
     """Right-padded rows of the given real lengths: input_ids, attention_mask, labels = input_ids
     with -100 at the padding (as a Hugging Face collator makes them)."""
     g = torch.Generator().manual_seed(seed)
@@ -88,8 +88,8 @@ def gpt_batches(steps, global_batch=8):
 
 # -- scenarios: each runs on every rank -----------------------------------------------------------
 def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None, attention="sdpa",
-                 width=WIDTH):
-    model, batches = llama(attention), padded_rows(2, lengths=[min(n, width) for n in LENGTHS], width=width)
+                 width=WIDTH, kv_heads=2):
+    model, batches = llama(attention, kv_heads), padded_rows(2, lengths=[min(n, width) for n in LENGTHS], width=width)
     expected = reference_train(model, batches, model_loss, sgd)
     eng = breaking(engine.initialize(copy.deepcopy(model), config(2, stage=stage, **(extra or {})), optimizer=sgd))
     losses = []
@@ -267,6 +267,21 @@ def test_context_2_by_data_2_on_four_ranks_equals_the_full_batch_reference():
     check(run_scenarios(scenarios, world_size=4, timeout=480), llama_data=2)
 
 
+TENSOR_2 = {"tensor_parallel": {"size": 2}}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+@needs_transformers
+def test_context_2_by_tensor_2_on_four_ranks_equals_the_full_batch_reference():
+    """Each rank holds half the heads (tensor) of half of every sequence (context): a Llama with 4
+    key/value heads (1 per rank), the GPT's MLPs split by the automatic plan."""
+    scenarios = {"llama tensor 2": functools.partial(llama_script, kv_heads=4, extra=TENSOR_2),
+                 "llama tensor 2 zero3": functools.partial(llama_script, stage=3, kv_heads=4, extra=TENSOR_2),
+                 "gpt tensor 2 zero3": functools.partial(gpt_script, stage=3, extra=TENSOR_2)}
+    check(run_scenarios(scenarios, world_size=4, timeout=480), llama_data=1)
+
+
 # -- the layout, without processes ----------------------------------------------------------------
 def test_head_tail_parts_cover_every_position_once_and_balance_causal_work():
     length, size = 16, 2
@@ -303,7 +318,7 @@ def test_auto_labels_tell_hugging_face_labels_from_next_token_labels():
     assert label_convention(aligned) == "aligned"
     aligned["labels"][0, -1] = 7  # the last column's target (beyond the row) is not compared
     assert label_convention(aligned) == "aligned"
-    assert label_convention({"input_ids": ids, "labels": torch.randint(0, 13, ids.shape)}) == "shift"
+    assert label_convention({"input_ids": ids, "labels": torch.randint(0, 16, ids.shape)}) == "shift"
     assert label_convention({"tokens": ids, "labels": ids}) is None
 
 
@@ -347,9 +362,9 @@ def test_what_context_does_not_compose_with_yet_is_refused():
 
     problems = check_without_model(load_config(
         {"train_batch_size": 4, "train_micro_batch_size_per_gpu": "auto", "context_parallel": {"size": 2},
-         "tensor_parallel": {"size": 2}, "pipeline": {"stages": 2}}))
+         "pipeline": {"stages": 2}, "backend": "deepspeed"}))
     text = "\n".join(problems)
-    for key in ("tensor_parallel.size: 2 is not available with context_parallel.size 2",
+    for key in ("backend: deepspeed is not available with context_parallel.size 2",
                 "pipeline.stages: 2 is not available", "train_micro_batch_size_per_gpu: 'auto' is not available"):
         assert key in text, text
 

@@ -16,8 +16,8 @@ both report the same problems, all at once:
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
-* context parallelism: what it does not compose with yet (another backend, a tensor or
-  pipeline dimension, the automatic micro size).
+* context parallelism: what it does not compose with yet (another backend, a pipeline
+  dimension, the automatic micro size).
 """
 from __future__ import annotations
 
@@ -81,10 +81,6 @@ def _context_problems(config: Config) -> list[str]:
     if config.backend != "torch":
         problems.append(f"backend: {config.backend} is not available {where}: Microstep's context parallelism (and "
                         "DeepSpeed's sequence_parallel_size, read as it) runs on backend: torch; set backend: torch")
-    if config.tensor_parallel.size > 1:
-        problems.append(f"tensor_parallel.size: {config.tensor_parallel.size} is not available {where} yet (the "
-                        "statistics and gradients of a tensor mesh are reduced over its data ranks only); use one "
-                        "of the two")
     if config.pipeline.stages > 1:
         problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (a stage's "
                         "schedule moves whole sequences between ranks); use one of the two")

@@ -89,8 +89,9 @@ class ContextParallel:
         config = model.config
         for attribute in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, attribute, None)
-            if isinstance(heads, int):
-                self.exchange.check_heads(heads, f"{type(model).__name__} ({attribute})")
+            if isinstance(heads, int):  # what a rank holds after the tensor split
+                self.exchange.check_heads(heads // self.mesh.tensor,
+                                          f"{type(model).__name__} ({attribute}: {heads} / tensor {self.mesh.tensor})")
         inner = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation != "eager" else None
         if inner is None:  # eager: the modeling file's own function
             attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
