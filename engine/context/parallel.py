@@ -1,5 +1,7 @@
-"""Context parallelism on one mesh dimension: what ``engine.initialize`` installs and the
-engine calls (``context_parallel: {size, method, labels}``).
+"""Context parallelism on one mesh dimension: what the strategy's ``parallelize`` installs on
+the model (``engine.strategies.parallelize.apply_context_parallel``, after the tensor split and
+before activation checkpointing and compile) and the engine calls for every micro-batch
+(``context_parallel: {size, method, labels, check_micro_batches}``).
 
 Exactness. Every rank of a context group holds the same rows; each takes its head–tail part
 of every sequence (``engine.context.sharding``) and computes the loss of its part: a sum over
@@ -56,7 +58,7 @@ class ContextParallel:
     def __init__(self, mesh: MeshLayout, groups: MeshGroups, *, method: str, labels: str, check_micro_batches: int = 0):
         self.size, self.mesh = mesh.context, mesh
         self._checks_left, self._checked = check_micro_batches, 0
-        self.method = resolve_method(method, groups.device_mesh.device_type)
+        resolve_method(method, groups.device_mesh.device_type)  # ulysses, or the reason it cannot run
         self.labels = labels
         self.group = groups.group(("context",))  # None: the context group is the whole world
         self.shards = ContextShards(self.size, mesh.coordinates(groups.rank).context)
