@@ -31,7 +31,7 @@ import torch.distributed as dist
 import engine
 from bench.common import GLOBAL_BATCH, adamw, mse, save, start_ranks
 from bench.distributed import ACCUMULATION, engine_config, hand_ddp, hand_fsdp
-from engine.engine import WINDOW_START
+from engine.window.positions import WINDOW_START
 
 
 def third_round_checks(eng):

@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 import engine
 from bench.common import interleaved, save
 from engine.memory import held_bytes, storage_bytes
-from engine.model_transforms import repeated_blocks
+from engine.strategies.model_transforms import repeated_blocks
 from gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB, TIME = 64, 192

@@ -14,7 +14,7 @@ from engine.errors import (
 )
 from engine.state.preemption import Preempted
 from engine.verify import VerifyError, VerifyResult, verify
-from engine.error_report import install_from_environment
+from engine.distributed.error_report import install_from_environment
 
 install_from_environment()  # under `python -m launch`: a Microstep error is said once, by the launcher
 

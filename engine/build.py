@@ -16,12 +16,12 @@ from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine, LossFn
 from engine.monitor import Monitor
-from engine.pipeline_windows import PipelineWindows
+from engine.pipeline.windows import PipelineWindows
 from engine.precision.policy import check_autocast_computes
-from engine.optim import OptimizerArg, build_optimizer, build_scheduler
+from engine.config.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
 from engine.state.rng import seed_everything
-from engine.setup import process_group_request, resolve_setup
+from engine.config.setup import process_group_request, resolve_setup
 from engine.strategies import make_strategy
 from engine.batching.token_budget import LengthsFn
 from engine.batching.window_split import MANUAL_SIZES, window_split_for

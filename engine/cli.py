@@ -14,7 +14,7 @@ from engine.distributed.mesh import MeshLayout
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
-from engine.factories import FactoryError, load_factory
+from engine.config.factories import FactoryError, load_factory
 from engine.verify import verify
 
 USAGE_ERROR = 2

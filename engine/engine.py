@@ -36,10 +36,10 @@ Collaborators are handed in by ``engine.initialize``, never attached afterwards:
 (how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
-schedule, ``engine.pipeline_windows``, which runs a window's micro-steps itself and tells the
+schedule, ``engine.pipeline.windows``, which runs a window's micro-steps itself and tells the
 engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
 schedule's windows), the hooks
-(``engine.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
+(``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
 a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
 engine hands with itself and its strategy to one ``engine.state.checkpoint.CheckpointManager``.
@@ -50,81 +50,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
-from engine.loss_checks import check_loss_signature, checked_count, unrecognised_loss
-from engine.distributed.collectives import positions_of_ranks
+from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
-from engine.errors import EngineUsageError, NonFiniteGradientError, PeerLostError, RankDisagreementError
-from engine.hooks import EngineHook
+from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
+from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
-from engine.batching.token_budget import TokenCost
 from engine.batching.window_split import PlannedSplit, Split
 from engine.context.parallel import ContextParallel
+from engine.window import non_finite
+from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, agree_on_position
+from engine.window.records import Window, WindowReport, window_totals
 
 log = logging.getLogger("engine")
 
-# Where a rank is when the ranks compare positions (Engine._agree_on_position).
-WINDOW_START, FORWARD, CLOSING_MICRO_STEP, FLUSH, CLOSED = range(5)
-_POINTS = {WINDOW_START: "starting a window", FORWARD: "before a forward",
-           CLOSING_MICRO_STEP: "in the backward that closes its window", FLUSH: "in flush()",
-           CLOSED: "closing the engine"}
-
 LossFn = Callable[[Any, Any], Any]
 COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
-
-
-@dataclass
-class _Window:
-    """One accumulation window in progress on this rank."""
-
-    micro_steps: int = 0
-    samples: int = 0  # local samples seen (as planned in the manual loop, real in train_batch)
-    item_weighted: bool | None = None  # (sum, count) losses
-    # Kept as lists and summed at the boundary: no tensor op per micro-step besides backward.
-    losses: list = field(default_factory=list)  # detached micro-batch losses
-    loss_weights: list = field(default_factory=list)  # samples (mean losses) or 1 (sums)
-    counts: list = field(default_factory=list)  # items of (sum, count) losses
-    exact_counts: bool = False  # units must be summed over ranks at the boundary
-    planned_steps: int | None = None  # set by train_batch; the manual loop follows the plan
-    tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
-    backward_since_step: bool = False
-    forwarded: bool = False
-    training_forwards: int = 0  # forwards for a backward, failed ones included
-    forwards: list = field(default_factory=list)  # this micro-step's forwards, as the window split records them
-
-    def loss_total(self) -> torch.Tensor:
-        """Σ loss × weight over the window's micro-steps (0-dim, float64)."""
-        losses = torch.stack(self.losses).double()
-        return losses @ torch.tensor(self.loss_weights, dtype=torch.float64, device=losses.device)
-
-    def units(self):
-        """What the window's mean divides by: local samples, or local items."""
-        if not self.item_weighted:
-            return self.samples
-        return sum(torch.as_tensor(c, dtype=torch.float64) for c in self.counts)
-
-
-@dataclass
-class WindowReport:
-    """Statistics of the last closed window (for logging; the loss is read lazily)."""
-
-    loss: torch.Tensor | None = None
-    samples: int = 0
-    items: torch.Tensor | None = None
-    step: StepResult = field(default_factory=lambda: StepResult(applied=False))
-    lr: float | None = None  # the learning rate this window's update used (first param group)
-    peak_memory_bytes: int | None = None  # measured when the monitor records the window
-    micro_steps: int = 0  # on each rank
-    real_tokens: int | None = None  # split by tokens: real and padded (computed) tokens, all ranks
-    padded_tokens: int | None = None
 
 
 class WindowRunner:
@@ -188,7 +136,7 @@ class Engine:
         self.windows_started = 0  # on this rank, failed and discarded ones included (not checkpointed)
         self._agreeing = True  # False once closed or after a RankDisagreementError: no agreement could pair
         self.last_window = WindowReport()
-        self._window = _Window()
+        self._window = Window()
         self._splitting = False  # inside run_window: micro-batch sizes are the engine's own
         self._peak = PeakMeter(strategy)  # a recorded window's peak memory (engine.memory)
         self._recording = False
@@ -305,10 +253,10 @@ class Engine:
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
-        ``engine.pipeline_windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
+        ``engine.pipeline.windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
         or ``(sum, count)``), ``samples`` its real samples."""
         loss, units, item_weighted = loss_and_units(output, samples)
-        _check_same_kind(self._window, item_weighted)
+        self._window.check_same_kind(item_weighted)
         self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted, exact_counts=True)
 
     def backward(self, loss) -> None:
@@ -439,7 +387,7 @@ class Engine:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.strategy.discard_window()
         self.micro_steps -= self._window.micro_steps
-        self._window = _Window()
+        self._window = Window()
 
     def replan(self, plan: BatchPlan) -> None:
         """Run from the next window on with ``plan``: another micro-batch size for the same
@@ -578,7 +526,7 @@ class Engine:
                 "no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
                 "or to engine.initialize(..., loss_fn=...)"
             )
-        check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.loss_checks
+        check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.window.loss_checks
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
@@ -600,7 +548,7 @@ class Engine:
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
                 "so that gradient synchronisation is planned for this micro-step"
             )
-        _check_same_kind(window, item_weighted)
+        window.check_same_kind(item_weighted)
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         if window.micro_steps + 1 >= planned and not self.window_runner.chooses_micro_size:
             # Before the backward that reduces the window's gradient (ZeRO-0/1: its first collective).
@@ -634,8 +582,9 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
-        loss, units, samples, tokens, squares = self._window_totals(
-            window, over_all_ranks=window.exact_counts or recorded)
+        loss, units, samples, tokens, squares = window_totals(
+            window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+            holders=self.context.size if self.context is not None else 1)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples, squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))
@@ -651,37 +600,22 @@ class Engine:
                                         items=units if window.item_weighted else None,
                                         peak_memory_bytes=self._peak.peak if self._recording else None,
                                         micro_steps=window.micro_steps, real_tokens=tokens[0], padded_tokens=tokens[1])
-        self._window, self._recording = _Window(), False
+        self._window, self._recording = Window(), False
         for hook in self.hooks:
             hook.on_window_closed(self, self.last_window)
 
     def _agree_on_position(self, point: int) -> None:
-        """Every rank tells where it is (one all-gather of a few integers on the control group)
-        before a collective that must pair the same window on every rank; any difference raises
-        RankDisagreementError on every rank, naming each rank's position."""
+        """The ranks compare where they are (``engine.window.positions``); after a disagreement or a
+        lost peer no further agreement could pair."""
         if self.world_size == 1:
             return
         window = self._window
-        mine = [point, self.global_steps, self.windows_started, window.micro_steps, window.training_forwards]
         try:
-            everyone = positions_of_ranks(
-                mine, f"rank {self.rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
-                      f"peers while {_describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
-                      "another collective); every rank must run the same windows and micro-steps")
-        except PeerLostError:
+            agree_on_position(self.rank, point, self.global_steps, self.windows_started, window.micro_steps,
+                              window.training_forwards)
+        except (PeerLostError, RankDisagreementError):
             self._agreeing = False
             raise
-        if all(position == everyone[0] for position in everyone):
-            return
-        self._agreeing = False
-        ranks = "; ".join(f"rank {r}: {_describe_position(p)}" for r, p in enumerate(everyone))
-        held = sorted(p[3] for p in everyone)
-        flushing = f"flush(): the ranks hold between {held[0]} and {held[-1]} micro-steps in this window; " \
-            if all(p[0] == FLUSH for p in everyone) else ""
-        raise RankDisagreementError(
-            f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
-            "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank that "
-            "fails in a window stop the run rather than go on with its next batch")
 
     def _context_running(self):
         """Where the context group's exchanges run (a micro-step's forward and backward)."""
@@ -697,34 +631,7 @@ class Engine:
         """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""
         return self.window_split.weighting_batch(self.plan)
 
-    def _window_totals(self, window: _Window, *, over_all_ranks: bool):
-        """(mean loss, units, samples, (real, padded) tokens, Σ squares of the reduced gradient or
-        None) of the window. Over all ranks: one small all-reduce (real counts, or a record the
-        monitor makes), which carries the strategy's share of the squared gradient norm too
-        (``Strategy.grad_squares_share``). Otherwise the manual loop's planned sizes: no
-        collective, no host sync, and the loss is this rank's."""
-        if not over_all_ranks:
-            samples = self.plan.window_samples(window.micro_steps)
-            return window.loss_total() / window.samples, samples, samples, (None, None), None
-        device = self.strategy.device
-        cost = window.tokens
-        # Context parallelism: the ranks of a context group share their rows (and the tokens of
-        # their whole sequences); each adds its 1/size share of them.
-        holders = self.context.size if self.context is not None else 1
-        values = [window.loss_total(), window.units(), float(window.samples) / holders,
-                  float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders]
-        share = self.strategy.grad_squares_share()
-        if share is not None:
-            values.append(share)
-        stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
-                             for value in values])
-        stats = self.strategy.all_reduce_sum(stats)
-        counts = stats[2:].tolist()  # the step's one host sync
-        samples, real, padded = (round(n) for n in counts[:3])
-        tokens = (real, padded) if cost else (None, None)
-        return stats[0] / stats[1], stats[1], samples, tokens, counts[3] if share is not None else None
-
-    def _apply_update(self, window: _Window, units, samples: int, squares: float | None, *,
+    def _apply_update(self, window: Window, units, samples: int, squares: float | None, *,
                       want_norm: bool) -> StepResult:
         """Multiply the reduced gradient to the global mean, clip, step — or skip the window
         when it holds nothing to average or overflowed. ``squares``: the reduced gradient's sum
@@ -744,20 +651,11 @@ class Engine:
                                     grad_squares=squares)
         self.strategy.zero_grad()
         step = self.global_steps + 1
-        if result.non_finite and self.config.faults.non_finite_gradient == "raise":
+        if non_finite.raises(self.config.faults.non_finite_gradient, result.non_finite):
             self.discard_window()  # gradients and the window's micro-steps: the engine stays usable here
             self._recording = False
-            raise NonFiniteGradientError(
-                f"the gradient of global step {step} holds an inf or nan (e.g. a nan or inf loss, or an "
-                "overflow in the forward): the window was not applied — weights, optimizer and scheduler are "
-                "as before it, and no checkpoint was written. faults.non_finite_gradient: skip discards such "
-                "windows with a warning instead (counted in skipped_steps)")
-        if result.non_finite:
-            log.warning("a non-finite gradient (inf or nan) in the window of global step %d: the window is "
-                        "discarded, the weights are unchanged (skipped_steps counts it)", step)
-        elif not result.applied:
-            log.warning("fp16 overflow: the window of global step %d is discarded and the loss scale "
-                        "lowered", step)
+            raise non_finite.non_finite_error(step)
+        non_finite.warn_skipped(result.applied, result.non_finite, step)
         return result
 
 
@@ -779,21 +677,6 @@ def _share(samples: int, item_weighted: bool) -> int:
     """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
     1 (a sum), 0 (a zero-weight step)."""
     return (1 if item_weighted else samples) if samples else 0
-
-
-def _check_same_kind(window: _Window, item_weighted: bool) -> None:
-    if window.item_weighted is None:
-        window.item_weighted = item_weighted
-    elif window.item_weighted != item_weighted:
-        raise EngineUsageError("one window mixes mean losses and (sum, count) losses; use one kind per window")
-
-
-def _describe_position(position: list[int]) -> str:
-    point, global_steps, started, micro_steps, forwards = position
-    if point == CLOSED:
-        return f"closing the engine after global step {global_steps} (its data ended?)"
-    return (f"{_POINTS[point]}, after global step {global_steps}, window {started} begun on this rank, "
-            f"{micro_steps} micro-step(s) done in it ({forwards} training forward(s))")
 
 
 def check_loss(loss) -> None:

@@ -1,6 +1,6 @@
 """Training metrics and progress, one record per optimizer step.
 
-The engine calls :meth:`Monitor.on_window_closed` (an ``engine.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
+The engine calls :meth:`Monitor.on_window_closed` (an ``engine.window.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
 turns it into a record (loss, learning rate, gradient norm, throughput, memory, ...), keeps
 it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard. Other ranks
 only keep time: they read no tensor, so they pay no host sync.
@@ -44,7 +44,7 @@ import torch
 
 from engine.config.schema import MonitorConfig
 from engine.distributed.process_group import get_rank
-from engine.hooks import EngineHook
+from engine.window.hooks import EngineHook
 
 __all__ = ["Monitor", "FIELDS"]
 

@@ -47,8 +47,8 @@ from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import init_distributed
 from engine.engine import loss_and_units
 from engine.errors import MicrostepError
-from engine.factories import FactoryError, load_factory, reference_of
-from engine.optim import build_optimizer, build_scheduler
+from engine.config.factories import FactoryError, load_factory, reference_of
+from engine.config.optim import build_optimizer, build_scheduler
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # The tolerance is relative to each tensor's update over the steps (L2 norms; see
@@ -58,7 +58,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # in float32 (Llama's RMSNorm, a mask built in float32) leaves ~1e-7 per row, which Adam
 # amplifies where a gradient is near its eps: measured 2e-5 on examples/verify_llama.py.
 # A weighting mistake moves the update by 1e-2 or more (the classic token mean: ~5e-1).
-EXACT_ROUNDING = 1e-12  # outputs this close (relative) in a batch and in micro-batches: float64 throughout
+EXACT_ROUNDING = 1e-12  # measure_rounding at most this: the model computes in float64 throughout
 TOLERANCE_EXACT = 1e-6
 TOLERANCE_ROUNDED = {torch.float64: 1e-3, torch.float32: 1e-2}
 DROPOUT_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
@@ -66,6 +66,7 @@ DROPOUT_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torc
 BATCH_STATISTICS_LAYERS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 RANK_ENTRY = "import sys; from engine.verify import run_rank; sys.exit(run_rank(sys.argv[1], int(sys.argv[2])))"
 POLL_SECONDS = 0.2
+STARTED_BY_VERIFY = "MICROSTEP_VERIFY_RANK"  # set in the processes verify starts
 LOG_TAIL_LINES = 30
 
 
@@ -210,6 +211,7 @@ def _rank_environment(rank: int, nproc: int, port: int) -> dict[str, str]:
     environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                    TORCHELASTIC_USE_AGENT_STORE="True",  # join the store this process hosts
+                   **{STARTED_BY_VERIFY: str(rank)},
                    CUDA_VISIBLE_DEVICES="")  # CPU processes, whatever the machine has
     environ.setdefault("OMP_NUM_THREADS", "1")
     cwd = os.getcwd()  # the references name modules the way this process imports them
@@ -459,12 +461,17 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
     Returns a :class:`VerifyResult`; raises :class:`VerifyError` when a run fails or times out.
     """
     echo = echo or (lambda line: None)
+    if STARTED_BY_VERIFY in os.environ:
+        raise VerifyError("engine.verify was called again inside one of the processes it started: they load the "
+                          "script that defines the functions, so put the call under if __name__ == '__main__':")
     if dtype not in DTYPES:
         raise VerifyError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if nproc < 1 or steps < 1:
         raise VerifyError(f"nproc and steps must be at least 1; got nproc {nproc}, steps {steps}")
     references = [reference_of(function, role) for function, role in ((model, "model"), (batch, "batch"), (loss, "loss"))]
-    make_model, make_batch, loss_fn = (load_factory(reference) for reference in references)
+    # this process calls what it was given (loading a script's file again would run the script)
+    make_model, make_batch, loss_fn = (function if callable(function) else load_factory(function)
+                                       for function in (model, batch, loss))
     user_overrides = list(overrides or [])
     loaded = load_config(config, user_overrides)
     extra, notes = _verify_overrides(loaded)
@@ -472,6 +479,9 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
                 f"distributed.agreement_timeout_seconds={timeout_seconds}"]
     all_overrides = user_overrides + extra + timeouts
     loaded = load_config(config, all_overrides)
+    if loaded.backend == "deepspeed" and dtype == "float64":
+        raise VerifyError("backend deepspeed cannot train float64 parameters (it keeps fp32 master copies): run "
+                          "verify with --dtype float32 (engine.verify(..., dtype='float32'))")
     if loaded.optimizer is None:
         raise VerifyError("the config has no optimizer section: verify builds the same optimizer in every process "
                           "from it; add `optimizer: {type: AdamW, params: {lr: ...}}`")

@@ -8,7 +8,7 @@ stopped for such a signal (torchrun, signalled, exits 1 whatever its workers did
 
 A Microstep error (config, batch plan, checkpoint, ranks disagreeing) that ends the workers is
 printed once, as the last thing on the screen: the workers report it instead of printing
-their tracebacks (``engine.error_report``), ``launch.torchrun`` leaves out torchrun's failure
+their tracebacks (``engine.distributed.error_report``), ``launch.torchrun`` leaves out torchrun's failure
 report for it, and the launcher prints it after the launcher it ran has exited.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # Where the engine's ranks write their exit code when they stop for a signal (engine.state.preemption).
 STOP_REPORT_DIR = "MICROSTEP_STOP_REPORT_DIR"
-# Where the workers write an uncaught Microstep error (engine.error_report), for the launcher to print once.
+# Where the workers write an uncaught Microstep error (engine.distributed.error_report), for the launcher to print once.
 ERROR_REPORT_DIR = "MICROSTEP_ERROR_REPORT_DIR"
 
 

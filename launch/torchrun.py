@@ -2,7 +2,7 @@
 without its failure report for workers that explained their own failure.
 
 Workers started by ``python -m launch`` report an uncaught Microstep error into the directory
-``MICROSTEP_ERROR_REPORT_DIR`` names (``engine.error_report``); the launcher prints it once,
+``MICROSTEP_ERROR_REPORT_DIR`` names (``engine.distributed.error_report``); the launcher prints it once,
 last. torchrun would follow it with its agent's log lines and a ``ChildFailedError`` traceback
 holding a failure table ("Root Cause ... error_file: <N/A> ... To enable traceback see ...").
 Here: while some worker's report exists, the agent's warnings and errors are not logged; a
@@ -19,7 +19,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-ERROR_REPORT_DIR = "MICROSTEP_ERROR_REPORT_DIR"  # engine.error_report's
+ERROR_REPORT_DIR = "MICROSTEP_ERROR_REPORT_DIR"  # engine.distributed.error_report's
 # The agent's loggers that describe a worker's failure (and the SIGTERM sent to its peers).
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.agent.server.local_elastic_agent")

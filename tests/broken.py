@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_transforms import CheckpointSwitch
+from engine.strategies.model_transforms import CheckpointSwitch
 
 
 def intact(eng):

@@ -14,7 +14,7 @@ import torch
 import engine
 from engine import model_transforms
 from engine.errors import ConfigError
-from engine.model_transforms import apply_activation_checkpointing, repeated_blocks
+from engine.strategies.model_transforms import apply_activation_checkpointing, repeated_blocks
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, sgd, state
 from tests.test_pipeline_hf import TOL, VOCAB, data_share, gpt2, llama, reference_run, token_batches, token_sum

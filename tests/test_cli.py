@@ -2,12 +2,16 @@
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
+
+import engine
 
 from engine.cli import add_override_argument, main
 from engine.config.schema import load_config
@@ -164,14 +168,41 @@ def test_validate_checks_optimizer_and_scheduler(tmp_path, capsys, text, expecte
     "{lr: 0.001, adam_w_mode: false}",
 ])
 def test_validate_accepts_deepspeed_adam(tmp_path, capsys, params):
-    status, captured, _ = validate(tmp_path, capsys, f"optimizer: {{type: Adam, params: {params}}}\n")
+    status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 8\noptimizer: {{type: Adam, params: {params}}}\n")
     assert status == 0, captured.err
+
+
+@pytest.mark.parametrize("text, overrides, problem", [
+    ("train_batch_size: 32\ngradient_accumulation_steps: 4\n", ["train_micro_batch_size_per_gpu=auto"],
+     "train_micro_batch_size_per_gpu 'auto' derives gradient_accumulation_steps; remove gradient_accumulation_steps"),
+    ("train_micro_batch_size_per_gpu: explore\n", [], "train_micro_batch_size_per_gpu 'explore' needs train_batch_size"),
+    ("train_batch_size: 32\ntrain_micro_batch_size_per_gpu: 3\ngradient_accumulation_steps: 4\n", [],
+     "train_batch_size 32 must be train_micro_batch_size_per_gpu 3 × gradient_accumulation_steps 4 × world size, "
+     "and 32 / (3 × 4) = 2.667 is no whole number of processes; nearest valid train_batch_size: 24 or 36"),
+    ("optimizer: {type: SGD, params: {lr: 0.1}}\n", [], "set train_batch_size or train_micro_batch_size_per_gpu"),
+    ("micro_batch_tokens: 64\ngradient_accumulation_steps: 2\n", [], "micro_batch_tokens: needs train_batch_size"),
+])
+def test_validate_refuses_what_initialize_refuses_at_any_world_size(tmp_path, capsys, text, overrides, problem):
+    status, captured, _ = validate(tmp_path, capsys, text, "c.yaml", *overrides)
+    assert status == 2 and problem in captured.err, captured.err
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(engine.MicrostepError, match=re.escape(problem)):  # the same words from initialize
+        engine.initialize(model, str(tmp_path / "c.yaml"), overrides=overrides,
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_validate_removes_a_key_with_null(tmp_path, capsys):
+    text = "train_batch_size: 32\ngradient_accumulation_steps: 4\n"
+    status, captured, _ = validate(tmp_path, capsys, text, "c.yaml", "train_micro_batch_size_per_gpu=auto",
+                                   "gradient_accumulation_steps=null")
+    assert status == 0 and "micro auto, accumulation -" in captured.out, captured.err
 
 
 def test_validate_checks_a_scheduler_without_an_optimizer_section(tmp_path, capsys):
     # the script passes its own optimizer; a momentum-cycling schedule still checks out
     status, captured, _ = validate(tmp_path, capsys,
-                                   "scheduler: {type: OneCycleLR, params: {max_lr: 0.1, total_steps: 10}}\n")
+                                   "train_batch_size: 8\nscheduler: {type: OneCycleLR, params: {max_lr: 0.1, "
+                                   "total_steps: 10}}\n")
     assert status == 0, captured.err
 
 
@@ -197,7 +228,7 @@ gradient_allreduce_op: sum
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_validate_half_precision_on_this_machine(tmp_path, capsys, precision):
-    status, captured, _ = validate(tmp_path, capsys, f"{precision}: {{enabled: true}}\n")
+    status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 8\n{precision}: {{enabled: true}}\n")
     assert status == 0, captured.err
     assert captured.out.rstrip().endswith(precision)
 

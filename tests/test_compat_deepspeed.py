@@ -464,7 +464,7 @@ def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
 def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
     from engine.adapters.deepspeed_internals import import_deepspeed
     from engine.config.schema import SchedulerConfig
-    from engine.optim import build_deepspeed_scheduler, build_scheduler
+    from engine.config.optim import build_deepspeed_scheduler, build_scheduler
 
     schedules = import_deepspeed().runtime.lr_schedules
 
@@ -489,7 +489,7 @@ def test_deepspeed_schedules_step_as_deepspeeds_own(name, params):
 def test_one_cycle_cycles_adams_beta1_as_deepspeeds_own(params):
     from engine.adapters.deepspeed_internals import import_deepspeed
     from engine.config.schema import SchedulerConfig
-    from engine.optim import build_deepspeed_scheduler
+    from engine.config.optim import build_deepspeed_scheduler
 
     schedules = import_deepspeed().runtime.lr_schedules
     params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2, **params}

@@ -536,3 +536,20 @@ def test_colossal_keys_in_yaml_and_overrides(tmp_path):
     assert config.fp16.enabled and config.fp16.loss_scale_window == 2000
     assert config.colossalai_extras == {"num_epochs": 3, "logging": {"root_path": "./logs"}}
     assert config.gradient_clipping == 2.0
+
+
+# -- papercuts (issue 34) ----------------------------------------------------------------------------------
+def test_text_where_an_optimizer_takes_a_number_is_named_not_failed_on_inside_torch():
+    from engine.config.checks import check_without_model
+
+    config = load_config({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "3e-4x", "eps": 1e-8}}})
+    assert check_without_model(config) == [
+        "<dict>: optimizer.params.lr: expected a number, got the text '3e-4x' (e.g. lr: 0.001)"]
+
+
+def test_a_pipeline_split_without_a_pipeline_is_said_to_have_no_effect():
+    with pytest.warns(UserWarning, match=r"pipeline.split \['blocks.2'\] has no effect with pipeline.stages 1"):
+        load_config({"train_batch_size": 8, "pipeline": {"split": ["blocks.2"]}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto, the default, written or not: nothing to say
+        load_config({"train_batch_size": 8, "pipeline": {"stages": 1, "split": "auto"}})

@@ -66,3 +66,73 @@ def test_lm_example_and_readme_agree_on_when_token_counts_normalise():
     readme, lm_example = (REPO / "README.md").read_text(), (REPO / "docs" / "lm_example.md").read_text()
     for doc in (readme, lm_example):
         assert "G / U" in doc and "before any backward" not in doc
+
+
+# -- every `$ python -m engine ...` the docs show, run as shown ---------------------------------------------
+SHELL_BLOCK = re.compile(r"```(?:text|console)\n(.*?)```", re.S)
+
+
+def shown_sessions(doc: Path):
+    """(command, the output shown under it, files written by a `$ cat FILE` shown before it)."""
+    for block in SHELL_BLOCK.findall(doc.read_text()):
+        files, parts = {}, re.split(r"^\$ (.*)\n", block, flags=re.M)
+        for command, shown in zip(parts[1::2], parts[2::2]):
+            if command.startswith("cat "):
+                files[command[4:].strip()] = shown
+            elif command.startswith("python -m engine "):
+                yield command, shown, dict(files)
+
+
+SESSIONS = [(doc, *session) for doc in DOCS for session in shown_sessions(doc)]
+
+
+@pytest.mark.parametrize("doc, command, shown, files", SESSIONS,
+                         ids=[f"{doc.name}: {command}" for doc, command, _, _ in SESSIONS])
+def test_the_docs_engine_commands_print_what_they_show(tmp_path, doc, command, shown, files):
+    import shlex
+    import subprocess
+    import sys
+
+    argv = shlex.split(command)
+    assert argv[4] in files or (REPO / argv[4]).exists(), f"{argv[4]}: show it with `$ cat {argv[4]}` first"
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    for shared in ("configs", "examples"):
+        (tmp_path / shared).symlink_to(REPO / shared)
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    printed = (done.stdout + done.stderr).splitlines()
+    expected = shown.rstrip("\n").splitlines()
+    assert len(printed) == len(expected), (printed, expected)
+    for got, line in zip(printed, expected):  # a line shown ending "..." is cut short there
+        if " explore " in command and re.match(r"\s+\d", line):  # a measured row: the sizes, and whether it fits
+            assert (got.split()[:2], "yes" in got) == (line.split()[:2], "yes" in line), (got, line)
+            continue
+        assert got.startswith(line[:-3]) if line.endswith("...") else got == line, (got, line)
+
+
+def test_the_readme_says_how_to_reach_the_environment_before_its_first_python_command():
+    readme = (REPO / "README.md").read_text()
+    first_python = readme.index("$ python ")
+    assert readme.index("source .venv/bin/activate") < first_python
+    assert readme.index(".venv/bin/microstep") < first_python
+    assert 'microstep = "engine.cli:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_the_readme_shows_what_the_demo_prints_first():
+    readme = (REPO / "README.md").read_text()
+    shown = re.search(r"^\[demo\] (.*?): \.\.\.$", readme, re.M).group(1)
+    demo = (REPO / "scripts" / "demo.sh").read_text()
+    assert f'echo "[demo] {shown}:' in demo
+    assert demo.rstrip().endswith('exec .venv/bin/python -m launch --nproc-per-node 2 examples/param_unchanged.py "$@"')
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert setup.count('say "') >= 4  # every step says what it does before it runs
+
+
+def test_the_docs_match_the_code_on_the_papercuts_issue_34_found():
+    deepspeed_doc = " ".join((REPO / "docs" / "deepspeed.md").read_text().split())
+    assert "the torch backend in fp32 applies it" not in deepspeed_doc  # it discards the window
+    assert "as the torch backend does in every precision" in deepspeed_doc
+    if "pytest -q -n " in (REPO / "docs" / "compatibility.md").read_text():  # -n is pytest-xdist's
+        assert re.search(r"^pytest-xdist==", (REPO / "requirements" / "ci.txt").read_text(), re.M)
+        assert '"pytest-xdist' in (REPO / "pyproject.toml").read_text()

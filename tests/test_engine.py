@@ -203,7 +203,7 @@ def test_scheduler_steps_once_per_optimizer_step():
     assert eng.lr_scheduler.last_epoch == eng.global_steps == 4
     expected = reference_train(
         model, batches, mse, lambda p: torch.optim.SGD(p, lr=0.1),
-        scheduler_factory=lambda o: engine.optim.WarmupLR(o, 0.0, 0.1, 4, "linear"))
+        scheduler_factory=lambda o: engine.config.optim.WarmupLR(o, 0.0, 0.1, 4, "linear"))
     assert max_param_diff(state(eng.module), state(expected)) < TOL
 
 

@@ -35,7 +35,7 @@ from engine.state.autosave import checkpoint_name
 from engine.state.checkpoint import MANIFEST, verify_checkpoint
 from engine.config.checks import check_without_model
 from engine.batching.data import DistributedBatches
-from engine.optim import WarmupDecayLR
+from engine.config.optim import WarmupDecayLR
 from engine.config.deepspeed import deepspeed_config
 from tests import fault_job as job
 from tests.dist_utils import run_distributed, run_scenarios

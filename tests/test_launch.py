@@ -397,7 +397,7 @@ def test_a_microstep_error_ends_a_two_process_run_once_as_the_last_line_and_a_bu
 
 
 def test_the_workers_errors_are_said_once_each_the_first_reported_last(tmp_path):
-    from engine.error_report import write_report
+    from engine.distributed.error_report import write_report
 
     for rank, (error, at) in enumerate([(engine_errors.PeerError({2: 1}), 2.0), (engine_errors.PeerError({2: 1}), 3.0),
                                         (engine_errors.CheckpointError("checkpoint step_4: missing"), 1.0)]):

@@ -1,5 +1,5 @@
 """A loss_fn written for the other call, or returning something that is not a loss, is named
-with what was expected and the fix (engine.loss_checks) before it fails inside the engine or
+with what was expected and the fix (engine.window.loss_checks) before it fails inside the engine or
 torch. The two-rank pipeline case is in tests/test_pipeline.py's misuse scenario, the engine's
 train_batch cases in tests/scenarios.py's MISUSES."""
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import engine
 from engine.errors import EngineUsageError
-from engine.loss_checks import check_loss_signature, checked_count, unrecognised_loss
+from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from tests.reference import mlp, mse, regression_batches
 
 

@@ -11,7 +11,7 @@ import torch
 import engine
 from bench.model_transforms import lm, lm_loss, saved_activation_bytes, tokens
 from engine.config.schema import load_config
-from engine.model_transforms import apply_activation_checkpointing, repeated_blocks
+from engine.strategies.model_transforms import apply_activation_checkpointing, repeated_blocks
 from tests.dist_utils import run_scenarios
 from tests.reference import max_param_diff, state
 from tests.scenarios import CHECKPOINTING, checkpointing_case, every_stage_and_precision

@@ -16,7 +16,7 @@ import torch
 import engine
 from engine.config.schema import MonitorConfig
 from engine.monitor import FIELDS, Monitor
-from engine.optim import WarmupLR
+from engine.config.optim import WarmupLR
 from tests.dist_utils import run_distributed, run_scenarios
 from tests.reference import (
     TinyLM, mlp, mse, regression_batches, token_batches, token_loss_mean, token_loss_sum,

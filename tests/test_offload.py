@@ -28,7 +28,7 @@ from engine.cli import main
 from engine.config.checks import check_without_model
 from engine.config.offload import torch_offload
 from engine.distributed.process_group import DistInfo
-from engine.setup import resolve_setup
+from engine.config.setup import resolve_setup
 from engine.strategies import make_strategy
 from tests.dist_utils import repo_first_on_path, run_scenarios
 from tests.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state

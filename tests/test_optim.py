@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.optim import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_optimizer
+from engine.config.optim import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_optimizer
 
 
 def lrs(scheduler, steps):

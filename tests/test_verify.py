@@ -11,7 +11,7 @@ import torch
 
 import engine
 from engine.cli import main
-from engine.factories import FactoryError, reference_of
+from engine.config.factories import FactoryError, reference_of
 from engine.verify import TOLERANCE_EXACT, TOLERANCE_ROUNDED, VerifyError, prepare_model
 from tests import verify_models
 
@@ -113,6 +113,9 @@ def test_mistakes_are_named_before_any_process_starts(capsys):
     with pytest.raises(VerifyError, match="no optimizer section"):
         engine.verify({"train_batch_size": 8}, verify_models.plain_mlp, verify_models.regression,
                       verify_models.mean_loss, echo=None)
+    with pytest.raises(VerifyError, match="backend deepspeed cannot train float64 parameters.*--dtype float32"):
+        engine.verify({**MLP_CONFIG, "backend": "deepspeed"}, verify_models.plain_mlp, verify_models.regression,
+                      verify_models.mean_loss, echo=None)
     with pytest.raises(FactoryError, match="not bound to a name at the top level"):
         reference_of(lambda model, batch: 0, "loss")
     assert reference_of(verify_models.mean_loss, "loss") == "tests.verify_models:mean_loss"
@@ -142,3 +145,42 @@ def test_half_precision_checkpoints_and_monitor_are_switched_off_with_a_note():
     assert notes[1] == "checkpoint.dir off: verify neither resumes from nor writes checkpoints"
     changed = load_config(config, overrides)
     assert not changed.bf16.enabled and changed.checkpoint.dir is None
+
+
+SCRIPT = '''
+import torch
+import torch.nn.functional as F
+import engine
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+def batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+
+def loss(m, b):
+    return F.mse_loss(m(b[0]), b[1])
+
+CONFIG = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+'''
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_functions_of_a_script_are_loaded_from_its_file_and_an_unguarded_call_is_explained(tmp_path):
+    import subprocess
+    import sys
+
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(SCRIPT + 'if __name__ == "__main__":\n    print(engine.verify(CONFIG, model, batch, loss).equal)\n')
+    unguarded = tmp_path / "unguarded.py"
+    unguarded.write_text(SCRIPT + "engine.verify(CONFIG, model, batch, loss)\n")
+    runs = [subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+            for script in (guarded, unguarded)]
+    assert runs[0].returncode == 0 and runs[0].stdout.splitlines()[-1] == "True", runs[0].stdout + runs[0].stderr
+    assert runs[0].stdout.splitlines()[-2].startswith("equal: ")
+    assert runs[1].returncode == 1
+    assert "engine.verify was called again inside one of the processes it started" in runs[1].stderr
+    assert "if __name__ == '__main__':" in runs[1].stderr

@@ -24,7 +24,7 @@ size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or m
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
 
 Under a pipeline (``auto`` only) an attempt is one run of the schedule
-(``engine.pipeline_windows``, handed in as ``windows``): a stage that fails stands in for the
+(``engine.pipeline.windows``, handed in as ``windows``): a stage that fails stands in for the
 rest of the schedule and raises after the window's collectives
 (``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
 those whose number of micro-batches the schedule runs.
@@ -53,7 +53,7 @@ from engine.memory import PeakMeter, memory_limit_bytes
 from engine.batching.token_budget import budget_candidates
 
 if TYPE_CHECKING:
-    from engine.pipeline_windows import PipelineWindows
+    from engine.pipeline.windows import PipelineWindows
 
 log = logging.getLogger("engine")
 
@@ -177,7 +177,7 @@ class MicroBatchTuner(WindowRunner):
     def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2,
                  windows: PipelineWindows | None = None):
         self.strategy = strategy
-        # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline_windows), or,
+        # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline.windows), or,
         # when None, the engine's own micro-steps.
         self.windows = windows
         if self._runnable(plan) is None:

@@ -439,13 +439,42 @@ def _token_plan(world: int, g, m, a, batch_split: str, rank: int, mode: str, aut
     return _with_notes(BatchPlan(world, g, cap, 1, batch_split, rank, mode, micro_batch_tokens=tokens))
 
 
+def search_mode_conflicts(mode, train_batch_size, gradient_accumulation_steps) -> list[str]:
+    """What ``train_micro_batch_size_per_gpu: auto / explore`` cannot be combined with; needs
+    no world size, so ``python -m engine validate`` reports it too."""
+    problems = []
+    if train_batch_size is None:
+        problems.append(f"train_micro_batch_size_per_gpu {mode!r} needs train_batch_size: the global batch is "
+                        "what stays fixed while the micro size moves")
+    if gradient_accumulation_steps is not None:
+        problems.append(f"train_micro_batch_size_per_gpu {mode!r} derives gradient_accumulation_steps; remove "
+                        "gradient_accumulation_steps (on the command line: --set gradient_accumulation_steps=null)")
+    return problems
+
+
+def world_free_batch_problems(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+                              batch_split, auto_max, micro_batch_tokens) -> list[str]:
+    """The batch keys' problems that no world size can fix: what ``resolve_batch_plan`` (via
+    ``plan_from_config``) refuses whatever the number of processes (``validate`` runs it)."""
+    g, m, a = train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+    if micro_batch_tokens is not None:
+        return [f"{key}: {problem}" for key, problem in token_budget_conflicts(g, m, a, auto_max)]
+    if m in SEARCH_MODES:
+        return search_mode_conflicts(m, g, a)
+    if g is None and m is None:
+        return [] if a is not None else ["set train_batch_size or train_micro_batch_size_per_gpu"]
+    if batch_split == "strict" and None not in (g, m, a) and all(isinstance(v, int) for v in (g, m, a)) and g % (m * a):
+        return [f"train_batch_size {g} must be train_micro_batch_size_per_gpu {m} × gradient_accumulation_steps {a} "
+                f"× world size, and {g} / ({m} × {a}) = {g / (m * a):.4g} is no whole number of processes; "
+                f"{_valid_global(g, m * a)}, or remove one of the three (it is then derived), or set "
+                "batch_split: balanced"]
+    return []
+
+
 def _starting_micro_size(mode, world, g, a, batch_split, auto_max) -> int:
-    if g is None:
-        raise BatchConfigError(f"train_micro_batch_size_per_gpu {mode!r} needs train_batch_size:"
-                               " the global batch is what stays fixed while the micro size moves")
-    if a is not None:
-        raise BatchConfigError(f"train_micro_batch_size_per_gpu {mode!r} derives "
-                               "gradient_accumulation_steps; remove gradient_accumulation_steps")
+    conflicts = search_mode_conflicts(mode, g, a)
+    if conflicts:
+        raise BatchConfigError(conflicts[0])
     cap = auto_max or g
     if batch_split == "balanced":
         return min(math.ceil(g / world), cap)

@@ -11,8 +11,11 @@ both report the same problems, all at once:
 * backend: ``backend: deepspeed`` needs the deepspeed package installed (looked up, not
   imported) and a config the DeepSpeed backend accepts; ``backend: torch`` an offload
   request FSDP2 can carry out (``engine.config.offload``);
-* token budget: ``micro_batch_tokens`` with the batch keys it cannot be combined with
-  (``engine.batching.plan.token_budget_conflicts``), ``sequence_keys`` without it;
+* batch keys: what the planner refuses at any world size
+  (``engine.batching.plan.world_free_batch_problems``: ``auto`` / ``explore`` micro sizes with
+  ``gradient_accumulation_steps`` or without ``train_batch_size``, three strict batch numbers no
+  process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
+  ``sequence_keys`` without ``micro_batch_tokens``;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
@@ -28,18 +31,18 @@ import torch
 
 from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
-from engine.batching.plan import SEARCH_MODES, token_budget_conflicts
+from engine.batching.plan import SEARCH_MODES, world_free_batch_problems
 from engine.config.deepspeed import deepspeed_backend_problems
 from engine.config.schema import Config, half_precision, locate, torch_sections
 from engine.config.torch_features import model_transforms_requested
-from engine.optim import check_sections
+from engine.config.optim import check_sections
 
 
 def check_without_model(config: Config) -> list[str]:
     """Every problem found, as ``<where>: <key.path>: <problem>`` lines (empty: none)."""
     problems = check_sections(config.optimizer, config.scheduler)
     problems += _precision_problems(config)
-    problems += _token_budget_problems(config)
+    problems += _batch_problems(config)
     problems += _pipeline_problems(config)
     problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
@@ -104,7 +107,7 @@ def _tensor_problems(config: Config) -> list[str]:
 
 def _mesh_precision_problems(config: Config) -> list[str]:
     """Under a tensor or pipeline mesh half precision is autocast over fp32 parameters
-    (engine.setup), so gradients accumulate in fp32: a half-precision accumulation asked for
+    (engine.config.setup), so gradients accumulate in fp32: a half-precision accumulation asked for
     would not happen."""
     if config.backend != "torch" or (config.tensor_parallel.size == 1 and config.pipeline.stages == 1):
         return []
@@ -116,14 +119,15 @@ def _mesh_precision_problems(config: Config) -> list[str]:
             "autocast over fp32 parameters and gradients accumulate in fp32; remove grad_accum_dtype"]
 
 
-def _token_budget_problems(config: Config) -> list[str]:
-    if config.micro_batch_tokens is None:
-        return [] if config.sequence_keys is None else [
-            "sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not set; "
-            "set it, or remove sequence_keys"]
-    return [f"{key}: {problem}" for key, problem in token_budget_conflicts(
-        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
-        config.auto_max)]
+def _batch_problems(config: Config) -> list[str]:
+    """What the planner refuses at any world size (the token budget's conflicts included)."""
+    problems = world_free_batch_problems(config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                                         config.gradient_accumulation_steps, config.batch_split, config.auto_max,
+                                         config.micro_batch_tokens)
+    if config.micro_batch_tokens is None and config.sequence_keys is not None:
+        problems.append("sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not "
+                        "set; set it, or remove sequence_keys")
+    return problems
 
 
 def _pipeline_problems(config: Config) -> list[str]:

@@ -446,6 +446,9 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         notes.append(f"{config.source}: DeepSpeed setting(s) {', '.join(unused)} are not used by "
                      "the torch backend; they are kept for backend: deepspeed")
     notes.append(unused_settings_warning(config.source, config.colossalai_extras))
+    if config.pipeline.stages == 1 and config.pipeline.split != "auto":  # auto: the default, harmless
+        notes.append(f"{config.source}: pipeline.split {config.pipeline.split!r} has no effect with pipeline.stages 1 "
+                     "(the model is not cut); it applies when stages > 1")
     for note in filter(None, notes):
         warnings.warn(note, UserWarning, stacklevel=2)
     return config

@@ -112,7 +112,7 @@ class HalfParameters(FullPrecision):
 
 
 def precision_policy(half, device_type: str) -> FullPrecision:
-    """The policy of ``half`` (an ``engine.setup.HalfPrecision``) on ``device_type``."""
+    """The policy of ``half`` (an ``engine.config.setup.HalfPrecision``) on ``device_type``."""
     scaler = None
     if half.loss_scaling is not None:
         fp16 = half.loss_scaling
@@ -129,7 +129,7 @@ def check_autocast_computes(model: torch.nn.Module, half, why: str) -> None:
     """Autocast casts only float32 tensors: over parameters of another floating dtype (float64)
     it would compute nothing in ``half.dtype``, where one process's half-precision copy casts
     every parameter. Refused rather than trained silently at full precision. ``half``: an
-    ``engine.setup.HalfPrecision``; ``why``: why autocast is used (the mesh, or torch_autocast)."""
+    ``engine.config.setup.HalfPrecision``; ``why``: why autocast is used (the mesh, or torch_autocast)."""
     if half.dtype is None or not half.autocast:
         return
     other = [(name, p.dtype) for name, p in model.named_parameters()

@@ -25,7 +25,7 @@
 An explicit ``eng.load_checkpoint`` replaces the automatic resume: what of it was still to be
 applied (the data position, the random generators) is dropped.
 
-``AutoCheckpoint`` is one of the engine's hooks (``engine.hooks``): the engine calls
+``AutoCheckpoint`` is one of the engine's hooks (``engine.window.hooks``): the engine calls
 ``on_batches`` / ``on_window_start`` / ``on_window_closed`` / ``on_state_loaded`` / ``on_close``
 and knows nothing else of this module; saves and loads go through the engine's public
 ``checkpoints`` (the ``CheckpointManager``).
@@ -42,7 +42,7 @@ from pathlib import Path
 from engine.state.checkpoint import MANIFEST, damaged_files, verify_checkpoint
 from engine.distributed.collectives import from_rank0, gathered
 from engine.errors import CheckpointError
-from engine.hooks import EngineHook
+from engine.window.hooks import EngineHook
 from engine.state.preemption import Preempted, StopSignals, report_stop
 
 log = logging.getLogger("engine")

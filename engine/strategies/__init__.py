@@ -1,4 +1,4 @@
-"""The holder a resolved ``engine.setup.Setup`` asks for, built on the joined process group.
+"""The holder a resolved ``engine.config.setup.Setup`` asks for, built on the joined process group.
 
 One holder per way the data dimension holds the model, each composing the model-parallel
 dimensions the same way (``engine.strategies.parallelize``) on the mesh's groups:
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from engine.distributed.process_group import DistInfo
-from engine.setup import Setup
+from engine.config.setup import Setup
 
 log = logging.getLogger("engine")
 

@@ -2,7 +2,7 @@
 
 The engine counts micro-steps, weights losses and decides boundaries; a strategy does the
 backend-specific parts. The engine never asks which strategy it runs on. Every strategy is
-built as ``Strategy(setup, dist)``: the frozen ``engine.setup.Setup`` that ``engine.initialize``
+built as ``Strategy(setup, dist)``: the frozen ``engine.config.setup.Setup`` that ``engine.initialize``
 resolved from the config, and the one ``DistInfo`` it got from joining the process group.
 
 Gradient convention: every strategy leaves the *mean over ranks* of the per-rank
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.adapters import torch_internals
-from engine.distributed.collectives import average_used_gradients_, broadcast_, check_peers, failure_vote
+from engine.distributed.collectives import average_used_gradients_, broadcast_, check_peers, failure_vote, sum_of_squares
 from engine.distributed.mesh import GRADIENT_REDUCTION, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
 from engine.precision.loss_scaler import scale_
 from engine.precision.policy import precision_policy
-from engine.setup import Setup
-from engine.strategies.gradients import local, squares_share
+from engine.config.setup import Setup
+from engine.strategies.gradients import local, squares_share, whole_on_every_rank
 from engine.strategies.parallelize import parallelize
 from engine.strategies.same_batch import SameBatchCheck
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
@@ -301,10 +301,14 @@ class TorchStrategy(Strategy):
         return squares_share(self.module.parameters(), self.world_size // self.mesh.pipeline, self.device)
 
     def global_grad_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole gradient, identical on every rank."""
-        squares = self.gradient_squares()
-        if self.world_size > 1:
-            dist.all_reduce(squares)
+        """The 2-norm of the whole gradient, identical on every rank (one all-reduce of one number,
+        none where every rank holds the whole gradient)."""
+        params = list(self.module.parameters())
+        holders = self.world_size // self.mesh.pipeline
+        if whole_on_every_rank(params, holders, self.world_size):
+            return sum_of_squares(self.local_gradients(), self.device).sqrt()
+        squares = squares_share(params, holders, self.device)
+        dist.all_reduce(squares)
         return squares.sqrt()
 
     def grad_squares_share(self):

@@ -39,7 +39,7 @@ from engine.adapters import deepspeed_internals as internals
 from engine.adapters.torch_internals import foreach_mul_
 from engine.distributed.collectives import sum_of_squares
 from engine.errors import CheckpointError, ConfigError
-from engine.model_transforms import transform_model
+from engine.strategies.model_transforms import transform_model
 from engine.precision.compute_copy import cast_floating
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
 from engine.strategies.deferral import ReductionDeferral

@@ -33,7 +33,6 @@ the host; the gathered parameters live on the device while a unit computes.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ from engine.adapters.torch_internals import (
 )
 from engine.distributed.collectives import broadcast_
 from engine.distributed.mesh import GRADIENT_REDUCTION
-from engine.model_transforms import container_layers, outermost_containers
+from engine.strategies.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.deferral import ReductionDeferral
 

@@ -38,6 +38,12 @@ def copies(tensor: torch.Tensor, holders: int) -> int:
     return holders // pieces
 
 
+def whole_on_every_rank(params, holders: int, world_size: int) -> bool:
+    """Whether every rank holds the whole gradient of ``params`` (replicas on a mesh of data ranks):
+    then its squared norm is this rank's own sum, with no collective."""
+    return holders == world_size and not any(isinstance(p.grad, DTensor) for p in params)
+
+
 def squares_share(params, holders: int, device: torch.device) -> torch.Tensor:
     """This rank's share of the squared norm of the whole gradient of ``params`` (a float64
     scalar on ``device``): summed over the world it is the squared norm. ``holders``: the ranks

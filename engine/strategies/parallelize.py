@@ -9,7 +9,7 @@ the model is cut first and each rank applies the same steps to the stages it hol
 plan is resolved on the whole model (its names) and given here for the layers held.
 
 The model transforms run last but for the data sharding, as torchtitan orders them: they wrap
-block forwards (``engine.model_transforms``), which commutes with the tensor split (module hooks
+block forwards (``engine.strategies.model_transforms``), which commutes with the tensor split (module hooks
 and parameters), and under a pipeline they are applied to the whole model before its cut, where
 its repeated blocks are found (a Hugging Face model's ``_no_split_modules`` is the root's).
 A new dimension is one more guarded step here and the module that implements it.
@@ -23,8 +23,8 @@ import torch
 
 from engine.context.parallel import ContextParallel
 from engine.errors import ConfigError
-from engine.model_transforms import CheckpointSwitch, transform_model
-from engine.setup import Setup
+from engine.strategies.model_transforms import CheckpointSwitch, transform_model
+from engine.config.setup import Setup
 from engine.strategies.tensor_plan import apply_tensor_parallel, resolve_plan
 
 

@@ -13,7 +13,7 @@ each rank sends its stage's outputs to the rank of the same tensor index in the 
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
-over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline_windows``)
+over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline.windows``)
 weights each micro-batch loss by its real share of the global batch, as the engine does, and
 this strategy adds the fp16 loss scale. What spans every stage is computed over the pipeline
 group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's
@@ -43,7 +43,7 @@ from engine.adapters.pipelining import GuardedPipelineStage
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
-from engine.model_transforms import transform_model
+from engine.strategies.model_transforms import transform_model
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer

@@ -35,7 +35,7 @@ class Replicas(TorchStrategy):
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
         self.start_equal(self.module)
-        # Half-precision parameters are autocast under a tensor mesh (engine.setup): never both here.
+        # Half-precision parameters are autocast under a tensor mesh (engine.config.setup): never both here.
         self.compute_copy = self.precision.compute_copy(self.module)
         if self.compute_copy is not None:
             self.parallelize(self.compute_copy.model)

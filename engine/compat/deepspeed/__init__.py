@@ -46,7 +46,7 @@ from engine.batching.data import DistributedBatches
 from engine.distributed.process_group import barrier, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
 from engine.batching.microbatch import batch_size, split_batch
-from engine.optim import build_deepspeed_scheduler, build_optimizer
+from engine.config.optim import build_deepspeed_scheduler, build_optimizer
 from engine.compat.deepspeed import accelerator, comm, moe, utils, zero
 from engine.compat.deepspeed.accelerator import get_accelerator
 from engine.compat.deepspeed.comm import init_distributed

@@ -14,6 +14,9 @@ class FactoryError(MicrostepError, ValueError):
     """A ``module:function`` reference that cannot be loaded or made."""
 
 
+_files: dict[Path, object] = {}  # path/to/file.py -> its module: a script's file runs once per process
+
+
 def load_factory(reference: str):
     """``package.module:function`` or ``path/to/file.py:function`` → the callable."""
     where, colon, name = reference.rpartition(":")
@@ -21,12 +24,15 @@ def load_factory(reference: str):
         raise FactoryError(f"{reference!r}: expected module:function or path/to/file.py:function")
     try:
         if where.endswith(".py"):
-            path = Path(where)
+            path = Path(where).resolve()
             if not path.is_file():
                 raise FactoryError(f"{reference!r}: no file {where}")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            if path not in _files:
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _files[path] = module
+            module = _files[path]
         else:
             module = importlib.import_module(where)
     except ImportError as error:

@@ -75,6 +75,7 @@ def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, t
     cls, usable, problems = _resolve(kind, registry, type_name, params)
     built = None
     if cls is not None:
+        problems += _not_numbers(kind, cls, usable)
         try:
             built = cls(target, **usable)
         except (TypeError, ValueError, RuntimeError) as err:  # torch refuses bad values with any of these
@@ -82,6 +83,20 @@ def _build(kind: str, registry: dict[str, type], type_name: str, params: dict, t
     if problems:
         raise ConfigError(problems)
     return built
+
+
+def _not_numbers(kind: str, cls: type, usable: dict) -> list[str]:
+    """Text given where ``cls`` takes a number (its default is one, e.g. ``lr: "3e-4x"``),
+    removed from ``usable``: torch would fail comparing it ("'<=' not supported between ...")."""
+    problems = []
+    defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()}
+    for name, value in list(usable.items()):
+        default = defaults.get(name)
+        if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
+            problems.append(f"{kind}.params.{name}: expected a number, got the text {value!r} "
+                            f"(e.g. {name}: {default})")
+            del usable[name]
+    return problems
 
 
 DEEPSPEED_ADAM_WEIGHT_DECAY = 0.0  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam default (torch's AdamW: 0.01)
