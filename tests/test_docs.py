@@ -75,6 +75,7 @@ SHELL_BLOCK = re.compile(r"```(?:text|console)\n(.*?)```", re.S)
 def shown_sessions(doc: Path):
     """(command, the output shown under it, files written by a `$ cat FILE` shown before it)."""
     for block in SHELL_BLOCK.findall(doc.read_text()):
+        block = re.sub(r"\\\n\s*", " ", block)  # a command continued over lines, as a shell reads it
         files, parts = {}, re.split(r"^\$ (.*)\n", block, flags=re.M)
         for command, shown in zip(parts[1::2], parts[2::2]):
             if command.startswith("cat "):
