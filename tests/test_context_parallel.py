@@ -173,6 +173,19 @@ def saved_activation_bytes(rank, world):
     return {"alone": alone, "split": split}
 
 
+def shifting_loss(rank, world):
+    """A loss of the script's own that shifts the labels itself (logits[:, :-1] against
+    labels[:, 1:]): under context parallelism each part would shift on its own. Its counts give
+    it away, and every rank raises."""
+    model, batch = llama(), padded_rows(1)[0]
+    eng = engine.initialize(copy.deepcopy(model), config(2), optimizer=sgd)
+    try:
+        eng.train_batch(rank_slice(batch, eng.plan), llama_token_sum)
+    except EngineUsageError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def different_rows(rank, world):
     """Each rank slices the data by its global rank (a script unaware of the context group)."""
     model, batch = llama(), padded_rows(1, lengths=LENGTHS * 2)[0]
@@ -227,6 +240,7 @@ def two_rank_scenarios(directory):
         "llama rows of 14 tokens, padded by the engine": functools.partial(llama_script, width=14),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
         "different rows": different_rows,
+        "a loss that shifts labels itself": shifting_loss,
         "saved activation bytes": saved_activation_bytes,
         "llama through the DeepSpeed facade": deepspeed_script,
     }
@@ -237,6 +251,11 @@ def check(results, llama_data):
         if name == "saved activation bytes":
             for result in per_rank:  # each rank saves about half (measured 0.53 with the bench's GPT)
                 assert 0.45 * result["alone"] < result["split"] < 0.6 * result["alone"], result
+            continue
+        if name == "a loss that shifts labels itself":
+            for result in per_rank:
+                assert "A loss that shifts the labels itself (logits[:, :-1] against labels[:, 1:]) shifts each part " \
+                       "on its own" in (result["error"] or ""), result["error"]
             continue
         if name == "different rows":
             for result in per_rank:

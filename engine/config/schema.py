@@ -302,8 +302,9 @@ class ContextParallelConfig(Section):
     size: PositiveInt = 1
     method: Literal["ulysses", "ring", "auto"] = "auto"
     labels: Literal["auto", "shift", "aligned"] = "auto"
-    # The first N micro-batches check that every rank of a context group got the same rows
-    # (a fingerprint, one small all-gather per micro-batch); 0 turns the check off.
+    # The first N micro-batches check that every rank of a context group got the same rows (a
+    # fingerprint, one small all-gather per micro-batch) and that a (sum, count) loss counted the
+    # real targets of its part's labels (one all-reduce of a flag); 0 turns the checks off.
     check_micro_batches: Annotated[int, Field(ge=0)] = 4
 
 

@@ -58,6 +58,7 @@ class ContextParallel:
     def __init__(self, mesh: MeshLayout, groups: MeshGroups, *, method: str, labels: str, check_micro_batches: int = 0):
         self.size, self.mesh = mesh.context, mesh
         self._checks_left, self._checked = check_micro_batches, 0
+        self._count_checks_left = check_micro_batches  # (sum, count) losses whose counts are compared
         resolve_method(method, groups.device_mesh.device_type)  # ulysses, or the reason it cannot run
         self.labels = labels
         self.group = groups.group(("context",))  # None: the context group is the whole world
@@ -200,6 +201,25 @@ class ContextParallel:
                 f"data-parallel index and size, {self.mesh.describe()}), or use eng.batches(dataset). "
                 "(context_parallel.check_micro_batches sets how many micro-batches are checked)")
 
+    def _check_count(self, count, tokens: torch.Tensor) -> None:
+        """During the checked micro-batches: raise on every rank when a ``(sum, count)`` loss
+        counted other tokens than the part's labels hold (one all-reduce of a flag), the sign of
+        a loss that shifts labels again inside each part."""
+        self._count_checks_left -= 1
+        counted = torch.as_tensor(count).to(tokens.device)
+        differs = (counted != tokens).to(torch.int32).reshape(1)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+        if not bool(differs.item()):
+            return
+        target = "shifted before the split, as the model's own loss shifts them" if self.shift \
+            else "aligned with positions"
+        raise EngineUsageError(
+            f"context_parallel: loss_fn counted {int(counted)} token(s) in this rank's part of a micro-batch, but "
+            f"the part's labels hold {int(tokens)} real target(s) (labels {target}; some rank's counts differ). A loss "
+            "that shifts the labels itself (logits[:, :-1] against labels[:, 1:]) shifts each part on its own and "
+            "loses a target at every seam. Use the model's own loss (m(**batch).loss), or compute it on the logits "
+            "against batch['labels'] as they are handed in (already one per position)")
+
     def shard_call(self, args: tuple, kwargs: dict):
         """``eng(*args, **kwargs)`` of a manual loop: the arguments' parts (the keyword
         arguments are read as a mapping batch: ``eng(**batch)``)."""
@@ -211,6 +231,8 @@ class ContextParallel:
         (a tensor, or a model output's ``.loss``) times the part's real tokens."""
         tokens, self._tokens = self._tokens, None
         if isinstance(output, (tuple, list)):
+            if self._count_checks_left and tokens is not None and len(output) == 2:
+                self._check_count(output[1], tokens)
             return output
         loss = output.loss if isinstance(getattr(output, "loss", None), torch.Tensor) else output
         if not isinstance(loss, torch.Tensor):
