@@ -6,6 +6,7 @@ from engine.config.schema import Config, load_config
 from engine.batching.data import DistributedBatches
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
+from engine.experts import LoadBalancingLoss
 from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
@@ -22,6 +23,7 @@ __all__ = [
     "initialize",
     "Engine",
     "loss_on_outputs",
+    "LoadBalancingLoss",
     "Config",
     "ConfigError",
     "load_config",

@@ -15,6 +15,7 @@ from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
 from engine.config.factories import FactoryError, load_factory
+from engine.monitor import plot_expert_load
 from engine.verify import verify
 
 USAGE_ERROR = 2
@@ -205,7 +206,20 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
     verify_command.add_argument("--show", type=_count(1), default=5, help="tensors to list, worst first (default 5)")
     add_override_argument(verify_command)
     verify_command.set_defaults(run=run_verify)
+
+    plot = commands.add_parser("plot", help="plot a monitor's per-expert load and imbalance (mixture of experts)")
+    plot.add_argument("metrics", help="the monitor's JSON-lines file (monitor.jsonl)")
+    plot.add_argument("--out", default="expert_load.png", help="the image to write")
+    plot.set_defaults(run=run_plot)
     return parser
+
+
+def run_plot(args) -> int:
+    written = plot_expert_load(args.metrics, args.out)
+    if written is None:
+        return 1
+    print(written)
+    return 0
 
 
 def main(argv=None, prog: str = CONSOLE_SCRIPT) -> int:

@@ -58,7 +58,9 @@ from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
 from engine.batching.data import DistributedBatches
+from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
+from engine.experts.window import ExpertBalance
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -101,10 +103,14 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False, context: ContextParallel | None = None):
+                 grad_norm_every_step: bool = False, experts: ExpertBalance | None = None,
+                 context: ContextParallel | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
+        mesh = strategy.settings.mesh  # ranks of a replica must see one batch: checked at every window
+        self._same_batch = ReplicaBatchCheck(mesh, strategy.rank) if ReplicaBatchCheck.needed(mesh) else None
+        self._batch_fingerprint = None  # this train_batch's, until its window statistics are reduced
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
@@ -117,6 +123,8 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
+        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.experts.window)
+        self.experts = experts
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
         # context ranks and weighs their losses by tokens; None without it.
         self.context = context
@@ -207,12 +215,11 @@ class Engine:
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         window.training_forwards += 1
-        with self._context_running():
-            if not self._recording:
-                output = self.strategy.forward(*args, **kwargs)
-            else:
-                with self.measured_forwards():
-                    output = self.strategy.forward(*args, **kwargs)
+        # [moe] a manual-loop forward cannot hold the window's load-balancing term
+        manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
+            else contextlib.nullcontext()
+        with manual, self.measured_forwards(), self._context_running():
+            output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
@@ -339,6 +346,8 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
+        if self._same_batch is not None:  # checked in the window statistics' all-reduce (issue 33)
+            self._batch_fingerprint = batch_fingerprint(batch, self.strategy.device)
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -532,10 +541,21 @@ class Engine:
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
         split = self.window_split.split(batch, self.plan)
         self.planned_window(split)
+        if self.experts is not None:  # [moe] the window's load-balancing terms are counted first
+            self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, micro_batch),
+                                    backward=lambda output, size: self._backward(output, size, exact_counts=True),
+                                    units=loss_and_units, before_counting=self._agree_before_counting)
+            return
         for micro_batch, size in split.pieces:
             if self.context is not None:  # context parallelism: this rank's part of each sequence
                 micro_batch = self.context.shard(micro_batch)
             self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+
+    def _agree_before_counting(self) -> None:
+        """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
+        the window's first training forward: the ranks compare positions before them too."""
+        if self.strategy.communicates_before_closing_backward:
+            self._agree_on_position(WINDOW_START)
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
@@ -582,9 +602,15 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
-        loss, units, samples, tokens, squares = window_totals(
-            window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
-            holders=self.context.size if self.context is not None else 1)
+        fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
+        try:
+            loss, units, samples, tokens, squares = window_totals(
+                window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+                same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None,
+                holders=self.context.size if self.context is not None else 1)
+        except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
+            self.discard_window()
+            raise
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, units, samples, squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))

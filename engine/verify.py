@@ -41,8 +41,7 @@ import torch.distributed as dist
 from engine.batching.mesh_plan import plan_for_mesh
 from engine.batching.microbatch import batch_size, map_tensors, split_batch
 from engine.build import initialize
-from engine.config.schema import load_config
-from engine.config.torch_features import torch_features
+from engine.config.schema import load_config, torch_sections
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import init_distributed
 from engine.engine import loss_and_units
@@ -432,7 +431,7 @@ def _verify_overrides(config) -> tuple[list[str], list[str]]:
     """What verify changes in the config for its comparison, and the notes saying so."""
     overrides, notes = [], []
     half = [name for name, on in (("fp16.enabled", config.fp16.enabled), ("bf16.enabled", config.bf16.enabled)) if on]
-    if torch_features(config.deepspeed_extras, None).autocast is not None:
+    if torch_sections(config).features.autocast is not None:
         half.append("torch_autocast.enabled")
     if half:
         overrides += [f"{name}=false" for name in half]

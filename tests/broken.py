@@ -165,3 +165,68 @@ def context_shift_after_split(eng):
 
     context.shard = split_then_shift
     return eng
+
+
+def moe_micro_batch_term(eng):
+    """Each forward's own load-balancing term (what the model computes alone, and what DeepSpeed-MoE
+    and a plain accumulation loop use): fᵢ and the token count of one micro-batch on one rank."""
+    eng.experts.load_balance = "micro_batch"
+    return eng
+
+
+def moe_running_average(eng):
+    """Megatron's ``global_aux_loss``: micro-batch k's term uses the counts of micro-batches 1..k of the
+    window (summed over the data ranks), not the whole window's."""
+    from engine.experts import balance
+    from engine.experts.terms import scoped
+    from engine.experts.window import _Counting, _Global
+    from engine.state.rng import restore_rng_state, rng_state
+
+    experts = eng.experts
+
+    def counted_window(pieces, forward, backward, units):
+        saved = rng_state()
+        counted, sizes = [], []
+        with torch.no_grad():
+            for micro_batch, samples in pieces:
+                with scoped(_Counting()) as scope:
+                    output = forward(micro_batch)
+                counted.append(scope.calls)
+                sizes.append(experts._units(units, output, samples))
+        restore_rng_state(saved)
+        _, factors = experts._window_and_factors(counted, sizes)
+        for k, (micro_batch, samples) in enumerate(pieces):
+            seen, _ = experts._window_counts(counted[:k + 1], [])
+            with scoped(_Global(seen, factors[k])):
+                output = forward(micro_batch)
+            backward(output, samples)
+
+    experts._counted_window = counted_window
+    experts.global_counts = "count_forward"
+    return eng
+
+
+def moe_bias_from_one_micro_batch(eng):
+    """Aux-loss-free bias moved by the load of the window's last micro-batch alone (a per-micro-batch
+    update), not the whole window's."""
+    routers = eng.experts.bias_routers
+    counting = routers.counting
+
+    def last_only(forward):
+        counted = counting(forward)
+
+        def run(micro_batch):
+            routers._loads = [None] * len(routers.routers)
+            return counted(micro_batch)
+        return run
+
+    routers.counting = last_only
+    return eng
+
+
+def moe_bias_from_this_rank(eng):
+    """Aux-loss-free bias moved by this rank's load only (no sum over the data ranks)."""
+    routers = eng.experts.bias_routers
+    window_load = routers.window_load
+    routers.window_load = lambda all_reduce_sum: window_load(lambda tensor: tensor)
+    return eng

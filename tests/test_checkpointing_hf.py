@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine
-from engine import model_transforms
+from engine.strategies import model_transforms
 from engine.errors import ConfigError
 from engine.strategies.model_transforms import apply_activation_checkpointing, repeated_blocks
 from tests.dist_utils import run_scenarios

@@ -426,8 +426,12 @@ def test_dataloader_drop_last_is_honoured_without_a_not_used_warning(recwarn, dr
     model_engine.destroy()
 
 
-def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
-    """First epoch: the samples of every optimizer step over all ranks are those DeepSpeed's
+@pytest.mark.parametrize("epochs", [
+    [None, None, None],  # no set_epoch: every pass in epoch 0's order, as DeepSpeed's sampler
+    [0, 1, 2],           # the script calls loader.data_sampler.set_epoch(e) / loader.set_epoch(e)
+])
+def test_the_loader_gives_each_optimizer_step_deepspeeds_samples_in_every_epoch(epochs):
+    """The samples of every optimizer step over all ranks are those DeepSpeed's
     DistributedSampler-based loader gives (the split between the ranks may differ)."""
     dataset = TensorDataset(torch.arange(40))
     config = engine.load_config(BASE)
@@ -435,14 +439,19 @@ def test_the_loader_gives_each_optimizer_step_deepspeeds_samples():
     for rank in range(2):
         plan = plan_from_config(config, 2, rank)
         loader = compat_deepspeed.MicroBatchLoader(dataset, plan)
-        assert len(loader) == 10
-        for i, (ids,) in enumerate(loader):
-            assert len(ids) == 2
-            ours.setdefault(i // 2, set()).update(ids.tolist())
         sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=0)  # DeepSpeed's loader
-        for i, (ids,) in enumerate(DataLoader(dataset, batch_size=2, sampler=sampler)):
-            theirs.setdefault(i // 2, set()).update(ids.tolist())
+        assert len(loader) == 10
+        for pass_, epoch in enumerate(epochs):
+            if epoch is not None:
+                loader.data_sampler.set_epoch(epoch)
+                sampler.set_epoch(epoch)
+            for i, (ids,) in enumerate(loader):
+                assert len(ids) == 2
+                ours.setdefault((pass_, i // 2), set()).update(ids.tolist())
+            for i, (ids,) in enumerate(DataLoader(dataset, batch_size=2, sampler=sampler)):
+                theirs.setdefault((pass_, i // 2), set()).update(ids.tolist())
     assert ours == theirs and all(len(ids) == 8 for ids in ours.values())
+    assert (ours[(0, 0)] == ours[(1, 0)]) == (epochs[1] is None)
 
 
 @needs_deepspeed

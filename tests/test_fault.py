@@ -410,6 +410,31 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, straight,
     assert_same_run(got, straight)
 
 
+def test_a_background_save_that_fails_raises_at_the_next_save_and_publishes_nothing(tmp_path, monkeypatch):
+    """The write runs after train_batch returned: its failure is raised where the next save (or
+    close) waits for it, as the blocking save's CheckpointError; nothing is published."""
+    import engine.state.checkpoint as checkpoint_module
+
+    def lost_disk(tmp, rank, world_size):
+        raise OSError(5, "Input/output error")
+
+    eng = engine.initialize(mlp(0), job.config(0, tmp_path, stop_signals=[], every_steps=1))
+    batch = tuple(t[:job.GLOBAL_BATCH] for t in job.dataset().tensors)
+    eng.train_batch(batch, job.mse)  # step 1: saved in the background
+    eng.checkpoints.wait()
+    assert listing(tmp_path) == steps(1) and eng.checkpoints.host_bytes > 0
+    monkeypatch.setattr(checkpoint_module, "_agreed_checksums", lost_disk)
+    try:
+        eng.train_batch(batch, job.mse)  # step 2: its save's write fails in the background
+        with pytest.raises(engine.CheckpointError, match=r"saving the checkpoint .*step_00000002 failed, nothing "
+                                                         r"was published .*Input/output error"):
+            eng.train_batch(batch, job.mse)  # step 3's save waits for step 2's first
+    finally:
+        monkeypatch.undo()
+        eng.close()
+    assert listing(tmp_path) == steps(1)  # no step 2, no temporary directory left
+
+
 def test_loading_a_data_position_without_data_says_how_to_restore_it(tmp_path, caplog):
     trained(tmp_path, steps_=4)
     eng = one_process(tmp_path / "elsewhere")
@@ -696,7 +721,8 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
 def test_deepspeeds_checkpoint_writer_is_refused():
     """Its writers publish files later (decoupled), on some ranks only (FAST) or never (MOCK):
     a manifest of sizes and an atomic rename cannot describe that."""
-    config = engine.load_config({"backend": "deepspeed", "checkpoint": {"dir": "ckpt", "writer": {"decoupled": True}}})
+    config = engine.load_config({"backend": "deepspeed", "train_batch_size": 8,
+                                 "checkpoint": {"dir": "ckpt", "writer": {"decoupled": True}}})
     [problem] = check_without_model(config)
     assert "checkpoint.writer: " in problem and "decoupled" in problem and "remove the key" in problem
     with pytest.raises(engine.ConfigError, match="checkpoint.writer"):

@@ -256,6 +256,9 @@ def test_progress_and_files_on_rank_zero_only(tmp_path):
     batches = token_batches(3, 8)
     assert [r["tokens"] for r in rank0["history"]] == [int((b["labels"] != -100).sum()) for b in batches]
     assert [r["samples"] for r in rank0["history"]] == [8, 8, 8]
+    for record in rank0["history"]:  # two devices share the run's tokens
+        assert record["tokens_per_s_per_device"] == pytest.approx(record["tokens_per_s"] / 2)
+    assert "tok/s/device" in rank0["stderr"]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 

@@ -5,12 +5,13 @@ The model is Llama-shaped (tests/tp_models.py): attention split by heads, an MLP
 column → row, an embedding split by vocabulary, an LM head gathered, replicated norms. Each
 set of ranks runs every scenario once; a broken plan (the column-split layers' input
 gradients not all-reduced, so the replicated norms get partial gradients) must miss the
-tolerance.
+tolerance: its replicas drift apart, which full_state_dict() refuses.
 """
 
 import copy
 import functools
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -72,7 +73,10 @@ def clipped_mean(rank, world, stage, broken=False):
     for batch in batches:
         eng.train_batch(rank_slice(batch, eng.plan), token_loss_mean)
         norms.append(float(eng.last_window.step.grad_norm))
-    full = eng.full_state_dict()
+    try:
+        full = eng.full_state_dict()
+    except EngineUsageError as error:  # broken: the drifted replicas are found by the engine itself
+        return {"diff": float("inf"), "refused": str(error)}
     return {"diff": max_param_diff(full, state(ref)), "norms": norms, "expected_norms": expected_norms,
             "keys": list(full), "model_keys": list(model.state_dict()), "strategy": eng.strategy.name,
             "plan_world": eng.plan.world_size, "plan_rank": eng.plan.rank}
@@ -281,8 +285,9 @@ def check(results, world):
         for result in results[("fp16 overflow", stage)]:
             assert result["skipped"] == 1 and result["steps"] == 3
             assert result["diff"] < 2e-4, result["diff"]
-        for result in results[("broken", stage)]:
+        for result in results[("broken", stage)]:  # replicas drift apart: full_state_dict() refuses them
             assert result["diff"] > MISSED, (stage, result["diff"])
+            assert "replicated parameters differ between the ranks of a tensor group" in result["refused"]
     for result in results["short windows, deferred"]:
         assert result["diff"] < TOL and result["samples"] == 8 + 4 + 6
     for result in results["different batches"]:
@@ -379,6 +384,18 @@ def test_auto_plan_pairs_the_linears_of_a_sequential_mlp():
                                             for j, style in ((0, "colwise"), (2, "rowwise"))}
 
 
+def test_an_auto_plan_says_which_layers_it_split(caplog):
+    with caplog.at_level(logging.INFO, logger="engine"):
+        resolve_plan(TinyTransformer(), "auto", 2)
+    assert ("tensor_parallel.plan auto: from its Sequential MLPs (Linear, activation, Linear), 4 layer(s) split over 2 "
+            "ranks: layers.0.mlp.0 colwise, layers.0.mlp.2 rowwise, layers.1.mlp.0 colwise, layers.1.mlp.2 rowwise"
+            in caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine"):
+        resolve_plan(TinyTransformer(), {"head": "colwise_rep"}, 2)  # names the user wrote: nothing to say
+    assert "tensor_parallel.plan auto" not in caplog.text
+
+
 def test_a_model_plan_is_read_under_its_base_model_prefix():
     class Config:
         base_model_tp_plan = {"layers.*.attn.q": "colwise"}
@@ -400,8 +417,10 @@ def test_a_layer_that_cannot_be_split_is_named():
     text = str(raised.value)
     assert ("layers.0.attn.q: its 3 heads (12 output features / head_dim 4) do not divide into tensor size 2"
             in text)
-    with pytest.raises(ConfigError, match=r"head: its 12 output features do not divide into tensor size 5"):
-        resolve_plan(TinyTransformer(width=10, heads=5), {"head": "colwise_rep"}, 5)
+    with pytest.raises(ConfigError, match=r"head: its 3 output features cannot be split over tensor size 5 "
+                                          r"\(colwise_rep\): every rank needs at least one"):
+        resolve_plan(TinyTransformer(vocab=3, width=10, heads=5), {"head": "colwise_rep"}, 5)
+    assert list(resolve_plan(TinyTransformer(vocab=13), {"head": "colwise_rep"}, 2)) == ["head"]  # 7 + 6 rows
     with pytest.raises(ConfigError, match=r"layers.0.norm1: style colwise splits Linear and Embedding layers; "
                                           r"layers.0.norm1 is a LayerNorm"):
         resolve_plan(TinyTransformer(), {"layers.*.norm1": "colwise"}, 2)

@@ -182,12 +182,24 @@ def drop_unreduced_gradients(root, units) -> None:
         root.reset_iter_state()
     else:
         _reset_iter_state_before_2_13(root)
+    own_buffer = _accumulated_grad_is_own_buffer()
     for unit in units:
         for param in fsdp_params(unit):
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
-            param.unsharded_accumulated_grad = None
+            if own_buffer:
+                param.unsharded_accumulated_grad = None
+
+
+def _accumulated_grad_is_own_buffer() -> bool:
+    """Whether ``FSDPParam.unsharded_accumulated_grad`` is a buffer of its own (torch 2.11 – 2.14:
+    an attribute FSDP accumulates unreduced gradients into, in the reduce dtype) or, from 2.15, a
+    read-only property returning the unsharded parameter's ``.grad`` (accumulation moved into the
+    autograd leaf): then there is nothing to clear or count apart from that ``.grad``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return not isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
 
 
 def _reset_iter_state_before_2_13(root) -> None:
@@ -237,7 +249,14 @@ def reduce_accumulated_gradients(root) -> None:
     root.set_requires_gradient_sync(True)
     root.set_reshard_after_backward(True)
     root.set_is_last_backward(True)
-    root._get_fsdp_state()._root_post_backward_final_callback()
+    state = root._get_fsdp_state()
+    context = state._state_ctx
+    # torch 2.15: the callback reads the backward's finalization mode, which a backward fixes when
+    # it queues the callback and the end of its iteration clears; this call comes after that end,
+    # so fix it the same way (automatic unless the application chose manual finalization).
+    if getattr(context, "manual_backward_finalization_active", False) is None:
+        context.manual_backward_finalization_active = context.manual_backward_finalization
+    state._root_post_backward_final_callback()
 
 
 def fsdp_comms(guard=None, *, all_to_all_reduce_scatter: bool = False):
@@ -281,7 +300,9 @@ def fsdp_comms(guard=None, *, all_to_all_reduce_scatter: bool = False):
 def fsdp_held_tensors(units):
     """What FSDP2 holds beside the module's (sharded) parameters: each parameter's sharded
     copy and gradient, and, while gathered, its unsharded copy, that copy's gradient and a
-    gradient accumulated without reduction. Storages freed by resharding count 0 bytes."""
+    gradient accumulated without reduction (torch 2.11 – 2.14; from 2.15 that is the unsharded
+    copy's gradient). Storages freed by resharding count 0 bytes."""
+    own_buffer = _accumulated_grad_is_own_buffer()
     for unit in units:
         for param in fsdp_params(unit):
             yield param.sharded_param
@@ -290,4 +311,5 @@ def fsdp_held_tensors(units):
             if unsharded is not None:
                 yield unsharded
                 yield unsharded.grad
-            yield param.unsharded_accumulated_grad
+            if own_buffer:
+                yield param.unsharded_accumulated_grad

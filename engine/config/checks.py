@@ -47,6 +47,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
     problems += _automatic_checkpointing_problems(config)
+    problems += _expert_problems(config)  # [moe]
     problems += _context_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
@@ -56,6 +57,14 @@ def check_without_model(config: Config) -> list[str]:
     else:
         problems += torch_sections(config).problems
     return locate(config, problems)
+
+
+def _expert_problems(config: Config) -> list[str]:
+    if config.expert_parallel.size == 1:
+        return []
+    return [f"expert_parallel.size: {config.expert_parallel.size}: expert parallelism (experts sharded over ranks, "
+            "tokens dispatched by all-to-all) is not available yet; remove expert_parallel (every data rank then holds "
+            "every expert, and moe.load_balance: global still balances over the whole global batch)"]
 
 
 def _automatic_checkpointing_problems(config: Config) -> list[str]:

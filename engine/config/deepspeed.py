@@ -22,7 +22,7 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset({
     "sparse_attention", "hybrid_engine", "eigenvalue",
     "progressive_layer_drop", "quantize_training", "compression_training", "timers", "nebula",
     "use_data_before_expert_parallelism", "use_node_local_storage", "log_level",
-    "disable_python_gc", "expert_parallel",
+    "disable_python_gc",
 })
 
 # DeepSpeed's pipeline keys besides ``stages`` and ``partition`` (which map): kept, not used.
@@ -56,6 +56,15 @@ DEEPSPEED_ZERO_KEYS = frozenset({
 DEEPSPEED_TENSOR_PARALLEL_KEYS = frozenset({
     "dtype", "tp_overlap_comm", "tensor_parallel", "injection_policy_tuple", "keep_module_on_host",
     "replace_with_kernel_inject", "partition_config", "preset_model", "tp_size", "tp_grain_size", "mpu", "tp_group",
+})
+
+# DeepSpeed's AutoEP keys of the expert_parallel section besides enabled / autoep_size (which map): kept, not used.
+DEEPSPEED_EXPERT_PARALLEL_KEYS = frozenset({
+    "expert_tensor_parallel_size", "validate_folding_routing", "async_split_plan", "preset_model",
+    "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm", "disable_triton_grouped_mm",
+    "route_norm", "route_scale", "score_apply", "combine_impl", "row_weighting_impl", "gate_up_impl",
+    "comm_backend", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank", "num_expert_groups",
+    "num_limited_groups", "score_func", "top_k", "load_balance_coeff", "routed_scaling_factor",
 })
 
 # DeepSpeed's own keys of the checkpoint section, handed to the DeepSpeed backend.

@@ -26,7 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS, translate, unused_settings_warning
-from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
+from engine.config.deepspeed_monitor import monitor_from_deepspeed
+from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT_PARALLEL_KEYS, DEEPSPEED_PIPELINE_KEYS, DEEPSPEED_TENSOR_PARALLEL_KEYS,
                                      DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
@@ -262,6 +263,8 @@ class MonitorConfig(Section):
     jsonl: Optional[str] = None  # path of a JSON-lines metrics file
     csv: Optional[str] = None  # path of a CSV metrics file
     tensorboard: Optional[str] = None  # a log dir; needs the tensorboard package
+    wandb: Optional[dict[str, str]] = None  # wandb.init keywords (project, group, entity, ...); needs wandb
+    peak_flops: Optional[PositiveFloat] = None  # a device's peak FLOP/s for MFU (default: known GPUs', engine.monitor.throughput)
     grad_norm: bool = True  # compute the global gradient norm even without clipping
     total_steps: Optional[PositiveInt] = None  # for the progress bar and ETA
 
@@ -293,8 +296,8 @@ class TensorParallelConfig(_DeepSpeedSection):
 class ContextParallelConfig(Section):
     """Context parallelism (``engine.context``): every sequence split over ``size`` ranks.
     ``method``: ulysses (all-to-all between sequence and heads around attention; any attention
-    implementation, any device), ring (PyTorch's context-parallel engine; CUDA only) or auto
-    (ring where it runs, else ulysses). ``labels``: auto (a Hugging Face causal LM shifts its
+    implementation, any device), ring (PyTorch's context-parallel engine, CUDA only: refused with
+    the reason, not driven yet) or auto (ulysses). ``labels``: auto (a Hugging Face causal LM shifts its
     labels itself: they are shifted before the split; other models' labels are taken as already
     aligned with their positions), shift, or aligned. DeepSpeed's top-level
     ``sequence_parallel_size`` is read as ``size`` (Ulysses)."""
@@ -306,6 +309,43 @@ class ContextParallelConfig(Section):
     # fingerprint, one small all-gather per micro-batch) and that a (sum, count) loss counted the
     # real targets of its part's labels (one all-reduce of a flag); 0 turns the checks off.
     check_micro_batches: Annotated[int, Field(ge=0)] = 4
+
+
+class MoeConfig(Section):
+    """Mixture-of-experts routers (``engine.experts``): whose batch the load-balancing term balances."""
+
+    # global: the term over the whole global batch (every micro-batch and data rank), exact;
+    # micro_batch: each forward's own term, as the model computes it alone.
+    load_balance: Literal["global", "micro_batch"] = "global"
+    # How global learns the window's router counts before its backwards: a counting forward first
+    # (no memory, one more forward), every forward held before the backwards (no extra FLOPs, holds
+    # the window's activations; one process), or auto (held under activation checkpointing in one
+    # process, counted otherwise).
+    global_counts: Literal["auto", "count_forward", "hold_forwards"] = "auto"
+    # Aux-loss-free balancing (DeepSeek-V3): each boundary moves every router's
+    # e_score_correction_bias by this much towards even load (0 = off).
+    bias_update_speed: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ExpertParallelConfig(_DeepSpeedSection):
+    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1). DeepSpeed's
+    AutoEP section maps: ``{enabled: true, autoep_size: N}`` is ``size: N``."""
+
+    size: PositiveInt = 1
+    deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_EXPERT_PARALLEL_KEYS | {"enabled", "autoep_size"}
+
+    @model_validator(mode="after")
+    def _deepspeed_autoep(self):
+        extra = self.model_extra or {}
+        enabled, autoep = extra.pop("enabled", None), extra.pop("autoep_size", None)
+        if enabled and autoep is not None:
+            if "size" in self.model_fields_set and self.size != autoep:
+                raise ValueError(f"autoep_size {autoep!r} (DeepSpeed's name for size) conflicts with size: "
+                                 f"{self.size!r}; keep one")
+            if not isinstance(autoep, int) or isinstance(autoep, bool) or autoep < 1:
+                raise ValueError(f"autoep_size: expected a positive integer, got {autoep!r}")
+            self.size = autoep
+        return self
 
 
 class Config(BaseModel):
@@ -330,6 +370,8 @@ class Config(BaseModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)  # [moe]
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)  # [moe]
     backend: Literal["torch", "deepspeed"] = "torch"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
@@ -438,6 +480,12 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
     config._source, config._locations = raw.source, raw.locations
     unused = deepspeed_only_settings(config)
+    if config.backend == "torch":  # DeepSpeed's monitor sections drive the monitor (engine.config.deepspeed_monitor)
+        monitor, read, monitor_problems = monitor_from_deepspeed(config.deepspeed_extras, config.monitor)
+        if monitor_problems:
+            raise ConfigError(sorted(monitor_problems, key=lambda problem: _line_of(problem, raw.source)))
+        config.monitor = config.monitor.model_copy(update=monitor)
+        unused = [name for name in unused if name not in read]
     if config.backend == "torch":
         unused = [name for name in unused
                   if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads

@@ -137,7 +137,8 @@ def _checkpointing(extras: dict, problems: list[str], notes: list[str]) -> Check
     if theirs:
         notes.append(
             f"activation_checkpointing: {', '.join(theirs)} configure DeepSpeed's own checkpoint function (which a "
-            "model calls itself) and are not used by the torch backend"
+            "model calls itself: deepspeed.checkpointing.configure(mpu, deepspeed_config=...) reads them, "
+            "engine.compat.deepspeed.checkpointing) and do not change how the engine checkpoints blocks"
             + ("" if enabled else "; set activation_checkpointing.enabled: true to checkpoint the model's blocks"))
     if not enabled:
         return None

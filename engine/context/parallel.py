@@ -32,7 +32,7 @@ from engine.context.sharding import ContextShards, label_convention, shard_batch
 from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
 from engine.distributed.mesh import MeshGroups, MeshLayout
 from engine.errors import ConfigError, EngineUsageError
-from engine.strategies.same_batch import input_fingerprint
+from engine.distributed.batch_fingerprint import batch_fingerprint
 
 log = logging.getLogger("engine")
 _POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
@@ -186,7 +186,7 @@ class ContextParallel:
         self._checks_left -= 1
         self._checked += 1
         device = next((t.device for t in tensors(batch)), torch.device("cpu"))  # the compute device
-        mine = input_fingerprint((batch,), {}, device)
+        mine = batch_fingerprint(batch, device)
         everyone = [torch.empty_like(mine) for _ in range(self.mesh.world_size)]
         dist.all_gather(everyone, mine)
         differing = [ranks for ranks in context_groups(self.mesh)

@@ -164,6 +164,6 @@ class BackgroundWriter:
     def _report_memory(self) -> None:
         held = self.staging.bytes
         if held > self._reported_bytes:
-            log.info("checkpoint.async: %.1f MB of host memory hold this rank's state for the background write "
-                     "(one copy, reused by every save)", held / 2**20)
+            log.info("checkpoint.async: %.2f MB of host memory hold this rank's state for the background write "
+                     "(one copy, reused by every save)", held / 1e6)
             self._reported_bytes = held

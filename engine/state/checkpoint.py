@@ -177,10 +177,15 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
         if background:
             if manager.writer is None:
                 manager.writer = BackgroundWriter()
-            with deferred_writes(manager.writer.staging) as training_state_writes:
-                manager.training_state.save_training_state(str(tmp / STATE_DIR))
-            # Serialised now: the objects may change once training goes on.
-            local_bytes = {name: _serialised(obj) for name, obj in local_files.items()}
+            problem, cause = None, None
+            try:
+                with deferred_writes(manager.writer.staging) as training_state_writes:
+                    manager.training_state.save_training_state(str(tmp / STATE_DIR))
+                # Serialised now: the objects may change once training goes on.
+                local_bytes = {name: _serialised(obj) for name, obj in local_files.items()}
+            except Exception as error:  # noqa: BLE001 - agreed on: no rank may start a write its peers will not
+                problem, cause = f"copying the state to host memory failed: {describe(error)}", error
+            agree(problem, cause)
         else:
             manager.training_state.save_training_state(str(tmp / STATE_DIR))
             _checksum_and_publish(manager, position, target, tmp, token, data is not None)

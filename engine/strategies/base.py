@@ -31,6 +31,7 @@ from engine.precision.policy import precision_policy
 from engine.config.setup import Setup
 from engine.strategies.gradients import local, squares_share, whole_on_every_rank
 from engine.strategies.parallelize import parallelize
+from engine.distributed.batch_fingerprint import check_replicas_equal
 from engine.strategies.same_batch import SameBatchCheck
 from engine.strategies.torch_checkpoint import load_training_state, save_training_state
 
@@ -358,11 +359,19 @@ class TorchStrategy(Strategy):
 
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self):
+        self.check_replicas("full_state_dict()")
         return cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
                                for name, value in self.module.state_dict().items()})
 
     def save_training_state(self, directory):
+        self.check_replicas("saving a checkpoint")
         save_training_state(self.module, self.optimizer, directory)
+
+    def check_replicas(self, what: str) -> None:
+        """The parameters a tensor group replicates are equal on its ranks, before ``what`` keeps one
+        rank's copy (issue 33; ``engine.distributed.batch_fingerprint``). Collective over the group."""
+        if self.mesh.tensor > 1:
+            check_replicas_equal(self.module, self.groups.group(("tensor",)), what)
 
     def load_training_state(self, directory):
         load_training_state(self.module, self.optimizer, directory)

@@ -25,7 +25,7 @@ from engine.context.parallel import ContextParallel
 from engine.errors import ConfigError
 from engine.strategies.model_transforms import CheckpointSwitch, transform_model
 from engine.config.setup import Setup
-from engine.strategies.tensor_plan import apply_tensor_parallel, resolve_plan
+from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
 
 
 class Parallelized(NamedTuple):
@@ -44,8 +44,11 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
     ``activation_checkpointing: auto`` (else None) and the context dimension's split (else None)."""
     mesh = setup.mesh
     if mesh.tensor > 1:
-        plan = tensor_plan if tensor_plan is not None else resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
-        apply_tensor_parallel(module, groups.submesh(("tensor",)), plan)
+        if tensor_plan is not None:  # a pipeline stage's layers: the probe needs the whole model's input
+            apply_tensor_parallel(module, groups.submesh(("tensor",)), tensor_plan)
+        else:  # the whole model: checked against what it computed before the split (issue 33)
+            plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
+            apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
     if mesh.expert > 1:
         apply_expert_parallel(module, setup, groups)

@@ -329,6 +329,7 @@ class PipelineParallel(TorchStrategy):
                 for key, value in self.module.state_dict().items()}
 
     def full_state_dict(self):
+        self.check_replicas("full_state_dict()")
         pieces: list = [None] * self.mesh.pipeline
         dist.all_gather_object(pieces, cpu_state_dict(self._stage_state()), group=self.pipeline_group)
         whole = {key: value for piece in pieces for key, value in piece.items()}

@@ -1,40 +1,17 @@
 """The ranks of one tensor group compute one model replica together and must be given the same
 batch: during the first ``tensor_parallel.check_batches`` optimizer steps every forward compares a
 fingerprint of its inputs across each tensor group (one small all-gather), raising on every rank
-when they differ rather than training on it."""
+when they differ rather than training on it. This is the manual loop's check; ``train_batch``
+windows are checked at every window, in the window statistics' all-reduce
+(``engine.distributed.batch_fingerprint``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from engine.distributed.batch_fingerprint import batch_fingerprint
 from engine.errors import EngineUsageError
-
-
-def input_fingerprint(args, kwargs, device) -> torch.Tensor:
-    """Four numbers that differ, but for a negligible chance, between inputs that differ:
-    the number of tensors and, position-weighted, their sizes, sums and index-weighted sums."""
-    tensors = list(_tensors((args, kwargs)))
-    values = torch.zeros(4, dtype=torch.float64, device=device)
-    values[0] = len(tensors)
-    for position, tensor in enumerate(tensors, start=1):
-        flat = tensor.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(13).add_(1)
-        values[1] += position * flat.numel()
-        values[2] += position * flat.sum()
-        values[3] += position * (flat @ weights)
-    return values.nan_to_num_(nan=-1.0)  # equal inputs holding NaN (or +inf and -inf) compare equal
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
 
 
 class SameBatchCheck:
@@ -54,7 +31,7 @@ class SameBatchCheck:
         strategy, mesh = self.strategy, self.strategy.mesh
         if self.guarded:
             strategy.check_peers_before(None)
-        mine = input_fingerprint(args, kwargs, strategy.device)
+        mine = batch_fingerprint((args, kwargs), strategy.device)
         everyone = [torch.empty_like(mine) for _ in range(strategy.world_size)]
         dist.all_gather(everyone, mine)  # every rank learns every group's verdict: all raise together
         differing = sorted({tuple(ranks) for ranks in (mesh.group_ranks(("tensor",), r) for r in range(strategy.world_size))

@@ -21,21 +21,29 @@ Megatron pairing of an MLP written as a ``Sequential``: a Linear split colwise, 
 nothing but element-wise activations between them, by a Linear split rowwise. Layers outside
 the plan (norms, biases of rowwise layers, ...) are replicated on every rank of the group.
 
-Every planned layer is checked before anything is split: the split dimension divides by the
-tensor size; for a layer of an attention module with ``head_dim``, whole heads land on each
-rank; no planned layer holds a parameter tied to another module's (splitting would untie
-it). A layer that cannot be split is named in the error.
+Every planned layer is checked before anything is split: the split dimension holds at least
+one row per rank (it need not divide: a vocabulary of 97 rows splits 49 + 48, DTensor's uneven
+shards, exact and saved in the whole shape); for a layer of an attention module with
+``head_dim``, whole heads land on each rank; no planned layer holds a parameter tied to another
+module's (splitting would untie it). A layer that cannot be split is named in the error. After
+the split of a whole model, it is run against the unsplit one on a probe input
+(``engine.strategies.plan_check``): a plan that changes what a module computes is refused,
+naming it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 import torch
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from engine.errors import ConfigError
+from engine.strategies.plan_check import split_checked
+
+log = logging.getLogger("engine")
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise")
 _ELEMENTWISE = (torch.nn.ReLU, torch.nn.GELU, torch.nn.Tanh, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Dropout,
@@ -86,9 +94,11 @@ def mlp_pairs(module: torch.nn.Module) -> dict[str, str]:
 def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, ParallelStyle]:
     """``{module name: ParallelStyle}`` for ``plan`` ("auto" or {pattern: style}) on ``size``
     ranks, every layer checked; raises ConfigError naming what cannot be split."""
+    source = None
     if plan == "auto":
         own = model_plan(module)
         patterns, strict = (own, False) if own is not None else (mlp_pairs(module), True)
+        source = "the model's own tensor-parallel plan" if own is not None else "its Sequential MLPs (Linear, activation, Linear)"
         if not patterns:
             raise ConfigError([
                 f"tensor_parallel.plan: auto found no plan for {type(module).__name__}: it has no tensor-parallel "
@@ -100,7 +110,7 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
     else:
         raise ConfigError([f"tensor_parallel.plan: expected 'auto' or {{module pattern: style}}, got {plan!r}"])
     modules = dict(module.named_modules())
-    resolved, problems = {}, []
+    resolved, problems, patterns_style = {}, [], {}
     for pattern, style in patterns.items():
         names = [name for name in modules if name and _matches(pattern, name)]
         if not names:
@@ -113,9 +123,14 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
                 problems.append(f"tensor_parallel.plan: {problem}")
             else:
                 resolved[name] = _style(style, modules[name])
+                patterns_style[name] = style if isinstance(style, str) else type(style).__name__
     problems += _tied_problems(module, resolved)
     if problems:
         raise ConfigError(problems)
+    if source is not None:  # auto: say what it chose, the user wrote no names
+        split = [f"{name} {patterns_style[name]}" for name in resolved]
+        log.info("tensor_parallel.plan auto: from %s, %d layer(s) split over %d ranks: %s", source, len(split), size,
+                 ", ".join(split))
     return resolved
 
 
@@ -123,6 +138,13 @@ def apply_tensor_parallel(module: torch.nn.Module, tensor_mesh, plan: dict[str, 
     """Split ``module``'s planned layers over ``tensor_mesh`` in place (their parameters become
     DTensors; rank 0 of the group provides the values)."""
     parallelize_module(module, tensor_mesh, plan)
+
+
+def apply_checked_tensor_parallel(module: torch.nn.Module, tensor_mesh, plan: dict[str, ParallelStyle]) -> None:
+    """:func:`apply_tensor_parallel` on a whole model, refused (ConfigError naming the module)
+    when the split model computes otherwise than the whole one on a probe input
+    (``engine.strategies.plan_check``)."""
+    split_checked(module, plan, lambda: apply_tensor_parallel(module, tensor_mesh, plan))
 
 
 def _tied_problems(module: torch.nn.Module, resolved: dict) -> list[str]:
@@ -167,9 +189,9 @@ def _split_problem(name: str, layer: torch.nn.Module, style, size: int, modules:
                 "(leave it out of the plan: it is then replicated)")
     attribute, words = _SPLIT_DIMENSION[(family, kind)]
     count = getattr(layer, attribute)
-    if count % size:
-        return (f"{name}: its {count} {words} do not divide into tensor size {size} ({style}); choose a tensor "
-                f"size dividing {count}, or leave {name} out of the plan")
+    if count < size:
+        return (f"{name}: its {count} {words} cannot be split over tensor size {size} ({style}): every rank needs "
+                f"at least one; choose a tensor size of at most {count}, or leave {name} out of the plan")
     parent = modules.get(name.rpartition(".")[0])
     head_dim = getattr(parent, "head_dim", None)
     if family == "colwise" and kind is torch.nn.Linear and isinstance(head_dim, int) and count % head_dim == 0:

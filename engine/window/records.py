@@ -65,14 +65,16 @@ class WindowReport:
     padded_tokens: int | None = None
 
 
-def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, holders: int = 1):
+def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_batch=None, holders: int = 1):
     """(mean loss, units, samples, (real, padded) tokens, Σ squares of the reduced gradient or
     None) of ``window``. Over all ranks: one small all-reduce over the window-statistics group
     (real counts, or a record the monitor makes), which carries the strategy's share of the squared
     gradient norm too (``Strategy.grad_squares_share``). Otherwise the manual loop's planned sizes
-    (``plan``): no collective, no host sync, and the loss is this rank's. ``holders``: how many
-    ranks of that group hold each row (the context size: a context group splits its rows' tokens,
-    so each of its ranks adds 1/holders of the rows and their tokens)."""
+    (``plan``): no collective, no host sync, and the loss is this rank's. ``same_batch``: a
+    ``ReplicaBatchCheck`` and this window's batch fingerprint, checked in the same all-reduce
+    (which then spans the world; EngineUsageError on every rank when a replica's ranks differ).
+    ``holders``: how many ranks of that group hold each row (the context size: a context group
+    splits its rows' tokens, so each of its ranks adds 1/holders of the rows and their tokens)."""
     if not over_all_ranks:
         samples = plan.window_samples(window.micro_steps)
         return window.loss_total() / window.samples, samples, samples, (None, None), None
@@ -84,7 +86,11 @@ def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, holde
     if share is not None:
         values.append(share)
     stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()) for value in values])
-    stats = strategy.all_reduce_sum(stats)
+    if same_batch is not None and share is None:
+        check, fingerprint = same_batch
+        stats = check.reduce(stats, fingerprint)
+    else:
+        stats = strategy.all_reduce_sum(stats)
     counts = stats[2:].tolist()  # the step's one host sync
     samples, real, padded = (round(n) for n in counts[:3])  # shares of 1/holders add up to whole numbers
     tokens = (real, padded) if cost else (None, None)

@@ -1,6 +1,6 @@
 """``colossalai.context`` and the global context ``gpc``: the launched config (``gpc.config``)
-and this process's place in the job. Microstep parallelises over data only: pipeline, tensor
-and sequence modes have one rank."""
+and this process's place in the job, on the config's mesh (``engine.distributed.mesh``):
+pipeline × data × tensor; sequence modes have one rank."""
 from __future__ import annotations
 
 import enum
@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config.schema import ALIASES, Config
-from engine.distributed.process_group import get_rank, get_world_size, read_launch_env
+from engine.distributed.mesh import MeshLayout
+from engine.distributed.process_group import get_rank, get_world_size
 from engine.errors import EngineUsageError
 
 __all__ = ["ParallelMode", "ConfigView", "GlobalContext", "gpc"]
@@ -24,7 +25,7 @@ class ParallelMode(enum.Enum):
     SEQUENCE = "sequence"
 
 
-_ONE_RANK_MODES = ("PIPELINE", "TENSOR", "SEQUENCE")  # get_local_rank answers 0 in these modes
+_ONE_RANK_MODES = ("PIPELINE", "TENSOR", "SEQUENCE")  # modes get_world_size does not count over every rank
 
 
 class ConfigView(Mapping):
@@ -88,7 +89,21 @@ class GlobalContext:
         return get_rank()
 
     def get_local_rank(self, parallel_mode=None) -> int:
-        return read_launch_env().local_rank if _splits_over_ranks(parallel_mode) else 0
+        """This process's rank inside ``parallel_mode``'s group, as Colossal-AI numbers it (not
+        its index on the node): the global rank (GLOBAL, the default), its data-parallel index
+        (DATA, the rank a data sampler shards by), its place in the tensor group or the
+        pipeline; 0 for sequence modes."""
+        name = _mode_name(parallel_mode)
+        rank = get_rank()
+        if name in (None, "GLOBAL"):
+            return rank
+        if name not in ("DATA", "TENSOR", "PARALLEL_1D", "PIPELINE"):
+            return 0  # sequence modes: one rank
+        config = self._config.microstep if self._config is not None else None
+        if config is None:
+            return rank if name == "DATA" else 0
+        place = MeshLayout.from_config(config, get_world_size()).coordinates(rank)
+        return {"DATA": place.data, "PIPELINE": place.pipeline}.get(name, place.tensor)
 
     def get_world_size(self, parallel_mode=None) -> int:
         """The number of processes in ``parallel_mode``'s group: every process (GLOBAL, the
@@ -103,7 +118,7 @@ class GlobalContext:
         if name == "PIPELINE":
             return pipeline
         if name == "DATA":
-            return get_world_size() // (tensor * pipeline)
+            return MeshLayout.from_config(config, get_world_size()).data if config is not None else get_world_size()
         return get_world_size() if _splits_over_ranks(parallel_mode) else 1
 
 

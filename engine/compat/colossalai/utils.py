@@ -2,35 +2,60 @@
 legacy examples call them."""
 from __future__ import annotations
 
-import random
+import functools
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from engine.distributed.process_group import get_rank, get_world_size
+from engine.compat.colossalai.context import ParallelMode, gpc
+from engine.distributed.process_group import get_rank
+from engine.state.rng import seed_everything
 
-__all__ = ["get_dataloader", "get_current_device", "print_rank_0"]
+__all__ = ["get_dataloader", "get_current_device", "print_rank_0", "DataParallelSampler"]
 
 
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
+class DataParallelSampler(DistributedSampler):
+    """Colossal-AI's sampler: this data-parallel rank's share of ``dataset`` (padded to equal
+    shares unless ``drop_last``), shuffled with ``seed + epoch``; the epoch advances by itself
+    at each pass, so every epoch has its own order without ``set_epoch`` (which still sets it)."""
+
+    def __init__(self, dataset, shuffle: bool = False, seed: int = 0, drop_last: bool = False):
+        super().__init__(dataset, num_replicas=gpc.get_world_size(ParallelMode.DATA),
+                         rank=gpc.get_local_rank(ParallelMode.DATA), shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def __iter__(self):
+        indices = super().__iter__()  # drawn now, with the current epoch
+        if self.shuffle:
+            self.epoch += 1
+        return indices
+
+
+def _seeding_workers(seed: int):
+    """A ``worker_init_fn`` seeding each worker's torch, NumPy and ``random`` with ``seed``
+    (every worker the same seed, as Colossal-AI does)."""
+    return functools.partial(_seed_worker, seed)
+
+
+def _seed_worker(seed: int, worker_id: int) -> None:
+    seed_everything(seed)
 
 
 def get_dataloader(dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,
                    drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0, **kwargs) -> DataLoader:
-    """Colossal-AI's: a ``DataLoader`` of this process's share of ``dataset`` (a
-    ``DistributedSampler`` over the data-parallel ranks when there are several and
-    ``add_sampler``, shuffled with ``seed``), other keywords (``batch_size``, ``collate_fn``,
-    ...) passed to ``DataLoader``. ``pin_memory`` applies with CUDA only."""
+    """Colossal-AI's: a ``DataLoader`` over this data-parallel rank's share of ``dataset``
+    (a :class:`DataParallelSampler` when there are several data-parallel ranks and
+    ``add_sampler``), other keywords (``batch_size``, ``collate_fn``, ...) passed to
+    ``DataLoader``. As in Colossal-AI, ``seed`` seeds the workers only (torch, NumPy and
+    ``random``, every worker alike); the sampler shuffles with its own seed 0 (and the epoch),
+    a single rank with torch's global generator (which ``launch_from_torch`` seeded), and
+    ``drop_last`` drops the last short batch, never samples from a rank's share.
+    ``pin_memory`` applies with CUDA only."""
     pin_memory = pin_memory and torch.cuda.is_available()
-    if add_sampler and get_world_size() > 1:
-        sampler = DistributedSampler(dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=shuffle,
-                                     seed=seed, drop_last=drop_last)
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
-                          num_workers=num_workers, worker_init_fn=_seed_worker, **kwargs)
-    return DataLoader(dataset, shuffle=shuffle, drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers,
-                      worker_init_fn=_seed_worker, generator=torch.Generator().manual_seed(seed), **kwargs)
+    common = {"drop_last": drop_last, "pin_memory": pin_memory, "num_workers": num_workers,
+              "worker_init_fn": _seeding_workers(seed)}
+    if add_sampler and gpc.get_world_size(ParallelMode.DATA) > 1:
+        return DataLoader(dataset, sampler=DataParallelSampler(dataset, shuffle=shuffle), **common, **kwargs)
+    return DataLoader(dataset, shuffle=shuffle, **common, **kwargs)
 
 
 def get_current_device() -> torch.device:

@@ -23,7 +23,8 @@ DeepSpeed's semantics, kept:
   follows ``latest`` and returns ``(path, client_state)``, or ``(None, None)`` without one.
 
 The other names DeepSpeed's examples import live in this package's modules, under the
-same names: ``accelerator`` (``get_accelerator``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
+same names: ``accelerator`` (``get_accelerator``), ``checkpointing`` (``configure``, ``checkpoint``,
+``is_configured``), ``comm``, ``moe.utils``, ``utils`` (``logger``,
 ``log_dist``, ``RepeatingLoader``, ``zero_to_fp32``) and ``zero`` (``GatheredParameters``, ``Init``).
 
 What differs from DeepSpeed: docs/migrating.md.
@@ -47,12 +48,12 @@ from engine.distributed.process_group import barrier, read_launch_env
 from engine.errors import ConfigError, EngineUsageError
 from engine.batching.microbatch import batch_size, split_batch
 from engine.config.optim import build_deepspeed_scheduler, build_optimizer
-from engine.compat.deepspeed import accelerator, comm, moe, utils, zero
+from engine.compat.deepspeed import accelerator, checkpointing, comm, moe, utils, zero
 from engine.compat.deepspeed.accelerator import get_accelerator
 from engine.compat.deepspeed.comm import init_distributed
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize", "DeepSpeedEngine", "MicroBatchLoader",
-           "get_accelerator", "accelerator", "comm", "moe", "utils", "zero"]
+           "get_accelerator", "accelerator", "checkpointing", "comm", "moe", "utils", "zero"]
 
 log = logging.getLogger("engine")
 
@@ -384,9 +385,12 @@ def _write_latest(save_dir: str, tag: str) -> None:
 # -- data ---------------------------------------------------------------------------------------
 class MicroBatchLoader:
     """DeepSpeed's ``training_dataloader``: this rank's micro-batches of a map-style dataset,
-    window after window. Each global batch is ``engine.batching.data.DistributedBatches``' (seeded
-    epochs, a new order every epoch; in the first epoch the same samples per optimizer step
-    as DeepSpeed's sampler), cut into the plan's A micro-batches."""
+    window after window. Each global batch is ``engine.batching.data.DistributedBatches``', cut
+    into the plan's A micro-batches. As with DeepSpeed's loader (a ``DistributedSampler``,
+    seed 0), every optimizer step sees the samples DeepSpeed's would (split between the ranks
+    differently), and a pass starts over in the sampler's epoch, which only ``set_epoch``
+    changes: without it every epoch has epoch 0's order, as in DeepSpeed. A pass stopped
+    early (``break``) resumes where it stopped."""
 
     def __init__(self, dataset, plan, *, collate_fn=None, drop_last: bool = False, seed: int = 0):
         if plan.is_data_defined:
@@ -398,18 +402,26 @@ class MicroBatchLoader:
         except ValueError as error:
             raise ConfigError([f"training_data: {error} (drop_last is the config's dataloader_drop_last)"]) from None
         self.accumulation = plan.gradient_accumulation_steps
+        self.sampler_epoch = 0  # DeepSpeed's sampler's epoch: set_epoch alone changes it
 
     @property
-    def data_sampler(self) -> DistributedBatches:
-        """What decides the order (has ``set_epoch``, as DeepSpeed's sampler does)."""
-        return self.batches
+    def data_sampler(self) -> MicroBatchLoader:
+        """What DeepSpeed's loader calls its sampler: ``set_epoch(e)`` (and ``epoch``) here."""
+        return self
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler_epoch
 
     def set_epoch(self, epoch: int) -> None:
+        self.sampler_epoch = epoch
         self.batches.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.batches) * self.accumulation
 
     def __iter__(self):
+        if self.batches.step == 0:  # a new pass: the sampler's epoch again, not the next one
+            self.batches.set_epoch(self.sampler_epoch)
         for batch in self.batches:
             yield from split_batch(batch, split_evenly(batch_size(batch), self.accumulation))

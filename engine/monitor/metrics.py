@@ -2,7 +2,9 @@
 
 The engine calls :meth:`Monitor.on_window_closed` (an ``engine.window.hooks.EngineHook`` point) on every rank after each closed window. Rank 0
 turns it into a record (loss, learning rate, gradient norm, throughput, memory, ...), keeps
-it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard. Other ranks
+it in ``history``, shows progress, and writes JSON lines / CSV / TensorBoard / Weights & Biases
+(``monitor.wandb``; a DeepSpeed config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections
+set these, ``engine.config.deepspeed_monitor``). Other ranks
 only keep time: they read no tensor, so they pay no host sync.
 
 Timing. A step is timed from the previous window's close (the first one from
@@ -21,6 +23,13 @@ Resuming. A monitor attached to an engine resumed at step K (``load_checkpoint``
 ``checkpoint.resume``) continues its JSON-lines and CSV files, first dropping their records of
 steps after K: the resumed run makes them again (a run killed at step M > K would otherwise list
 K+1..M twice).
+
+Mixture of experts. For a model with routers (``engine.experts``) a record carries the window's
+router load over every micro-batch and data rank: ``expert_load``, top-k assignments per expert
+(every layer summed; padding excluded), and ``expert_imbalance``, max / mean load of the most
+imbalanced layer (1 = even). TensorBoard gets ``train/expert_imbalance`` and
+``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file
+(``python -m engine plot metrics.jsonl``).
 
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
@@ -44,20 +53,24 @@ import torch
 
 from engine.config.schema import MonitorConfig
 from engine.distributed.process_group import get_rank
+from engine.monitor.throughput import device_peak_flops, flops_per_token, model_flops_utilisation
 from engine.window.hooks import EngineHook
 
-__all__ = ["Monitor", "FIELDS"]
+__all__ = ["Monitor", "FIELDS", "plot_expert_load"]
 
 log = logging.getLogger("engine")
 
 # Every train record has exactly these keys (None when not known), in this order (CSV).
 FIELDS = (
     "step", "loss", "lr", "grad_norm", "samples", "tokens", "samples_per_s", "tokens_per_s",
-    "step_time", "micro_batch_size", "accumulation_steps", "micro_steps", "micro_batch_tokens",
+    "tokens_per_s_per_device", "mfu", "step_time",
+    "micro_batch_size", "accumulation_steps", "micro_steps", "micro_batch_tokens",
     "real_tokens", "padded_tokens", "peak_memory_mb", "skipped", "skipped_steps", "elapsed",
+    "expert_load", "expert_imbalance",
 )
 
 TENSORBOARD_HINT = "pip install tensorboard"
+WANDB_HINT = "pip install wandb"
 
 
 class Monitor(EngineHook):
@@ -92,6 +105,11 @@ class Monitor(EngineHook):
         self._csv_writer = None
         self._tensorboard = None
         self._tensorboard_tried = False
+        self._wandb = None  # a wandb run (monitor.wandb), started at attach on rank 0
+        self._devices = 1  # every process of the run: tokens/s per device divide by it
+        self._flops_per_token: float | None = None  # 6 N (engine.monitor.throughput), None under a pipeline
+        self._peak_flops: float | None = config.peak_flops
+        self._wandb_tried = False
         self._line_open = False  # a \r progress line is on screen
         self._closed = False
 
@@ -103,6 +121,11 @@ class Monitor(EngineHook):
         when a monitor is set."""
         self.rank = eng.rank
         self._engine = eng
+        self._devices = eng.world_size
+        if self.is_writer:
+            # A pipeline stage holds part of the model: its parameters are not the model's N.
+            self._flops_per_token = flops_per_token(eng.module) if eng.config.pipeline.stages == 1 else None
+            self._peak_flops = self.config.peak_flops or device_peak_flops(eng.device)
         self._resumed = eng.global_steps > 0
         if self._resumed:
             self._rewind(eng.global_steps)
@@ -111,6 +134,7 @@ class Monitor(EngineHook):
             self._start = self._last_record = self._clock()
         if self.is_writer:
             self._tensorboard_writer()  # create the log dir now, or warn now that it can't be
+            self._wandb_run()
         return self
 
     def _rewind(self, step: int) -> None:
@@ -189,6 +213,10 @@ class Monitor(EngineHook):
             "tokens": None if report.items is None else int(round(float(report.items))),
             "samples_per_s": self._pending_samples / interval,
             "tokens_per_s": None if items is None else items / interval,
+            "tokens_per_s_per_device": None if items is None else items / interval / self._devices,
+            "mfu": (None if items is None or self._flops_per_token is None or self._peak_flops is None
+                    else model_flops_utilisation(self._flops_per_token, items / interval / self._devices,
+                                                 self._peak_flops)),
             "step_time": interval / steps,
             "micro_batch_size": None if by_tokens else eng.plan.train_micro_batch_size_per_gpu,
             "accumulation_steps": None if by_tokens else eng.plan.gradient_accumulation_steps,
@@ -200,6 +228,7 @@ class Monitor(EngineHook):
             "skipped": not applied,
             "skipped_steps": eng.skipped_steps,
             "elapsed": now - self._start,
+            **_expert_fields(eng),
         }
         self._last_record = now
         self._pending_samples, self._pending_items, self._pending_steps = 0, None, 0
@@ -232,15 +261,23 @@ class Monitor(EngineHook):
                 self._csv_writer = csv.DictWriter(handle, fieldnames=FIELDS)
                 if handle.tell() == 0:
                     self._csv_writer.writeheader()
-            self._csv_writer.writerow({k: "" if v is None else v for k, v in record.items()})
+            self._csv_writer.writerow({k: "" if v is None else " ".join(map(str, v)) if isinstance(v, list) else v
+                                       for k, v in record.items()})
             handle.flush()
         writer = self._tensorboard_writer()
         if writer is not None:
-            for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "step_time",
-                        "peak_memory_mb"):
+            for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "tokens_per_s_per_device",
+                        "mfu", "step_time", "peak_memory_mb", "expert_imbalance"):
                 if record[key] is not None:
                     writer.add_scalar(f"train/{key}", record[key], record["step"])
+            for expert, load in enumerate(record["expert_load"] or ()):
+                writer.add_scalar(f"expert_load/{expert}", load, record["step"])
             writer.flush()
+        run = self._wandb_run()
+        if run is not None:
+            run.log({f"train/{key}": value for key, value in record.items()
+                     if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)},
+                    step=record["step"], commit=True)  # the step is whole: send it now
 
     def _write_jsonl(self, record: dict[str, Any]) -> None:
         if self.config.jsonl:
@@ -275,6 +312,22 @@ class Monitor(EngineHook):
             return None
         self._tensorboard = SummaryWriter(log_dir=self.config.tensorboard)
         return self._tensorboard
+
+    def _wandb_run(self):
+        """The wandb run ``monitor.wandb`` asks for (``wandb.init`` with its keywords; its
+        ``WANDB_MODE`` / ``mode: offline`` work as usual), started once."""
+        if not self.config.wandb or self._wandb_tried:
+            return self._wandb
+        self._wandb_tried = True
+        try:
+            import wandb
+        except ImportError:
+            warnings.warn(f"monitor.wandb is set ({self.config.wandb!r}) but the wandb package is not installed: "
+                          f"nothing is sent to Weights & Biases ({WANDB_HINT} to get it). The other outputs are "
+                          "unaffected.", UserWarning, stacklevel=4)
+            return None
+        self._wandb = wandb.init(**self.config.wandb)
+        return self._wandb
 
     # -- progress ---------------------------------------------------------------------------
     @property
@@ -323,6 +376,10 @@ class Monitor(EngineHook):
         parts.append(f"{_si(record['samples_per_s'])} samples/s")
         if record["tokens_per_s"] is not None:
             parts.append(f"{_si(record['tokens_per_s'])} tok/s")
+            if self._devices > 1:
+                parts.append(f"{_si(record['tokens_per_s_per_device'])} tok/s/device")
+        if record["mfu"] is not None:
+            parts.append(f"MFU {record['mfu']:.1%}")
         if record["padded_tokens"]:
             parts.append(f"{record['micro_steps']} micro-steps, "
                          f"{1 - record['real_tokens'] / record['padded_tokens']:.0%} padding")
@@ -347,6 +404,8 @@ class Monitor(EngineHook):
         self._files.clear()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def __enter__(self) -> "Monitor":
         return self
@@ -356,6 +415,46 @@ class Monitor(EngineHook):
 
 
 # -- helpers ------------------------------------------------------------------------------
+def _expert_fields(eng) -> dict[str, Any]:
+    """The window's router load (``engine.experts``), or None for a model without routers."""
+    load = eng.experts.last_load if getattr(eng, "experts", None) is not None else None
+    if load is None:
+        return {"expert_load": None, "expert_imbalance": None}
+    return {"expert_load": [float(n) for n in load.per_expert()], "expert_imbalance": load.imbalance()}
+
+
+def plot_expert_load(jsonl_path, out_path) -> str | None:
+    """Per-expert load (stacked shares) and the imbalance against the step, from a monitor's JSON-lines
+    file; returns the image's path (None without matplotlib or without expert records)."""
+    records = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    records = [r for r in records if r.get("kind") == "train" and r.get("expert_load")]
+    if not records:
+        log.warning("%s holds no expert_load record (a model without routers?): no plot", jsonl_path)
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot (pip install 'microstep[plot]')")
+        return None
+    steps = [r["step"] for r in records]
+    loads = torch.tensor([r["expert_load"] for r in records], dtype=torch.float64)
+    shares = (loads / loads.sum(1, keepdim=True)).T.tolist()
+    figure, (share_axis, imbalance_axis) = plt.subplots(2, 1, figsize=(6.5, 5), sharex=True)
+    share_axis.stackplot(steps, shares, labels=[f"expert {i}" for i in range(len(shares))])
+    share_axis.set_ylabel("share of top-k assignments")
+    share_axis.legend(fontsize="small", ncol=4, loc="upper right")
+    imbalance_axis.plot(steps, [r["expert_imbalance"] for r in records], "o-")
+    imbalance_axis.set_ylabel("imbalance (max / mean)")
+    imbalance_axis.set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=120)
+    plt.close(figure)
+    return str(out_path)
+
+
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
