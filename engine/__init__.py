@@ -6,7 +6,7 @@ from engine.config.schema import Config, load_config
 from engine.batching.data import DistributedBatches
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
-from engine.experts import LoadBalancingLoss, load_balancing_loss
+from engine.experts import LoadBalancingLoss
 from engine.losses import loss_on_outputs
 from engine.errors import (
     BatchConfigError, BatchError, CheckpointError, ConfigError, EngineUsageError, MicrostepError,
@@ -24,7 +24,6 @@ __all__ = [
     "Engine",
     "loss_on_outputs",
     "LoadBalancingLoss",
-    "load_balancing_loss",
     "Config",
     "ConfigError",
     "load_config",

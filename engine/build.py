@@ -90,7 +90,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     # check as if it were > 1
     fixed = not plan.is_provisional and plan.micro_batch_tokens is None
     _check_batch_statistics(model, config, plan.gradient_accumulation_steps if fixed else None)
-    strategy.setup(model, _materialise_optimizer(optimizer, model, config))
+    optimizer = _materialise_optimizer(optimizer, model, config)
+    strategy.setup(model, optimizer)
+    context = strategy.context  # context_parallel: installed by the strategy's parallelize
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     pipeline = schedule_steps = None
@@ -103,16 +105,24 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
-                                    sequence_keys=config.sequence_keys, schedule_steps=schedule_steps)
+                                    sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
+                                    length_multiple=context.shards.chunks if context is not None else 1)
     experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,  # [moe]
                              checkpointing=setup.checkpointing is not None, pipeline=setup.mesh.pipeline > 1,
                              all_reduce_sum=strategy.all_reduce_sum)
+    if experts is not None and context is not None:
+        raise ConfigError([
+            f"context_parallel.size {setup.mesh.context}: not available yet with a mixture-of-experts model's "
+            "load balance over the window (moe.load_balance: global counts each micro-batch's routing before its "
+            "backward, which a rank's part of each sequence does not give alone); set moe.load_balance: "
+            "micro_batch, or context_parallel.size: 1"])
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
-                 hooks=(experts,) if experts is not None else ())  # [moe] bias updates at the boundary
+                 hooks=(experts,) if experts is not None else (),  # [moe] bias updates at the boundary
+                 context=context)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

@@ -128,6 +128,8 @@ def summarize(config: Config) -> str:
                 f"{config.pipeline.split if isinstance(config.pipeline.split, str) else ','.join(config.pipeline.split)})"]
                if config.pipeline.stages > 1 else []),
              *([f"tensor parallel {config.tensor_parallel.size}"] if config.tensor_parallel.size > 1 else []),
+             *([f"context parallel {config.context_parallel.size} ({config.context_parallel.method})"]
+               if config.context_parallel.size > 1 else []),
              f"backend {config.backend}", precision]
     return ", ".join(parts)
 
@@ -153,7 +155,7 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="show how a config splits the global batch")
     plan.add_argument("config", help="config file (.yaml, .yml, .json or .py)")
     plan.add_argument("--world-size", type=int, required=True,
-                      help="number of processes: pipeline stages × data-parallel ranks × tensor ranks (the planner counts the data-parallel ones)")
+                      help="number of processes: pipeline stages × data-parallel ranks × context ranks × tensor ranks (the planner counts the data-parallel ones)")
     plan.add_argument("--rank", type=int, default=0, help="(global) rank whose plan to build (default 0)")
     add_override_argument(plan)
     plan.set_defaults(run=run_plan)

@@ -88,11 +88,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``: each token's place in its sequence (default 0, 1, ...); context
+        parallelism hands each rank's part of the sequences their places in the whole."""
         time = tokens.shape[1]
-        if time > self.config.block_size:
+        if position_ids is None and time > self.config.block_size:
             raise ValueError(f"sequence of {time} tokens is longer than block_size {self.config.block_size}")
-        positions = torch.arange(time, device=tokens.device)
+        positions = torch.arange(time, device=tokens.device) if position_ids is None else position_ids
         x = self.drop(self.tokens(tokens) + self.positions(positions))
         for block in self.blocks:
             x = block(x)

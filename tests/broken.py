@@ -137,6 +137,36 @@ def unreduced_replicated_gradients(plan: dict) -> dict:
             for pattern, style in plan.items()}
 
 
+def context_shard_means(eng):
+    """Context parallelism with each rank's loss taken as the mean over its part of the
+    sequences, weighted like any mean (by samples): parts holding few real tokens count as
+    much as full ones (the mean-per-shard mistake)."""
+    eng.context.item_weighted = lambda output: output
+    return eng
+
+
+def context_shift_after_split(eng):
+    """Context parallelism with the labels shifted inside each rank's part after the split
+    (counts local to the shard): the target across each seam is lost and the tail chunk's
+    targets are shifted into its head's."""
+    context = eng.context
+    shard = context.shard
+
+    def split_then_shift(batch):
+        context.shift = False
+        sharded = shard(batch)
+        context.shift = True
+        labels = sharded["labels"]
+        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        sharded["labels"] = sharded["shift_labels"] = shifted
+        context._tokens = (shifted != -100).sum()
+        sharded["num_items_in_batch"] = context._tokens.clamp(min=1)
+        return sharded
+
+    context.shard = split_then_shift
+    return eng
+
+
 def moe_micro_batch_term(eng):
     """Each forward's own load-balancing term (what the model computes alone, and what DeepSpeed-MoE
     and a plain accumulation loop use): fᵢ and the token count of one micro-batch on one rank."""

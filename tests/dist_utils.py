@@ -18,7 +18,8 @@ Each rank runs ``fn(rank, world_size, *args)`` after ``engine.distributed.proces
 has set up a gloo process group. Its environment is the caller's ``os.environ`` at the
 time of the call (so ``monkeypatch.setenv`` reaches it), then MASTER_ADDR=127.0.0.1, a
 free MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, OMP_NUM_THREADS=1,
-then ``env``. The process-group timeout is ``max(timeout / 2, 10)`` seconds. The run
+TORCH_EXTENSIONS_DIR (unless the caller's environment sets it: the checkout's
+``.cache/torch_extensions``, see below), then ``env``. The process-group timeout is ``max(timeout / 2, 10)`` seconds. The run
 
 * returns the per-rank return values in rank order;
 * fails fast: when a rank raises, the others are killed and the error shows every failing
@@ -27,7 +28,17 @@ then ``env``. The process-group timeout is ``max(timeout / 2, 10)`` seconds. The
   finish, with their Python stacks at that moment;
 * counts a rank as done once it has delivered its result, so a crash while exiting (gloo
   sometimes aborts with "terminate called without an active exception") is harmless;
-* echoes each rank's stdout/stderr to this process's stderr, prefixed by rank.
+* echoes each rank's stdout/stderr to this process's stderr, prefixed by rank;
+* stops ranks still running at the end with SIGINT first (KeyboardInterrupt: their ``finally``
+  blocks run), then SIGKILL after a second.
+
+DeepSpeed on CPU compiles its shared-memory comm op at every ``deepspeed.initialize`` on first
+use (3 to 7 minutes on a loaded 2-core machine) into TORCH_EXTENSIONS_DIR, under a lock file
+that every later build or load waits on, without a timeout. Hence one cache per checkout,
+built once and kept (not the home directory's, which every checkout and virtual environment
+on the machine shares), the SIGINT, which lets torch's build remove its lock when a run is
+stopped mid-build (a SIGKILL left it behind and every later DeepSpeed run hung), and a timeout
+message that names the lock files when a rank waits on one.
 
 Start-up cost: processes come from a fork server that has already imported torch and
 engine, so only the first call in a pytest session pays those imports (~2.5 s); later
@@ -43,6 +54,7 @@ import faulthandler
 import functools
 import multiprocessing
 import multiprocessing.connection
+import glob
 import os
 import pickle
 import shutil
@@ -51,6 +63,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from launch.cli import free_port
@@ -61,6 +74,8 @@ EXIT_GRACE_SECONDS = 5.0  # after delivering results, ranks get this long to exi
 ERROR_GRACE_SECONDS = 0.5  # after the first error, collect the other ranks' errors this long
 STACK_DUMP_WAIT_SECONDS = 0.5
 PORT_RETRIES = 2  # free_port() can race with another process grabbing the same port
+INTERRUPT_GRACE_SECONDS = 1.0  # after SIGINT, ranks get this long to run their finally blocks
+TORCH_EXTENSIONS_DIR = Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
 
 
 class DistributedRunError(AssertionError):
@@ -145,7 +160,9 @@ class _Run:
         environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                        OMP_NUM_THREADS="1")
+        environ.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
         environ.update(env or {})
+        self.extensions_dir = environ["TORCH_EXTENSIONS_DIR"]
         pg_timeout = max(timeout / 2, 10.0)
         self.procs, self.readers = [], []
         for rank in range(world_size):
@@ -227,7 +244,16 @@ class _Run:
         stacks = "\n".join(f"--- rank {r}: output and stacks ---\n{_tail(self.read_log(r))}"
                            for r in missing)
         return (f"timeout after {self.timeout}s: ranks {missing} did not finish "
-                f"(ranks {sorted(results)} delivered results).\n{stacks}")
+                f"(ranks {sorted(results)} delivered results).{self._lock_hint(stacks)}\n{stacks}")
+
+    def _lock_hint(self, stacks: str) -> str:
+        if "file_baton.py" not in stacks:
+            return ""
+        locks = sorted(glob.glob(os.path.join(self.extensions_dir, "**", "lock"), recursive=True))
+        return (" A rank waits on a torch extension build lock (DeepSpeed compiles its CPU ops on "
+                "first use, minutes on a loaded machine): either a build is still running (rerun once "
+                "it is done) or a killed process left its lock; with no compiler running, remove "
+                f"{' '.join(locks) or 'the lock file (none left now under ' + self.extensions_dir + ')'}.")
 
     def finish(self, wait: bool) -> None:
         """Let ranks exit (bounded), kill the rest, echo logs, clean up."""
@@ -235,6 +261,12 @@ class _Run:
             end = time.monotonic() + EXIT_GRACE_SECONDS
             for proc in self.procs:
                 proc.join(max(0.0, end - time.monotonic()))
+        running = [proc for proc in self.procs if proc.is_alive()]
+        for proc in running:
+            os.kill(proc.pid, signal.SIGINT)
+        end = time.monotonic() + INTERRUPT_GRACE_SECONDS
+        for proc in running:
+            proc.join(max(0.0, end - time.monotonic()))
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()

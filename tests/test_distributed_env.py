@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.file_baton import FileBaton
 
-from dist_utils import DistributedRunError, run_distributed, run_scenarios
+from dist_utils import TORCH_EXTENSIONS_DIR, DistributedRunError, run_distributed, run_scenarios
 from engine.distributed import process_group as distributed
 from engine.distributed.process_group import (
     DistributedEnvError,
@@ -203,7 +204,8 @@ def _describe_rank(rank, world_size):
             # agreements get a gloo communicator of their own, over every rank
             "control_is_world": distributed.control_group() is not dist.group.WORLD
             and dist.get_world_size(distributed.control_group()) == world_size,
-            "sum": total.item(), "env": os.environ.get("MICROSTEP_PROBE")}
+            "sum": total.item(), "env": os.environ.get("MICROSTEP_PROBE"),
+            "extensions": os.environ.get("TORCH_EXTENSIONS_DIR")}
 
 
 def _shutdown_twice(rank, world_size):
@@ -223,6 +225,23 @@ def _raise_on_rank_one(rank, world_size):
 def _hang_on_rank_one(rank, world_size):
     if rank == 1:
         time.sleep(600)
+    return rank
+
+
+def _build_under_an_extension_lock(rank, world_size):
+    """Rank 0 holds a torch extension build's lock as torch's own build does (released in a
+    finally block) and never finishes; rank 1 waits on it, as every later build or load does."""
+    baton = FileBaton(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "op", "lock"))
+    if rank == 0:
+        os.makedirs(os.path.dirname(baton.lock_file_path))
+        assert baton.try_acquire()
+        try:
+            time.sleep(600)
+        finally:
+            baton.release()
+    else:
+        time.sleep(2)  # after rank 0 took it
+        baton.wait()
     return rank
 
 
@@ -288,6 +307,9 @@ def test_run_distributed_returns_results_in_rank_order(monkeypatch):
     assert [r["helpers"] for r in results] == [(r, 3, True) for r in range(3)]
     assert all(r["control_is_world"] and r["sum"] == 6 for r in results)
     assert all(r["env"] == "from-parent" for r in results)
+    # one torch extension cache per checkout, not the home directory's that every checkout shares
+    expected = os.environ.get("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
+    assert [r["extensions"] for r in results] == [expected] * 3
     results = run_distributed(_describe_rank, env={"MICROSTEP_PROBE": "from-env"}, timeout=90)
     assert [r["env"] for r in results] == ["from-env"] * 2
 
@@ -338,6 +360,21 @@ def test_hanging_rank_hits_the_timeout():
     assert "ranks [1] did not finish" in message and "ranks [0] delivered" in message
     assert "_hang_on_rank_one" in message  # the hung rank's stack
     assert time.monotonic() - start < 40  # ended at its timeout, not at pytest's
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_run_stopped_mid_build_releases_the_extension_lock(tmp_path):
+    """A run that times out while a rank builds a torch extension (DeepSpeed's CPU ops, on first
+    use) names the lock its peer waits on and leaves no lock behind: a SIGKILL left one, and
+    every later DeepSpeed run on the machine waited on it forever."""
+    lock = tmp_path / "op" / "lock"
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_build_under_an_extension_lock, timeout=15, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    message = str(info.value)
+    assert "ranks [0, 1] did not finish" in message
+    assert "waits on a torch extension build lock" in message and f"remove {lock}." in message
+    assert not lock.exists()
 
 
 def test_run_distributed_rejects_functions_the_child_cannot_import():

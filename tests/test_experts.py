@@ -248,6 +248,23 @@ def bias_scenario(rank, world, stage):
     return results
 
 
+def short_data_scenario(rank, world):
+    """Rank 1's data ends a window early: under count_forward at ZeRO-3 the ranks compare positions
+    before the counting forward's gathers, so both raise at once instead of waiting in a collective."""
+    import time
+    model, batches = hf_moe(), lm_batches(3, 8)
+    eng = moe_engine(model, accumulation=2, zero_optimization={"stage": 3})
+    started = time.monotonic()
+    try:
+        for batch in batches[:2 if rank == 1 else 3]:
+            eng.train_batch(rank_slice(batch, eng.plan), hf_loss)
+        eng.close()
+    except engine.RankDisagreementError as error:
+        eng.close()
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
 def example_scenario(rank, world):
     from examples import moe
     return moe.main([])["difference"]
@@ -259,6 +276,7 @@ def two_ranks():
                  for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     scenarios["example"] = example_scenario
+    scenarios["short data"] = short_data_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
 
@@ -344,6 +362,14 @@ def test_the_example_trains_as_the_full_batch(capsys):
     assert "max |weight - full-batch weight|" in capsys.readouterr().out
     assert all(record["expert_imbalance"] >= 1 for record in result["records"])
     assert moe.main(["--set", "moe.load_balance=micro_batch"])["difference"] > 1e3 * TOL_FLOAT32_ROUTER
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_a_rank_whose_data_ended_stops_both_before_the_counting_forward(two_ranks):
+    (first, _), (second, _) = two_ranks["short data"]
+    assert first is not None and first == second
+    assert "rank 1: closing the engine after global step 2" in first
 
 
 @pytest.mark.distributed

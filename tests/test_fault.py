@@ -721,7 +721,8 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
 def test_deepspeeds_checkpoint_writer_is_refused():
     """Its writers publish files later (decoupled), on some ranks only (FAST) or never (MOCK):
     a manifest of sizes and an atomic rename cannot describe that."""
-    config = engine.load_config({"backend": "deepspeed", "checkpoint": {"dir": "ckpt", "writer": {"decoupled": True}}})
+    config = engine.load_config({"backend": "deepspeed", "train_batch_size": 8,
+                                 "checkpoint": {"dir": "ckpt", "writer": {"decoupled": True}}})
     [problem] = check_without_model(config)
     assert "checkpoint.writer: " in problem and "decoupled" in problem and "remove the key" in problem
     with pytest.raises(engine.ConfigError, match="checkpoint.writer"):

@@ -94,14 +94,20 @@ def test_one_process_trains_the_same_model(two_process_run, train_lm, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180, func_only=True)
-def test_one_config_line_turns_on_tensor_parallelism_and_trains_the_same_model(two_process_run, tmp_path):
-    """The unchanged script with --set tensor_parallel.size=2: the GPT's MLPs split over both
-    processes (the automatic plan), one data-parallel rank of 16 × 4 lines: the same steps."""
+@pytest.mark.parametrize("setting, says", [
+    # the GPT's MLPs split over both processes (the automatic plan)
+    ("tensor_parallel.size=2", "1 data-parallel rank(s) x 16 per micro-batch"),
+    # every line split over both processes (head and tail chunks, padded by the engine to cut evenly)
+    ("context_parallel.size=2", None),
+], ids=["tensor", "context"])
+def test_one_config_line_splits_the_model_over_two_processes_and_trains_the_same_model(two_process_run, tmp_path,
+                                                                                      setting, says):
+    """The unchanged script with one --set: one data-parallel rank of 16 × 4 lines, the same steps."""
     two = json.loads((two_process_run[0] / "summary.json").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "launch", "--nproc-per-node", "2", str(EXAMPLE), *QUICK,
-         "--set", "tensor_parallel.size=2", "--out", str(tmp_path)],
+         "--set", setting, "--out", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
     split = json.loads((tmp_path / "summary.json").read_text())
@@ -109,7 +115,8 @@ def test_one_config_line_turns_on_tensor_parallelism_and_trains_the_same_model(t
     assert [loss for _, loss in split["train_losses"]] == pytest.approx(
         [loss for _, loss in two["train_losses"]], rel=1e-4)
     assert split["last_eval_loss"] == pytest.approx(two["last_eval_loss"], rel=1e-4)
-    assert "1 data-parallel rank(s) x 16 per micro-batch" in result.stdout
+    if says is not None:
+        assert says in result.stdout
 
 
 @pytest.mark.distributed

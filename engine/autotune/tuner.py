@@ -180,6 +180,7 @@ class MicroBatchTuner(WindowRunner):
         # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline.windows), or,
         # when None, the engine's own micro-steps.
         self.windows = windows
+        self.calls_loss_on_outputs = windows is not None and windows.calls_loss_on_outputs  # as the runner it drives
         if self._runnable(plan) is None:
             raise ConfigError([
                 f"train_micro_batch_size_per_gpu: 'auto': no micro-batch size of at most "

@@ -66,7 +66,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -418,9 +418,13 @@ class TokenSplitter:
     function and ``sequence_keys``, and the log lines shown once per run (what is trimmed,
     and rows over the budget)."""
 
-    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None):
+    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None,
+                 length_multiple: int = 1):
         self.lengths = lengths
         self.sequence_keys = sequence_keys
+        # Context parallelism cuts every sequence into 2 × context equal chunks: a micro-batch's
+        # length is rounded up to that multiple (within the batch's own padding).
+        self.length_multiple = length_multiple
         self._described = self._warned = False
 
     def layout(self, batch: Any) -> SequenceLayout:
@@ -430,12 +434,24 @@ class TokenSplitter:
     def read(self, batch: Any, budget: int, max_rows: int | None = None) -> tuple[SequenceLayout, int]:
         """``batch``'s layout and its fewest micro-steps (this rank's proposal)."""
         layout = self.layout(batch)
-        return layout, fewest_micro_steps(layout.lengths, budget, max_rows)
+        return layout, fewest_micro_steps(self._widths(layout), budget, max_rows)
 
     def group(self, layout: SequenceLayout, budget: int, micro_steps: int,
               max_rows: int | None = None) -> list[MicroGroup]:
         """The layout's rows in the ``micro_steps`` the ranks agreed on."""
-        return self.logged(layout, group_by_tokens(layout.lengths, budget, micro_steps, max_rows), budget)
+        groups = group_by_tokens(self._widths(layout), budget, micro_steps, max_rows)
+        if self.length_multiple > 1:  # grouped by rounded widths; the real tokens are the rows' own
+            groups = [group if group.zero_weight else
+                      replace(group, real_tokens=sum(layout.lengths[row] for row in group.rows)) for group in groups]
+        return self.logged(layout, groups, budget)
+
+    def _widths(self, layout: SequenceLayout) -> list[int]:
+        """The columns each row needs: its length, rounded up to ``length_multiple`` within the
+        batch's padded length."""
+        multiple = self.length_multiple
+        if multiple == 1:
+            return list(layout.lengths)
+        return [min(-(-length // multiple) * multiple, layout.padded_length) for length in layout.lengths]
 
     def logged(self, layout: SequenceLayout, groups: list[MicroGroup], budget: int) -> list[MicroGroup]:
         """``groups``, after the run's first layout and its first rows over the budget are logged."""

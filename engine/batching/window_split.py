@@ -250,9 +250,10 @@ class DataDefinedSplit(InputSizedSplit):
 class TokenSplit(PlannedSplit):
     """Micro-batches formed by padded tokens (``micro_batch_tokens``)."""
 
-    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None):
+    def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None,
+                 length_multiple: int = 1):
         super().__init__()
-        self.reader = TokenSplitter(lengths, sequence_keys)
+        self.reader = TokenSplitter(lengths, sequence_keys, length_multiple)
         self.groups: list[MicroGroup] = []  # this rank's micro-batches of the latest split
 
     def split(self, batch, plan: BatchPlan, budget: int | None = None) -> Split:
@@ -368,16 +369,17 @@ class OneShapeTokenSplit(TokenSplit):
 
 def window_split_for(plan: BatchPlan, *, manual_sizes: str = "plan", lengths: LengthsFn | None = None,
                      sequence_keys: Sequence[str] | None = None,
-                     schedule_steps: Callable[[int], int] | None = None) -> PlannedSplit:
+                     schedule_steps: Callable[[int], int] | None = None, length_multiple: int = 1) -> PlannedSplit:
     """The window split for ``plan``; ``manual_sizes`` (one of ``MANUAL_SIZES``): how a manual
     loop counts a micro-batch of a plan with sizes, ``"plan"`` (its planned size) or
     ``"inputs"`` (what ``eng(...)`` was given). ``schedule_steps``: under a pipeline, the
     fewest micro-batches, at least n, its schedule runs (token budgets then form micro-batches
-    of one shape)."""
+    of one shape). ``length_multiple``: what a token budget's trimmed length is rounded up to
+    (context parallelism's chunks)."""
     if plan.micro_batch_tokens is not None:
         if schedule_steps is not None:
             return OneShapeTokenSplit(schedule_steps, lengths, sequence_keys)
-        return TokenSplit(lengths, sequence_keys)
+        return TokenSplit(lengths, sequence_keys, length_multiple)
     if plan.is_data_defined:
         return DataDefinedSplit(plan)
     return InputSizedSplit() if manual_sizes == "inputs" else PlannedSplit()

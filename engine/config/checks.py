@@ -18,7 +18,9 @@ both report the same problems, all at once:
   ``sequence_keys`` without ``micro_batch_tokens``;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
-* ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it.
+* ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
+* context parallelism: what it does not compose with yet (another backend, a pipeline
+  dimension, the automatic micro size).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _mesh_precision_problems(config)
     problems += _automatic_checkpointing_problems(config)
     problems += _expert_problems(config)  # [moe]
+    problems += _context_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)
@@ -79,6 +82,25 @@ def _automatic_checkpointing_problems(config: Config) -> list[str]:
             "tries each micro size with and without checkpointing); set train_micro_batch_size_per_gpu: auto or "
             "explore (with micro_batch_tokens too: the budget is then tuned), or activation_checkpointing.enabled: "
             "true or false"]
+
+
+def _context_problems(config: Config) -> list[str]:
+    """What ``context_parallel.size`` > 1 does not run with yet (docs/context_parallel.md)."""
+    size = config.context_parallel.size
+    if size == 1:
+        return []
+    where, problems = f"with context_parallel.size {size}", []
+    if config.backend != "torch":
+        problems.append(f"backend: {config.backend} is not available {where}: Microstep's context parallelism (and "
+                        "DeepSpeed's sequence_parallel_size, read as it) runs on backend: torch; set backend: torch")
+    if config.pipeline.stages > 1:
+        problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (a stage's "
+                        "schedule moves whole sequences between ranks); use one of the two")
+    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
+        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
+                        f"{where} (a rank that runs out of memory inside attention leaves its context group waiting in "
+                        "the exchange); give a number")
+    return problems
 
 
 def _tensor_problems(config: Config) -> list[str]:

@@ -292,6 +292,25 @@ class TensorParallelConfig(_DeepSpeedSection):
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_TENSOR_PARALLEL_KEYS
 
 
+# -- context parallelism (issue 31): one section, read by engine.context ---------------------
+class ContextParallelConfig(Section):
+    """Context parallelism (``engine.context``): every sequence split over ``size`` ranks.
+    ``method``: ulysses (all-to-all between sequence and heads around attention; any attention
+    implementation, any device), ring (PyTorch's context-parallel engine, CUDA only: refused with
+    the reason, not driven yet) or auto (ulysses). ``labels``: auto (a Hugging Face causal LM shifts its
+    labels itself: they are shifted before the split; other models' labels are taken as already
+    aligned with their positions), shift, or aligned. DeepSpeed's top-level
+    ``sequence_parallel_size`` is read as ``size`` (Ulysses)."""
+
+    size: PositiveInt = 1
+    method: Literal["ulysses", "ring", "auto"] = "auto"
+    labels: Literal["auto", "shift", "aligned"] = "auto"
+    # The first N micro-batches check that every rank of a context group got the same rows (a
+    # fingerprint, one small all-gather per micro-batch) and that a (sum, count) loss counted the
+    # real targets of its part's labels (one all-reduce of a flag); 0 turns the checks off.
+    check_micro_batches: Annotated[int, Field(ge=0)] = 4
+
+
 class MoeConfig(Section):
     """Mixture-of-experts routers (``engine.experts``): whose batch the load-balancing term balances."""
 
@@ -350,6 +369,7 @@ class Config(BaseModel):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     moe: MoeConfig = Field(default_factory=MoeConfig)  # [moe]
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)  # [moe]
     backend: Literal["torch", "deepspeed"] = "torch"
@@ -448,6 +468,7 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     _resolve_aliases(raw, problems)
     notes = translate(raw, problems)
     _read_autotp_size(raw, problems)
+    _read_sequence_parallel_size(raw, problems)
     _collect_pass_through_keys(raw)
     _apply_overrides(raw, overrides, problems)
     _drop_unknown_keys(raw, Config, (), raw.data, problems)
@@ -515,6 +536,24 @@ def _read_autotp_size(raw: RawConfig, problems: list[str]) -> None:
             problems.append(problem)
         else:
             raw.move(("tensor_parallel", "autotp_size"), ("tensor_parallel", "size"))
+
+
+def _read_sequence_parallel_size(raw: RawConfig, problems: list[str]) -> None:
+    """DeepSpeed's top-level ``sequence_parallel_size`` (Ulysses) as ``context_parallel.size``."""
+    if "sequence_parallel_size" not in raw.data:
+        return
+    size = raw.data.pop("sequence_parallel_size")
+    section = raw.data.setdefault("context_parallel", {})
+    if not isinstance(section, dict):  # reported as a type error by the schema
+        return
+    if "size" in section and section["size"] != size:
+        problems.append(f"{raw.where(('sequence_parallel_size',))}: sequence_parallel_size: {size!r} conflicts with "
+                        f"context_parallel.size: {section['size']!r} (sequence_parallel_size is DeepSpeed's name "
+                        "for it; keep one)")
+        return
+    section["size"] = size
+    section.setdefault("method", "ulysses")
+    raw.move(("sequence_parallel_size",), ("context_parallel", "size"))
 
 
 def _pass_through_section(key: str) -> Optional[str]:

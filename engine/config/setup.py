@@ -72,6 +72,15 @@ class TensorParallelSetup:
 
 
 @dataclass(frozen=True)
+class ContextParallelSetup:
+    """How sequences are split over the mesh's context dimension (``engine.context.parallel``)."""
+
+    method: str = "auto"  # ulysses | ring | auto
+    labels: str = "auto"  # auto | shift | aligned
+    check_micro_batches: int = 0  # micro-batches whose rows are compared inside each context group
+
+
+@dataclass(frozen=True)
 class Setup:
     """Every decision a strategy is built from."""
 
@@ -86,6 +95,7 @@ class Setup:
     memory_limit: float | None  # what "auto" deferral and micro sizes may fill (fraction or bytes)
     pipeline: PipelineSetup = PipelineSetup()
     tensor_parallel: TensorParallelSetup = TensorParallelSetup()
+    context_parallel: ContextParallelSetup = ContextParallelSetup()
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
     overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
@@ -155,6 +165,8 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
         overlap=sections.overlap,
         tensor_parallel=TensorParallelSetup(tensor_plan if tensor_plan is not None else config.tensor_parallel.plan,
                                             config.tensor_parallel.check_batches),
+        context_parallel=ContextParallelSetup(config.context_parallel.method, config.context_parallel.labels,
+                                              config.context_parallel.check_micro_batches),
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )

@@ -100,7 +100,7 @@ class MeshLayout:
         sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
                                                           and torch_sections(config).offload.to_host)
         return cls(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                   data_sharded=sharded)
+                   context=config.context_parallel.size, data_sharded=sharded)
 
     # -- sizes -------------------------------------------------------------------------------
     @property

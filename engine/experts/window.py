@@ -171,10 +171,12 @@ class ExpertBalance(EngineHook):
             yield
 
     def run_window(self, pieces: Sequence[tuple[Any, int]], *, forward: Callable[[Any], Any],
-                   backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple]) -> None:
+                   backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple],
+                   before_counting: Callable[[], None] = lambda: None) -> None:
         """Forward and backward of every ``(micro_batch, samples)`` piece: ``forward(micro_batch)``
         returns what ``loss_fn`` returns, ``backward(output, samples)`` weights it and runs its
-        backward; ``units(output, samples)`` is the engine's ``(loss, units, item_weighted)``."""
+        backward; ``units(output, samples)`` is the engine's ``(loss, units, item_weighted)``;
+        ``before_counting()`` runs before a counting forward (the ranks' position check)."""
         pieces = list(pieces)
         forward = self.bias_routers.counting(forward)  # the training forwards' load, for the bias update
         self.bias_routers.start_window()
@@ -182,7 +184,7 @@ class ExpertBalance(EngineHook):
             for micro_batch, samples in pieces:
                 backward(forward(micro_batch), samples)
         else:
-            self._run_terms(pieces, forward, backward, units)
+            self._run_terms(pieces, forward, backward, units, before_counting)
         bias_load = self.bias_routers.window_load(self._all_reduce_sum)
         if bias_load is not None and not (self.hf_modules or self.own_terms):
             self.last_load = bias_load
@@ -191,7 +193,7 @@ class ExpertBalance(EngineHook):
         """The boundary: an applied step moves the aux-loss-free routers' bias (a discarded window does not)."""
         self.bias_routers.update(applied=report.step.applied)
 
-    def _run_terms(self, pieces, forward, backward, units) -> None:
+    def _run_terms(self, pieces, forward, backward, units, before_counting) -> None:
         with hf.computing_here(self.hf_modules):
             if self.load_balance != "global":
                 self._micro_batch_window(pieces, forward, backward)
@@ -205,6 +207,7 @@ class ExpertBalance(EngineHook):
             elif self.global_counts == "hold_forwards":
                 self._held_window(pieces, forward, backward, units)
             else:
+                before_counting()
                 self._counted_window(pieces, forward, backward, units)
 
     # -- the ways --------------------------------------------------------------------------

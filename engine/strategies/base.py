@@ -76,6 +76,9 @@ class Strategy(ABC):
     forward_communicates = False
     # activation_checkpointing: auto: the switch of the model's checkpointed blocks (the tuner flips it)
     checkpoint_switch = None
+    # context_parallel: the context dimension's batch split and attention exchange
+    # (engine.context.parallel), which the engine drives; None without a context dimension
+    context = None
     # Whether a window may issue collectives before the backward that closes it (a reduction in
     # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
     # positions at the window's start too, not only before that backward.
@@ -262,9 +265,10 @@ class TorchStrategy(Strategy):
     def parallelize(self, module: torch.nn.Module, *, tensor_plan: dict | None = None, transform: bool = True) -> None:
         """Apply the model-parallel dimensions and the model transforms to ``module`` in their fixed
         order (``engine.strategies.parallelize``); the holder shards the data dimension after it."""
-        switch = parallelize(module, self.settings, self.groups, tensor_plan=tensor_plan, transform=transform)
+        done = parallelize(module, self.settings, self.groups, tensor_plan=tensor_plan, transform=transform)
         if transform:
-            self.checkpoint_switch = switch
+            self.checkpoint_switch = done.checkpoint_switch
+        self.context = done.context
 
     # -- a micro-step ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -17,21 +17,31 @@ A new dimension is one more guarded step here and the module that implements it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from engine.context.parallel import ContextParallel
 from engine.errors import ConfigError
 from engine.strategies.model_transforms import CheckpointSwitch, transform_model
 from engine.config.setup import Setup
 from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
 
 
+class Parallelized(NamedTuple):
+    """What ``parallelize`` leaves for the holder and the engine."""
+
+    checkpoint_switch: CheckpointSwitch | None  # activation_checkpointing: auto's switch
+    context: ContextParallel | None  # the context dimension's batch split and attention exchange
+
+
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
-                transform: bool = True) -> CheckpointSwitch | None:
+                transform: bool = True) -> Parallelized:
     """Apply the setup's model-parallel dimensions, then (``transform``) activation checkpointing
     and compile, to ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
     stage's), else the setup's, resolved on ``module``. Returns the switch of
-    ``activation_checkpointing: auto`` (else None)."""
+    ``activation_checkpointing: auto`` (else None) and the context dimension's split (else None)."""
     mesh = setup.mesh
     if mesh.tensor > 1:
         if tensor_plan is not None:  # a pipeline stage's layers: the probe needs the whole model's input
@@ -39,19 +49,23 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
         else:  # the whole model: checked against what it computed before the split (issue 33)
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
-    if mesh.context > 1:
-        apply_context_parallel(module, setup, groups)
+    context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
     if mesh.expert > 1:
         apply_expert_parallel(module, setup, groups)
     if not transform:
-        return None
-    return transform_model(module, setup.checkpointing, setup.compile)
+        return Parallelized(None, context)
+    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context)
 
 
-def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> None:
-    """Split each sequence over the mesh's ``context`` dimension (issue 31 builds it here)."""
-    raise ConfigError([f"context parallelism ({setup.mesh.describe()}) is not available in this version; "
-                       "use a mesh of context size 1"])
+def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> ContextParallel:
+    """Split each sequence over the mesh's ``context`` dimension: the model's attention wrapped in
+    the exchange, its forward in the part's positions (``engine.context.parallel``); the engine
+    splits each batch and weighs each loss with what this returns."""
+    section = setup.context_parallel
+    context = ContextParallel(setup.mesh, groups, method=section.method, labels=section.labels,
+                              check_micro_batches=section.check_micro_batches)
+    context.apply(module)
+    return context
 
 
 def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups) -> None:

@@ -65,21 +65,23 @@ class WindowReport:
     padded_tokens: int | None = None
 
 
-def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_batch=None):
+def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_batch=None, holders: int = 1):
     """(mean loss, units, samples, (real, padded) tokens, Σ squares of the reduced gradient or
     None) of ``window``. Over all ranks: one small all-reduce over the window-statistics group
     (real counts, or a record the monitor makes), which carries the strategy's share of the squared
     gradient norm too (``Strategy.grad_squares_share``). Otherwise the manual loop's planned sizes
     (``plan``): no collective, no host sync, and the loss is this rank's. ``same_batch``: a
     ``ReplicaBatchCheck`` and this window's batch fingerprint, checked in the same all-reduce
-    (which then spans the world; EngineUsageError on every rank when a replica's ranks differ)."""
+    (which then spans the world; EngineUsageError on every rank when a replica's ranks differ).
+    ``holders``: how many ranks of that group hold each row (the context size: a context group
+    splits its rows' tokens, so each of its ranks adds 1/holders of the rows and their tokens)."""
     if not over_all_ranks:
         samples = plan.window_samples(window.micro_steps)
         return window.loss_total() / window.samples, samples, samples, (None, None), None
     device = strategy.device
     cost = window.tokens
-    values = [window.loss_total(), window.units(), float(window.samples),
-              float(cost.real_tokens if cost else 0), float(cost.padded_tokens if cost else 0)]
+    values = [window.loss_total(), window.units(), float(window.samples) / holders,
+              float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders]
     share = strategy.grad_squares_share()
     if share is not None:
         values.append(share)
@@ -90,6 +92,6 @@ def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_
     else:
         stats = strategy.all_reduce_sum(stats)
     counts = stats[2:].tolist()  # the step's one host sync
-    samples, real, padded = (int(n) for n in counts[:3])
+    samples, real, padded = (round(n) for n in counts[:3])  # shares of 1/holders add up to whole numbers
     tokens = (real, padded) if cost else (None, None)
     return stats[0] / stats[1], stats[1], samples, tokens, counts[3] if share is not None else None

@@ -1,0 +1,201 @@
+"""Ulysses: attention over whole sequences on ranks that each hold a part of every sequence.
+
+Before attention each rank of a context group holds, for every head, its shard of the
+sequence (``engine.context.sharding``'s head–tail layout). One all-to-all over the group
+trades that for every token of 1/N of the heads (sequence ↔ heads); the attention runs there
+as it would in one process — any implementation: eager, SDPA, flash — then a second all-to-all
+trades back. Everything outside attention works on tokens one at a time and never sees the
+difference. Both exchanges are differentiable (an all-to-all's gradient is the reverse
+all-to-all) and run on any backend, gloo included.
+
+Two ways in, both installed by ``engine.context.parallel``:
+
+* a Hugging Face model calls its attention through transformers' ``AttentionInterface``:
+  :func:`hugging_face_attention` wraps the model's own implementation and is registered under a
+  new name the model is switched to (transformers then builds no mask for it: the wrapped
+  implementation gets a causal mask of the whole sequence, or none where it makes its own);
+* any other model: each attention module's forward runs under :class:`SequenceAttention`, a
+  ``TorchFunctionMode`` that routes ``torch.nn.functional.scaled_dot_product_attention`` calls
+  through the exchange. A module that computed attention without it is refused (its attention
+  would have seen its shard alone).
+
+Both are active only while the engine runs a micro-step's forward or backward (the recompute of
+activation checkpointing happens in the backward); at other times the model is the plain model
+(``eng.module.generate(...)`` works on whole sequences).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from engine.context.sharding import ContextShards
+from engine.errors import EngineUsageError
+
+# Hugging Face implementations that build their own causal masking from ``is_causal`` (no mask given).
+SELF_MASKING = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-all over ``group`` of a tensor whose dim 0 has one entry per rank: entry j goes to
+    rank j, entry j of the result came from rank j. Its own transpose, so also its gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _all_to_all(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    received = torch.empty_like(tensor)
+    dist.all_to_all_single(received, tensor, group=group)
+    return received
+
+
+class UlyssesExchange:
+    """The two exchanges of one context group for tensors laid out (..., heads, sequence, head width)."""
+
+    def __init__(self, shards: ContextShards, group):
+        self.shards, self.group = shards, group
+        self.padded = False  # the micro-step's sequences were padded to cut into equal chunks
+        self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _order(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gathered → natural, natural → gathered) index of a sequence of ``length`` tokens."""
+        key = (length, device)
+        if key not in self._orders:
+            gathered = self.shards.gathered_positions(length, device)
+            self._orders[key] = (torch.argsort(gathered), gathered)
+        return self._orders[key]
+
+    def check_causal(self, causal: bool, what: str) -> None:
+        """Raise when attention that is not causal meets padding the engine added (it would attend to it)."""
+        if self.padded and not causal:
+            raise EngineUsageError(
+                f"context_parallel: {what} attends without a causal mask, and this micro-batch's sequences were "
+                f"padded on the right to cut into {self.shards.chunks} equal chunks: the real tokens would attend to "
+                f"that padding. Pad every batch's sequences to a multiple of {self.shards.chunks} yourself")
+
+    def check_heads(self, heads: int, what: str) -> None:
+        size = self.shards.size
+        if heads % size:
+            raise EngineUsageError(
+                f"context_parallel (ulysses): {what} has {heads} head(s), which do not divide over context size "
+                f"{size} ({heads} % {size} = {heads % size}): each rank attends with an equal share of the heads. "
+                f"Choose a context size that divides the number of heads (key/value heads too)")
+
+    def to_sequence(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """(..., heads, shard, d) → (..., heads / N, whole sequence in order, d)."""
+        size = self.shards.size
+        *lead, heads, shard, width = x.shape
+        self.check_heads(heads, what)
+        parts = x.reshape(*lead, size, heads // size, shard, width).movedim(len(lead), 0)
+        received = _Exchange.apply(parts, self.group)  # (N, ..., heads / N, shard, d): rank j's shard
+        whole = received.movedim(0, len(lead) + 1).reshape(*lead, heads // size, size * shard, width)
+        natural, _ = self._order(size * shard, x.device)
+        return whole.index_select(-2, natural)
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., heads / N, whole sequence in order, d) → (..., heads, shard, d): the inverse."""
+        size = self.shards.size
+        *lead, heads, length, width = x.shape
+        _, gathered = self._order(length, x.device)
+        parts = x.index_select(-2, gathered).reshape(*lead, heads, size, length // size, width)
+        received = _Exchange.apply(parts.movedim(len(lead) + 1, 0), self.group)  # rank j's heads of my shard
+        return received.movedim(0, len(lead)).reshape(*lead, size * heads, length // size, width)
+
+
+class Activity:
+    """Whether the engine is inside a micro-step's forward or backward (when the exchanges run)."""
+
+    def __init__(self):
+        self.depth = 0
+
+    @property
+    def on(self) -> bool:
+        return self.depth > 0
+
+    def __enter__(self):
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+
+def causal_mask(length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An additive causal mask (1, 1, length, length): 0 on and below the diagonal, the dtype's
+    most negative value above (not -inf: a row of padding alone stays finite)."""
+    above = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(above, torch.finfo(dtype).min)[None, None]
+
+
+def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange, activity: Activity):
+    """A transformers attention function: ``inner`` (the model's own, ``implementation``) over
+    the whole sequence of 1/N of the heads while ``activity`` is on; ``inner`` alone otherwise."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if not activity.on:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        what = type(module).__name__
+        causal = getattr(module, "is_causal", True)
+        exchange.check_causal(causal, what)
+        query, key, value = (exchange.to_sequence(t, what) for t in (query, key, value))
+        # The shard's positions: flash attention would read their jumps as packed sequences.
+        kwargs.pop("position_ids", None)
+        mask = None if implementation in SELF_MASKING or not causal else causal_mask(query.shape[-2], query.dtype,
+                                                                                    query.device)
+        output, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, sequence, heads / N, d)
+        return exchange.to_heads(output.transpose(1, 2)).transpose(1, 2), None
+
+    return attention
+
+
+class SequenceAttention(TorchFunctionMode):
+    """Routes ``scaled_dot_product_attention`` through the exchange (one attention module's forward)."""
+
+    def __init__(self, exchange: UlyssesExchange, what: str):
+        super().__init__()
+        self.exchange, self.what, self.calls = exchange, what, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value, *rest = args
+        if (rest and rest[0] is not None) or kwargs.get("attn_mask") is not None:
+            raise EngineUsageError(
+                f"context_parallel (ulysses): {self.what} passes an attn_mask to scaled_dot_product_attention; its "
+                "rows and columns cover one rank's shard of the sequence, not the whole sequence the exchange "
+                "attends over. Use is_causal=True (right padding needs no mask under causal attention)")
+        self.calls += 1
+        self.exchange.check_causal(kwargs.get("is_causal", rest[2] if len(rest) > 2 else False), self.what)
+        query, key, value = (self.exchange.to_sequence(t, self.what) for t in (query, key, value))
+        return self.exchange.to_heads(func(query, key, value, *rest, **kwargs))
+
+
+def sequence_attention_forward(forward, exchange: UlyssesExchange, activity: Activity, what: str):
+    """``forward`` of an attention module, its SDPA calls exchanged while ``activity`` is on."""
+
+    def run(*args, **kwargs):
+        if not activity.on:
+            return forward(*args, **kwargs)
+        mode = SequenceAttention(exchange, what)
+        with mode:
+            output = forward(*args, **kwargs)
+        if not mode.calls:
+            raise EngineUsageError(
+                f"context_parallel (ulysses): {what}.forward computed its attention without "
+                "torch.nn.functional.scaled_dot_product_attention, so it saw one rank's shard of the sequence "
+                "alone. Call scaled_dot_product_attention there (the exchange wraps it), or use a Hugging Face "
+                "model (any attention implementation)")
+        return output
+
+    return run
