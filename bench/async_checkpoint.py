@@ -25,7 +25,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 import engine
 from bench.checkpoint_cost import endless, lm_workload, slowest
-from bench.common import save
+from bench.common import save, shared_temp_directory
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from examples.train_lm import DEFAULT_CONFIG, token_loss
 
@@ -55,11 +54,7 @@ def main(argv=None):
 
     config = engine.load_config(DEFAULT_CONFIG, ["monitor.enabled=false"])
     model, dataset = lm_workload(config)
-    directory = tempfile.mkdtemp(prefix="async_checkpoint_") if info.rank == 0 else None
-    if dist.is_initialized():
-        box = [directory]
-        dist.broadcast_object_list(box, src=0)
-        directory = box[0]
+    directory = shared_temp_directory("async_checkpoint_", info.rank)
     settings = {"no save": {}, "blocking save": {"every_steps": args.every, "async": False},
                 "background save": {"every_steps": args.every, "async": True}}
     engines, data = {}, {}

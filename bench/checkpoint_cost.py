@@ -29,7 +29,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import batch, interleaved, mlp, save
+from bench.common import batch, interleaved, mlp, save, shared_temp_directory
 from bench.common import mse as bench_mse
 from engine.state.checkpoint import damaged_files, verify_checkpoint
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
@@ -123,11 +122,7 @@ def main(argv=None):
 
     config = engine.load_config(DEFAULT_CONFIG, ["monitor.enabled=false"])
     model, dataset = lm_workload(config)
-    directory = tempfile.mkdtemp(prefix="checkpoint_cost_") if info.rank == 0 else None
-    if dist.is_initialized():
-        box = [directory]
-        dist.broadcast_object_list(box, src=0)
-        directory = box[0]
+    directory = shared_temp_directory("checkpoint_cost_", info.rank)
     plain = engine.initialize(copy.deepcopy(model), config, loss_fn=token_loss)
     watched = engine.initialize(copy.deepcopy(model), engine.load_config(
         config, {"checkpoint.dir": directory, "checkpoint.keep_last": 1}), loss_fn=token_loss)

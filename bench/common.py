@@ -10,6 +10,7 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -98,3 +99,13 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def shared_temp_directory(prefix: str, rank: int) -> str:
+    """A new temporary directory made by rank 0, its path broadcast to every rank."""
+    directory = tempfile.mkdtemp(prefix=prefix) if rank == 0 else None
+    if dist.is_initialized():
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)
+        directory = box[0]
+    return directory
