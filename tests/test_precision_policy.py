@@ -73,6 +73,21 @@ def test_torch_autocast_keeps_fp32_parameters_under_autocast():
     assert seen == [(torch.bfloat16, torch.float32)]  # autocast casts per op; the weight stays fp32
 
 
+def test_autocast_outputs_reach_the_loss_in_fp32():
+    """As the half-precision copy's outputs do: the loss is computed in fp32 (and torch 2.11's
+    mse_loss backward, which fails on a bf16 output against an fp32 target, is not met)."""
+    eng = engine.initialize(mlp(dtype=torch.float32), {"train_batch_size": 4, "bf16": {"enabled": True},
+                                                       "torch_autocast": {"enabled": True}},
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    computed = []
+    eng.module[2].register_forward_hook(lambda module, args, output: computed.append(output.dtype))
+    x, y = regression_batches(1, 4, dtype=torch.float32)[0]
+    output = eng(x)
+    assert computed == [torch.bfloat16] and output.dtype == torch.float32
+    eng.backward(torch.nn.functional.mse_loss(output, y))
+    assert eng.module[2].weight.grad.dtype == torch.float32
+
+
 # -- bytes ------------------------------------------------------------------------------------
 def gathered(rank, world, stage):
     return {name: gathered_bytes(rank, world, stage, precision) for name, precision in PRECISIONS.items()}

@@ -24,21 +24,22 @@ import functools
 import torch
 
 
-def cast_floating(value, dtype: torch.dtype):
+def cast_floating(value, dtype: torch.dtype, only: torch.dtype | None = None):
     """``value`` with every floating-point tensor in it (nested in tuples, lists, namedtuples, dicts)
-    cast to ``dtype``; the containers are new ones of the same type (a dict subclass such as a
-    Hugging Face ``ModelOutput`` shallow-copied, so it keeps its type and attributes): the caller's
-    own batch is never changed."""
+    cast to ``dtype`` (with ``only``: every tensor of dtype ``only``); the containers are new ones of
+    the same type (a dict subclass such as a Hugging Face ``ModelOutput`` shallow-copied, so it keeps
+    its type and attributes): the caller's own batch is never changed."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        cast = value.is_floating_point() if only is None else value.dtype == only
+        return value.to(dtype) if cast else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(cast_floating(v, dtype) for v in value))
+        return type(value)(*(cast_floating(v, dtype, only) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype, only) for v in value)
     if isinstance(value, dict):
         cast = copy.copy(value)
         for key in list(value):
-            cast[key] = cast_floating(value[key], dtype)
+            cast[key] = cast_floating(value[key], dtype, only)
         return cast
     return value
 

@@ -6,7 +6,8 @@ At each point of a window the holder asks the policy:
 * module conversion: ``compute_copy(module)`` for a model held whole (the half-precision copy of
   ``engine.precision.compute_copy``), ``fsdp_policies()`` for one FSDP2 shards (its
   ``MixedPrecisionPolicy``), ``compute_itemsize`` for what a gathered parameter weighs;
-* the forward: ``forward_context()`` (autocast, or nothing);
+* the forward: ``forward_context()`` (autocast, or nothing) and ``outputs(value)``, what the loss
+  sees of the model's outputs (fp32 under every half policy);
 * the backward: ``scale_loss(loss, weight)`` (fp16's loss scale);
 * the boundary: ``unscale_(grads, multiplier, max_over_ranks)`` (the multiplier, the loss scale's
   inverse and the overflow check in one pass; the scale updated) — the non-finite check without
@@ -27,7 +28,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from engine.errors import ConfigError
-from engine.precision.compute_copy import ComputeCopy
+from engine.precision.compute_copy import ComputeCopy, cast_floating
 from engine.precision.loss_scaler import LossScaler, scale_
 
 
@@ -48,6 +49,10 @@ class FullPrecision:
 
     def forward_context(self):
         return contextlib.nullcontext()
+
+    def outputs(self, value):
+        """What the loss sees of the model's outputs ``value``: the outputs themselves."""
+        return value
 
     @property
     def loss_scale(self) -> float:
@@ -85,6 +90,13 @@ class Autocast(FullPrecision):
 
     def forward_context(self):
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def outputs(self, value):
+        """The outputs autocast left in ``dtype``, cast to fp32: the loss is computed in fp32, as under
+        :class:`HalfParameters` (the model runs inside autocast, the loss outside it). Without this,
+        torch 2.11's backward of a loss mixing a half-precision output with an fp32 target fails
+        (``mse_loss``: "Found dtype Float but expected Half"; 2.13 promotes)."""
+        return cast_floating(value, torch.float32, only=self.dtype)
 
 
 class HalfParameters(FullPrecision):

@@ -275,7 +275,8 @@ class TorchStrategy(Strategy):
         if self.same_batch is not None:
             self.same_batch.check(args, kwargs)
         with self.precision.forward_context():
-            return self.forward_module(*args, **kwargs)
+            output = self.forward_module(*args, **kwargs)
+        return self.precision.outputs(output)
 
     def backward(self, loss, weight):
         self.precision.scale_loss(loss, weight).backward()
