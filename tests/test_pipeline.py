@@ -511,15 +511,14 @@ def test_plan_and_validate_show_the_mesh(capsys):
 
 
 def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatch):
-    """Seen on torch 2.11 (docs/compatibility.md): refused up front there, not mid-training."""
+    """Seen on torch 2.11 (docs/compatibility.md): refused up front there, not mid-training. Half
+    precision and the zero-bubble schedule run there (rerun on 2.11: tests/test_mesh3d.py)."""
     from engine.adapters import torch_internals
 
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
                                  "fp16": {"enabled": True}, "pipeline": {"stages": 2, "schedule": "zero_bubble"}})
+    monkeypatch.setattr(torch_internals, "version", lambda: (2, 13))  # whichever torch runs the test
     assert not any("needs torch 2.13" in line for line in engine.config.checks.check_without_model(config))
     monkeypatch.setattr(torch_internals, "version", lambda: (2, 11))
-    problems = engine.config.checks.check_without_model(config)
-    assert any("'auto' under a pipeline needs torch 2.13 or later" in line for line in problems), problems
-    assert any("fp16.enabled: half precision under a pipeline needs torch 2.13 or later" in line
-               for line in problems), problems
-    assert any("pipeline.schedule: zero_bubble needs torch 2.13 or later" in line for line in problems), problems
+    problems = [line for line in engine.config.checks.check_without_model(config) if "needs torch 2.13" in line]
+    assert len(problems) == 1 and "'auto' under a pipeline needs torch 2.13 or later" in problems[0], problems

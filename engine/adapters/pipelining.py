@@ -1,8 +1,12 @@
-"""torch.distributed.pipelining's stage, with its backward of one micro-batch handed to a
-guard (``engine.strategies.stage_failures``). Imported only where a pipeline runs.
+"""torch.distributed.pipelining's stage, with the warm-up of torch 2.11's multi-stage schedules
+kept off this rank's own pair, and its backward of one micro-batch handed to a guard
+(``engine.strategies.stage_failures``). Imported only where a pipeline runs.
 
-Two methods are overridden, neither documented as stable (docs/compatibility.md):
+Three methods are overridden, none documented as stable (docs/compatibility.md):
 
+* ``_get_init_p2p_neighbors_ops()``: the messages torch 2.11's multi-stage schedules send each
+  neighbouring stage before their first step, to open the connections (2.13 replaced it, for a
+  ``PipelineStage``, by a vote and no longer calls it);
 * ``backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)``: every schedule's
   backward of one micro-batch on a stage (torch 2.11 to 2.13; extra arguments passed on);
 * ``_compute_input_grads(outputs, inputs, grad_outputs)``: the backward that torch 2.13's
@@ -20,8 +24,20 @@ class BackwardGuard(Protocol):
     def backward(self, run, inputs) -> tuple: ...
 
 
-class GuardedPipelineStage(PipelineStage):
-    """A ``PipelineStage`` whose backwards run through ``guard.backward(run, inputs)``."""
+class NeighbourStage(PipelineStage):
+    """A ``PipelineStage`` that sends no warm-up message to a neighbouring stage on its own rank.
+
+    The zero-bubble V schedule places two adjacent stages on one rank (the last rank holds stages
+    n - 1 and n); torch 2.11's warm-up sends each neighbour a message, to itself there, and gloo
+    has no connection from a rank to itself ("Pair is not connected"). The schedule passes
+    activations and gradients between stages of one rank locally, so no connection is needed."""
+
+    def _get_init_p2p_neighbors_ops(self):
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+
+class GuardedPipelineStage(NeighbourStage):
+    """A ``NeighbourStage`` whose backwards run through ``guard.backward(run, inputs)``."""
 
     def __init__(self, *args, guard: BackwardGuard, **kwargs):
         super().__init__(*args, **kwargs)

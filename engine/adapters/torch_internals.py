@@ -41,14 +41,13 @@ def version() -> tuple[int, int]:
 
 
 # Seen on torch 2.11 (docs/compatibility.md): a pipeline stage whose failure guard stands in
-# left the next stage without input gradients, half precision under a schedule met fp32
-# gradient buffers, and the zero-bubble schedule's first step failed; all run on 2.13.
-PIPELINE_FEATURES_FROM = (2, 13)
+# left the next stage without input gradients; runs on 2.13.
+PIPELINE_FAILURE_GUARD_FROM = (2, 13)
 
 
-def pipeline_features_supported() -> bool:
-    """Whether this torch runs a pipeline's failure guard, half precision and the zero-bubble schedule."""
-    return version() >= PIPELINE_FEATURES_FROM
+def pipeline_failure_guard_supported() -> bool:
+    """Whether this torch runs a pipeline's failure guard (the automatic micro size under a pipeline)."""
+    return version() >= PIPELINE_FAILURE_GUARD_FROM
 
 
 _warned_untested = False  # the newer-than-tested warning is given once per process

@@ -33,7 +33,7 @@ from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import SEARCH_MODES, world_free_batch_problems
 from engine.config.deepspeed import deepspeed_backend_problems
-from engine.config.schema import Config, half_precision, locate, torch_sections
+from engine.config.schema import Config, locate, torch_sections
 from engine.config.torch_features import model_transforms_requested
 from engine.config.optim import check_sections
 
@@ -144,20 +144,11 @@ def _pipeline_problems(config: Config) -> list[str]:
     if stages == 1:
         return []
     problems = []
-    if not torch_internals.pipeline_features_supported():
-        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_FEATURES_FROM)
-        if config.train_micro_batch_size_per_gpu == "auto":
-            problems.append(f"train_micro_batch_size_per_gpu: 'auto' under a pipeline needs {needs} (with torch "
-                            f"{torch.__version__} a stage standing in after an out-of-memory leaves the next stage "
-                            "without input gradients); give a number, or upgrade torch")
-        if config.pipeline.schedule == "zero_bubble":
-            problems.append(f"pipeline.schedule: zero_bubble needs {needs} (with torch {torch.__version__} its first "
-                            "step's shape exchange failed: a rank's send found no connection); use gpipe, 1f1b or "
-                            "interleaved, or upgrade torch")
-        if half_precision(config) is not None:
-            problems.append(f"{half_precision(config)}.enabled: half precision under a pipeline needs {needs} (with "
-                            f"torch {torch.__version__} the schedule's gradient buffers are fp32 while the stages' "
-                            "outputs are half: the backward fails); disable it, or upgrade torch")
+    if not torch_internals.pipeline_failure_guard_supported() and config.train_micro_batch_size_per_gpu == "auto":
+        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_FAILURE_GUARD_FROM)
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' under a pipeline needs {needs} (with torch "
+                        f"{torch.__version__} a stage standing in after an out-of-memory leaves the next stage "
+                        "without input gradients); give a number, or upgrade torch")
     if config.backend != "torch":
         problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
                         "set backend: torch")

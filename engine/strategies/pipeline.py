@@ -39,7 +39,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from engine.adapters.pipelining import GuardedPipelineStage
+from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
 from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
@@ -289,12 +289,13 @@ class PipelineParallel(TorchStrategy):
 
     def model_outputs(self, outputs):
         """What ``loss_fn`` sees of the last stage's ``outputs`` (a Hugging Face model's own output
-        type around its logits; other models' outputs as they are)."""
-        return self._last_stage.model_outputs(outputs)
+        type around its logits; other models' outputs as they are), in fp32 where the precision
+        policy returns fp32 outputs (autocast: as without a pipeline)."""
+        return self._last_stage.model_outputs(self.precision.outputs(outputs))
 
     def _stage(self, module, index: int) -> PipelineStage:
         if self._failures is None:
-            return PipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
+            return NeighbourStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
         return GuardedPipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group,
                                     guard=self._failures)
 
