@@ -94,6 +94,23 @@ def test_autograd_sequence_numbers_fall_along_the_graph():
         assert number(node) < number(loss.grad_fn)
 
 
+def test_compiled_collectives_are_kept_eager_before_2_13(monkeypatch):
+    """torch 2.11's compiler back-propagates zeros through an all-to-all inside an autograd.Function
+    (the Ulysses exchange): there the exchange runs outside compiled graphs, a graph break that
+    fullgraph compilation refuses; from 2.13 it is compiled as it is."""
+    def exchange(x):
+        return x * 2
+
+    monkeypatch.setattr(torch_internals, "version", lambda: (2, 13))
+    assert torch_internals.eager_where_compiled_collectives_fail(exchange) is exchange
+    monkeypatch.setattr(torch_internals, "version", lambda: (2, 11))
+    eager = torch_internals.eager_where_compiled_collectives_fail(exchange)
+    assert eager(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert torch.compile(lambda x: eager(x) + 1, backend="eager")(torch.ones(2)).tolist() == [3.0, 3.0]
+    with pytest.raises(Exception, match="(?i)disable"):
+        torch.compile(lambda x: eager(x) + 1, backend="eager", fullgraph=True)(torch.ones(2))
+
+
 # -- torch: DDP and FSDP2, on two ranks -----------------------------------------------------------
 def _ddp_gradient_sync(rank, world):
     model = torch.nn.Linear(2, 1, bias=False)

@@ -50,6 +50,22 @@ def pipeline_failure_guard_supported() -> bool:
     return version() >= PIPELINE_FAILURE_GUARD_FROM
 
 
+# torch 2.11's compiler traces an autograd.Function whose backward runs an in-place c10d
+# collective (``dist.all_to_all_single`` into a new tensor) with a zero incoming gradient: a
+# compiled block then back-propagates zeros through it, silently (found on 2.11.0 by
+# tests/test_context_parallel.py's compiled scenario; 2.13 traces it right).
+COMPILED_COLLECTIVE_BACKWARD_FROM = (2, 13)
+
+
+def eager_where_compiled_collectives_fail(fn):
+    """``fn`` kept out of compiled graphs (run eagerly, a graph break around it) on a torch whose
+    compiler gets the backward of a collective inside an autograd.Function wrong; ``fn`` itself on
+    one that traces it right."""
+    if version() >= COMPILED_COLLECTIVE_BACKWARD_FROM:
+        return fn
+    return torch.compiler.disable(fn)
+
+
 _warned_untested = False  # the newer-than-tested warning is given once per process
 
 

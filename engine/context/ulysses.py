@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from engine.adapters.torch_internals import eager_where_compiled_collectives_fail
 from engine.context.sharding import ContextShards
 from engine.errors import EngineUsageError
 
@@ -50,6 +51,11 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_to_all(grad, ctx.group), None
+
+
+@eager_where_compiled_collectives_fail
+def _exchange(tensor: torch.Tensor, group) -> torch.Tensor:
+    return _Exchange.apply(tensor, group)
 
 
 def _all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -97,7 +103,7 @@ class UlyssesExchange:
         *lead, heads, shard, width = x.shape
         self.check_heads(heads, what)
         parts = x.reshape(*lead, size, heads // size, shard, width).movedim(len(lead), 0)
-        received = _Exchange.apply(parts, self.group)  # (N, ..., heads / N, shard, d): rank j's shard
+        received = _exchange(parts, self.group)  # (N, ..., heads / N, shard, d): rank j's shard
         whole = received.movedim(0, len(lead) + 1).reshape(*lead, heads // size, size * shard, width)
         natural, _ = self._order(size * shard, x.device)
         return whole.index_select(-2, natural)
@@ -108,7 +114,7 @@ class UlyssesExchange:
         *lead, heads, length, width = x.shape
         _, gathered = self._order(length, x.device)
         parts = x.index_select(-2, gathered).reshape(*lead, heads, size, length // size, width)
-        received = _Exchange.apply(parts.movedim(len(lead) + 1, 0), self.group)  # rank j's heads of my shard
+        received = _exchange(parts.movedim(len(lead) + 1, 0), self.group)  # rank j's heads of my shard
         return received.movedim(0, len(lead)).reshape(*lead, size * heads, length // size, width)
 
 
