@@ -155,6 +155,10 @@ def _fsdp_entries(rank, world):
     out["policies"] = [type(p).__name__ for p in torch_internals.fsdp_offload_policies(units)]
     out["offloaded"] = [(type(p).__name__, getattr(p, "pin_memory", None))
                         for p in torch_internals.fsdp_offload_policies([offloaded[0], offloaded])]
+    # Before its first forward (FSDP not initialised yet) there is nothing to drop, and no failure.
+    before = storage_bytes(torch_internals.fsdp_held_tensors([offloaded[0], offloaded]))
+    torch_internals.drop_unreduced_gradients(offloaded, [offloaded[0], offloaded])
+    out["dropped_before_forward"] = storage_bytes(torch_internals.fsdp_held_tensors([offloaded[0], offloaded])) == before
 
     # A gradient accumulated without reduction, then dropped: nothing is left anywhere.
     model.set_requires_gradient_sync(False)
@@ -223,6 +227,7 @@ def test_fsdp2_entries():
         assert out["params"] == 4
         assert out["policies"] == ["OffloadPolicy", "OffloadPolicy"]
         assert out["offloaded"] == [("CPUOffloadPolicy", False), ("OffloadPolicy", None)]
+        assert out["dropped_before_forward"]
         # sharded parameters (4 + 2 + 2 + ... values) stay; gathered copies and their gradients go
         assert out["after_drop"] < out["unreduced_bytes"] / 2
         assert out["guard_calls"] >= 2 and out["held"] > 0 and out["guard_raised"]
