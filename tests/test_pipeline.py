@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import engine
+import engine.strategies.pipeline as pipeline_strategy
+from engine.adapters import torch_internals
 from engine.errors import ConfigError, EngineUsageError
 from tests.broken import intact, summed_micro_batches
 from tests.dist_utils import run_distributed, run_scenarios
@@ -510,15 +512,41 @@ def test_plan_and_validate_show_the_mesh(capsys):
     assert "the world of 3 rank(s) does not divide into pipeline 2 × context 1 × tensor 1" in capsys.readouterr().err
 
 
-def test_what_torch_2_11_cannot_run_under_a_pipeline_is_refused_there(monkeypatch):
-    """Seen on torch 2.11 (docs/compatibility.md): refused up front there, not mid-training. Half
-    precision and the zero-bubble schedule run there (rerun on 2.11: tests/test_mesh3d.py)."""
-    from engine.adapters import torch_internals
+def evaluated_then_trained(rank, world):
+    """An evaluation, then training on batches of the same shapes and micro-batches."""
+    model, batches = mlp(), regression_batches(2, 8)
+    expected, _ = reference_run(model, batches, reference_mse, 0.0)
+    eng = engine.initialize(copy.deepcopy(model), config(8, 2), optimizer=sgd)
+    evaluated = eng.eval_batch(data_share(batches[0], eng), mse_outputs)
+    for batch in batches:
+        eng.train_batch(data_share(batch, eng), mse_outputs)
+    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+              "eval_diff": abs(evaluated - float(reference_mse(model, batches[0]))),
+              "schedules": eng.strategy.schedules_built}
+    eng.close()
+    return result
 
-    config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
-                                 "fp16": {"enabled": True}, "pipeline": {"stages": 2, "schedule": "zero_bubble"}})
-    monkeypatch.setattr(torch_internals, "version", lambda: (2, 13))  # whichever torch runs the test
-    assert not any("needs torch 2.13" in line for line in engine.config.checks.check_without_model(config))
-    monkeypatch.setattr(torch_internals, "version", lambda: (2, 11))
-    problems = [line for line in engine.config.checks.check_without_model(config) if "needs torch 2.13" in line]
-    assert len(problems) == 1 and "'auto' under a pipeline needs torch 2.13 or later" in problems[0], problems
+
+def evaluated_then_trained_one_schedule_per_mode(rank, world):
+    """The same, with a schedule for each mode, as on torch 2.11 (whose schedule first run by
+    eval() keeps receive buffers that take no gradient)."""
+    switches = pipeline_strategy.schedules_switch_modes
+    pipeline_strategy.schedules_switch_modes = lambda: False
+    try:
+        return evaluated_then_trained(rank, world)
+    finally:
+        pipeline_strategy.schedules_switch_modes = switches
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_evaluation_before_training_on_the_same_shapes_changes_nothing():
+    """Found on torch 2.11 (docs/compatibility.md): there each mode gets its own schedule."""
+    results = run_scenarios({"one schedule": evaluated_then_trained,
+                             "one per mode": evaluated_then_trained_one_schedule_per_mode},
+                            world_size=2, timeout=110)
+    for name, schedules in (("one schedule", 1 if torch_internals.schedules_switch_modes() else 2),
+                            ("one per mode", 2)):
+        for result in results[name]:
+            assert result["diff"] < TOL and result["eval_diff"] < TOL, (name, result)
+            assert result["schedules"] == schedules, (name, result)

@@ -40,14 +40,16 @@ def version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-# Seen on torch 2.11 (docs/compatibility.md): a pipeline stage whose failure guard stands in
-# left the next stage without input gradients; runs on 2.13.
-PIPELINE_FAILURE_GUARD_FROM = (2, 13)
+# torch 2.11's pipeline schedules prepare a stage's receive buffers once, at their first run: a
+# schedule first run by eval() (no backward) keeps buffers that do not require gradients, and a
+# later step() of it then has no gradient to send to the previous stage ("for chunk 0 has
+# gradients None"). 2.13 prepares them again when the schedule switches between the two.
+SCHEDULE_MODE_SWITCH_FROM = (2, 13)
 
 
-def pipeline_failure_guard_supported() -> bool:
-    """Whether this torch runs a pipeline's failure guard (the automatic micro size under a pipeline)."""
-    return version() >= PIPELINE_FAILURE_GUARD_FROM
+def schedules_switch_modes() -> bool:
+    """Whether one pipeline schedule may run ``eval()`` and ``step()`` in turn (else: one schedule per mode)."""
+    return version() >= SCHEDULE_MODE_SWITCH_FROM
 
 
 # torch 2.11's compiler traces an autograd.Function whose backward runs an in-place c10d

@@ -29,7 +29,6 @@ from importlib.util import find_spec
 
 import torch
 
-from engine.adapters import torch_internals
 from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import SEARCH_MODES, world_free_batch_problems
 from engine.config.deepspeed import deepspeed_backend_problems
@@ -144,11 +143,6 @@ def _pipeline_problems(config: Config) -> list[str]:
     if stages == 1:
         return []
     problems = []
-    if not torch_internals.pipeline_failure_guard_supported() and config.train_micro_batch_size_per_gpu == "auto":
-        needs = "torch {}.{} or later".format(*torch_internals.PIPELINE_FAILURE_GUARD_FROM)
-        problems.append(f"train_micro_batch_size_per_gpu: 'auto' under a pipeline needs {needs} (with torch "
-                        f"{torch.__version__} a stage standing in after an out-of-memory leaves the next stage "
-                        "without input gradients); give a number, or upgrade torch")
     if config.backend != "torch":
         problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
                         "set backend: torch")

@@ -40,7 +40,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
-from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors
+from engine.adapters.torch_internals import (drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors,
+                                             schedules_switch_modes)
 from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
 from engine.strategies.model_transforms import transform_model
@@ -248,7 +249,7 @@ class PipelineParallel(TorchStrategy):
         if self.same_batch is not None:  # every rank is given its replica's inputs, whatever its stage
             self.same_batch.check(_as_tuple(inputs), {})
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
-        schedule = self._schedule((shapes, micro_batches))
+        schedule = self._schedule((shapes, micro_batches, None if schedules_switch_modes() else train))
         self._loss = loss_fn
         if self._failures is not None:
             self._failures.clear()
