@@ -33,10 +33,10 @@ strategy's share of the squared norm travels in that all-reduce and the one host
 statistics decides both (no pass, collective or sync of its own in the step).
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
+(how the model is held), the window runner (``engine.window.runner``: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
-schedule, ``engine.pipeline.windows``, which runs a window's micro-steps itself and tells the
+schedule, ``engine.window.pipeline``, which runs a window's micro-steps itself and tells the
 engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
 schedule's windows), the hooks
 (``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
@@ -50,17 +50,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
 
 import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
-from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
+from engine.window.loss_checks import check_loss, check_loss_signature, loss_and_units
+from engine.window.runner import LossFn, WindowRunner
 from engine.batching.data import DistributedBatches
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
-from engine.experts.window import ExpertBalance
+from engine.window.experts import ExpertBalance
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -73,27 +73,7 @@ from engine.window.records import Window, WindowReport, window_totals
 
 log = logging.getLogger("engine")
 
-LossFn = Callable[[Any, Any], Any]
 COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
-
-
-class WindowRunner:
-    """Runs a training or evaluation window on an engine: this plain one runs it once; the
-    automatic micro-batch size (``engine.autotune.tuner``) re-runs it smaller after an
-    out-of-memory that every rank agreed on."""
-
-    chooses_micro_size = False  # True for the automatic micro-batch size
-    calls_loss_on_outputs = False  # True under a pipeline: loss_fn(outputs, labels)
-
-    def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
-        engine.run_window(batch, loss_fn)
-
-    def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
-        return engine.evaluate(batch, loss_fn)
-
-    def guard(self, work: Callable[[], None]) -> None:
-        """Run the micro-steps ``work`` of one window (training or evaluation)."""
-        work()
 
 
 class Engine:
@@ -115,7 +95,7 @@ class Engine:
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
         # Hooks, called in this order at every point. The monitor (engine.monitor) and the automatic
-        # checkpoints (engine.state.autosave) are kept by name too: scripts read eng.monitor
+        # checkpoints (engine.autosave) are kept by name too: scripts read eng.monitor
         # (history, log_eval) and eng.autosave (resumed_from); the checkpoints go last, since a
         # stop signal ends the run there.
         self._monitor, self.autosave = monitor, autosave
@@ -123,7 +103,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
-        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.experts.window)
+        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.window.experts)
         self.experts = experts
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
         # context ranks and weighs their losses by tokens; None without it.
@@ -260,7 +240,7 @@ class Engine:
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
-        ``engine.pipeline.windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
+        ``engine.window.pipeline``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
         or ``(sum, count)``), ``samples`` its real samples."""
         loss, units, item_weighted = loss_and_units(output, samples)
         self._window.check_same_kind(item_weighted)
@@ -685,36 +665,7 @@ class Engine:
         return result
 
 
-def loss_and_units(output, samples: int):
-    """(loss, the units the window's mean divides by, item-weighted?): a mean loss
-    stands for its samples, a ``(sum, count)`` pair for its count."""
-    if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
-        output = output.loss
-    if isinstance(output, torch.Tensor):
-        return output, samples, False
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss_sum, count = output
-        if isinstance(loss_sum, torch.Tensor):
-            return loss_sum, checked_count(output, count), True
-    raise unrecognised_loss(output)
-
-
 def _share(samples: int, item_weighted: bool) -> int:
     """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
     1 (a sum), 0 (a zero-weight step)."""
     return (1 if item_weighted else samples) if samples else 0
-
-
-def check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise EngineUsageError(
-            f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
-            f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
-        )
-    if not loss.requires_grad:
-        raise EngineUsageError(
-            "the loss does not require grad: it was computed without the model's parameters, or "
-            "under torch.no_grad()"
-        )

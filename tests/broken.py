@@ -179,7 +179,7 @@ def moe_running_average(eng):
     window (summed over the data ranks), not the whole window's."""
     from engine.experts import balance
     from engine.experts.terms import scoped
-    from engine.experts.window import _Counting, _Global
+    from engine.window.experts import _Counting, _Global
     from engine.state.rng import restore_rng_state, rng_state
 
     experts = eng.experts

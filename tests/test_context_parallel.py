@@ -23,6 +23,7 @@ from engine.config.schema import load_config
 from engine.context.parallel import context_groups
 from engine.context.sharding import ContextShards, check_right_padding, label_convention, shard_batch, shift_labels
 from engine.context.ulysses import UlyssesExchange
+from engine.config.setup import mesh_layout
 from engine.distributed.mesh import MeshLayout
 from engine.errors import BatchConfigError, ConfigError, EngineUsageError
 from examples.gpt import GPT, GPTConfig
@@ -423,7 +424,7 @@ def test_the_mesh_and_the_planner_count_context_ranks_out_of_the_data_ranks():
     assert [mesh.coordinates(r).context for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [mesh.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert context_groups(mesh) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert MeshLayout.from_config(load_config({"context_parallel": {"size": 2}}), 4).data == 2
+    assert mesh_layout(load_config({"context_parallel": {"size": 2}}), 4).data == 2
     with pytest.raises(BatchConfigError, match=r"world 8 = pipeline 1 × data 2 × context 2 × tensor 2: the batch is "
                                                r"planned for W_dp = 8 / \(pipeline 1 × context 2 × tensor 2\) = 2"):
         plan_for_mesh(load_config({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 1,

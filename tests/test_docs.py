@@ -55,7 +55,7 @@ def test_readme_batches_loop_trains_past_one_epoch():
 
 
 def test_readme_names_checkpoints_as_they_are_on_disk():
-    from engine.state.autosave import checkpoint_name
+    from engine.autosave import checkpoint_name
 
     readme = (REPO / "README.md").read_text()
     assert checkpoint_name(100) in readme and "step_<N>" not in readme

@@ -174,15 +174,15 @@ def test_a_term_of_another_definition_is_refused_under_global():
 
 def test_a_pipeline_refuses_global_balance():
     from engine.config.schema import MoeConfig
-    from engine.experts.window import expert_balance
+    from engine.window.experts import expert_balance
     with pytest.raises(engine.EngineUsageError, match="under a pipeline.*micro_batch"):
-        expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, pipeline=True,
+        expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, runner_runs_micro_steps=True,
                        all_reduce_sum=lambda tensor: tensor)
     assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), single_process=False,
-                          checkpointing=False, pipeline=True, all_reduce_sum=lambda tensor: tensor) is not None
+                          checkpointing=False, runner_runs_micro_steps=True, all_reduce_sum=lambda tensor: tensor) is not None
     with pytest.raises(engine.EngineUsageError, match="hold_forwards .* one process"):
         expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), single_process=False,
-                       checkpointing=False, pipeline=False, all_reduce_sum=lambda tensor: tensor)
+                       checkpointing=False, runner_runs_micro_steps=False, all_reduce_sum=lambda tensor: tensor)
 
 
 def test_a_model_without_routers_runs_its_windows_as_before():

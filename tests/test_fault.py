@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import engine
-from engine.state.autosave import checkpoint_name
+from engine.autosave import checkpoint_name
 from engine.state.checkpoint import MANIFEST, verify_checkpoint
 from engine.config.checks import check_without_model
 from engine.batching.data import DistributedBatches

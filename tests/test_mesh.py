@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import mesh as mesh_module
+from engine.config.setup import mesh_layout
 from engine.distributed.mesh import MeshLayout
 from tests.dist_utils import run_distributed
 
@@ -67,7 +68,7 @@ def test_experts_borrow_data_and_context():
 def test_config_mesh_shards_the_data_dimension_at_zero_2_and_3():
     for stage, sharded in ((0, False), (1, False), (2, True), (3, True)):
         config = engine.load_config({"train_batch_size": 8, "zero_optimization": {"stage": stage}})
-        assert MeshLayout.from_config(config, 4).data_sharded is sharded
+        assert mesh_layout(config, 4).data_sharded is sharded
 
 
 def _mesh_groups(rank, world_size):

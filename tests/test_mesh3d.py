@@ -270,11 +270,11 @@ def test_a_stage_ending_on_a_split_output_is_refused_naming_the_layer():
 
 def test_tensor_and_pipeline_compose_in_the_config():
     from engine.config.checks import check_without_model
-    from engine.distributed.mesh import MeshLayout
+    from engine.config.setup import mesh_layout
 
     config = engine.load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
                                  "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}})
     assert check_without_model(config) == []
-    assert MeshLayout.from_config(config, 8).describe() == "world 8 = pipeline 2 × data 2 × context 1 × tensor 2"
+    assert mesh_layout(config, 8).describe() == "world 8 = pipeline 2 × data 2 × context 1 × tensor 2"
     with pytest.raises(ConfigError, match="does not divide into pipeline 2 × context 1 × tensor 2"):
-        MeshLayout.from_config(config, 6)
+        mesh_layout(config, 6)

@@ -348,19 +348,19 @@ def test_the_deepspeed_facade_names_train_batch_for_a_pipeline():
 
 def test_the_planner_counts_data_parallel_ranks_and_its_errors_name_the_mesh(capsys):
     from engine.batching.mesh_plan import plan_for_mesh
-    from engine.distributed.mesh import MeshLayout
+    from engine.config.setup import mesh_layout
 
     config = engine.load_config({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
                                  "pipeline": {"stages": 2}})
-    plan = plan_for_mesh(config, MeshLayout.from_config(config, 4), rank=3)
+    plan = plan_for_mesh(config, mesh_layout(config, 4), rank=3)
     assert (plan.world_size, plan.rank, plan.gradient_accumulation_steps) == (2, 1, 3)
     with pytest.raises(engine.BatchConfigError) as raised:
-        plan_for_mesh(config, MeshLayout.from_config(config, 8))
+        plan_for_mesh(config, mesh_layout(config, 8))
     assert str(raised.value).startswith(
         "world 8 = pipeline 2 × data 4 × context 1 × tensor 1: the batch is planned for W_dp = 8 / (pipeline 2 × context 1 × tensor 1) = 4 "
         "data-parallel rank(s), so G = M·A·4: train_batch_size 12 is not divisible by micro 2 × world 4")
     with pytest.raises(ConfigError, match="world of 3 rank"):
-        MeshLayout.from_config(config, 3)
+        mesh_layout(config, 3)
 
 
 def test_a_sequential_model_is_cut_by_parameters_uniformly_or_at_named_modules():

@@ -458,14 +458,14 @@ def test_tensor_parallel_refusals_name_the_fix():
 
 def test_the_planner_counts_data_parallel_ranks_and_names_the_mesh():
     from engine.batching.mesh_plan import plan_for_mesh
-    from engine.distributed.mesh import MeshLayout
+    from engine.config.setup import mesh_layout
 
     loaded = load_config({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"size": 2}})
     named = (r"world 8 = pipeline 1 × data 4 × context 1 × tensor 2: the batch is planned for W_dp = 8 / \(pipeline 1 × "
              r"context 1 × tensor 2\) = 4 data-parallel rank\(s\).*train_batch_size 6 is not divisible by world size 4")
     with pytest.raises(engine.BatchConfigError, match=named):
-        plan_for_mesh(loaded, MeshLayout.from_config(loaded, 8), 0)
-    plan = plan_for_mesh(loaded, MeshLayout.from_config(loaded, 6), 4)  # global rank 4: data rank 2
+        plan_for_mesh(loaded, mesh_layout(loaded, 8), 0)
+    plan = plan_for_mesh(loaded, mesh_layout(loaded, 6), 4)  # global rank 4: data rank 2
     assert (plan.world_size, plan.rank, plan.gradient_accumulation_steps) == (3, 2, 2)
 
 

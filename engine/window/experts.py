@@ -307,16 +307,19 @@ class ExpertBalance(EngineHook):
                         "used the counting forward's assignments", difference)
 
 
-def expert_balance(model: torch.nn.Module, section, *, single_process: bool, checkpointing: bool, pipeline: bool,
+def expert_balance(model: torch.nn.Module, section, *, single_process: bool, checkpointing: bool,
+                   runner_runs_micro_steps: bool,
                    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> ExpertBalance | None:
     """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``; None
-    for a model without a load-balancing term (its windows run as any other's)."""
+    for a model without a load-balancing term (its windows run as any other's).
+    ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
+    engine, so no counting forward or held forward can come first."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             single_process=single_process, checkpointing=checkpointing,
                             all_reduce_sum=all_reduce_sum, bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return None
-    if pipeline and (experts.balances_globally or experts.bias_routers.updating):
+    if runner_runs_micro_steps and (experts.balances_globally or experts.bias_routers.updating):
         raise EngineUsageError(
             "moe.load_balance: global (or moe.bias_update_speed) under a pipeline: the stages' schedule runs the window's micro-batches "
             "itself, so the router counts of the whole window are not known before its first backward; set "

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.engine import Engine, LossFn, WindowRunner, check_loss, loss_and_units
+from engine.window.loss_checks import check_loss, loss_and_units
+from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
 
@@ -98,9 +99,6 @@ class PipelineWindows(WindowRunner):
         self.strategy.raise_stage_failure()  # after the window's last collective: the tuner's vote follows
         for output, samples in rows:
             engine.record_micro_step(output, samples)
-
-    def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
-        return self.evaluate(engine, batch, loss_fn)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
