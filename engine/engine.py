@@ -66,7 +66,7 @@ from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
 from engine.batching.window_split import PlannedSplit, Split
-from engine.context.parallel import ContextParallel
+from engine.context.parallel import ContextParallel, WholeSequences
 from engine.window import non_finite
 from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, agree_on_position
 from engine.window.records import Window, WindowReport, window_totals
@@ -106,8 +106,8 @@ class Engine:
         # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.window.experts)
         self.experts = experts
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
-        # context ranks and weighs their losses by tokens; None without it.
-        self.context = context
+        # context ranks and weighs their losses by tokens; without it, whole sequences (no change).
+        self.context = context if context is not None else WholeSequences()
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -179,11 +179,9 @@ class Engine:
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
         if not self._splitting:  # train_batch / eval_batch moved their batch already
-            args, kwargs = self._on_device(args), self._on_device(kwargs)
-            if self.context is not None:  # context parallelism: this rank's part of each sequence
-                args, kwargs = self.context.shard_call(args, kwargs)
+            args, kwargs = self.context.shard_call(self._on_device(args), self._on_device(kwargs))
         if not torch.is_grad_enabled():
-            with self._context_running():
+            with self.context.running():
                 return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
@@ -198,7 +196,7 @@ class Engine:
         # [moe] a manual-loop forward cannot hold the window's load-balancing term
         manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
             else contextlib.nullcontext()
-        with manual, self.measured_forwards(), self._context_running():
+        with manual, self.measured_forwards(), self.context.running():
             output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
@@ -235,7 +233,7 @@ class Engine:
         the gradients are averaged over and G the planned (or nominal) global batch. W is the data
         ranks, times the context ranks under context parallelism: gradients are averaged over data
         × context ranks, and the parts of one sequence add up (engine.context.parallel)."""
-        ranks = self.plan.world_size * (self.context.size if self.context is not None else 1)
+        ranks = self.plan.world_size * self.context.size
         return _share(samples, item_weighted) * ranks / self._weighting_batch()
 
     def record_micro_step(self, output, samples: int) -> None:
@@ -405,11 +403,8 @@ class Engine:
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
-                if self.context is not None:  # this rank's part of each sequence, weighed by its tokens
-                    micro_batch = self.context.shard(micro_batch)
-                    output = self.context.item_weighted(loss_fn(self, micro_batch))
-                else:
-                    output = loss_fn(self, micro_batch)
+                # this rank's part of each sequence, weighed by its tokens
+                output = self.context.item_weighted(loss_fn(self, self.context.shard(micro_batch)))
                 loss, count, item_weighted = loss_and_units(output, n)
                 if n:
                     total[0] += loss.double().cpu() * (1 if item_weighted else n)
@@ -526,10 +521,8 @@ class Engine:
                                     backward=lambda output, size: self._backward(output, size, exact_counts=True),
                                     units=loss_and_units, before_counting=self._agree_before_counting)
             return
-        for micro_batch, size in split.pieces:
-            if self.context is not None:  # context parallelism: this rank's part of each sequence
-                micro_batch = self.context.shard(micro_batch)
-            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        for micro_batch, size in split.pieces:  # this rank's part of each sequence
+            self._backward(loss_fn(self, self.context.shard(micro_batch)), size, exact_counts=True)
 
     def _agree_before_counting(self) -> None:
         """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
@@ -539,8 +532,7 @@ class Engine:
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
-        if self.context is not None:  # each rank's part of the sequences weighs by its tokens
-            output = self.context.item_weighted(output)
+        output = self.context.item_weighted(output)  # each rank's part of the sequences weighs by its tokens
         loss, units, item_weighted = loss_and_units(output, samples)
         check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
         if self.world_size > 1 and not window.forwarded:
@@ -555,7 +547,7 @@ class Engine:
             # The automatic micro size agrees on each window's failures instead.
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
-        with self._context_running():
+        with self.context.running():
             self.strategy.backward(loss, self.micro_step_weight(samples, item_weighted))
         self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted,
                                exact_counts=exact_counts)
@@ -587,7 +579,7 @@ class Engine:
             loss, units, samples, tokens, squares = window_totals(
                 window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
                 same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None,
-                holders=self.context.size if self.context is not None else 1)
+                holders=self.context.size)
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
             self.discard_window()
             raise
@@ -622,10 +614,6 @@ class Engine:
         except (PeerLostError, RankDisagreementError):
             self._agreeing = False
             raise
-
-    def _context_running(self):
-        """Where the context group's exchanges run (a micro-step's forward and backward)."""
-        return self.context.running() if self.context is not None else contextlib.nullcontext()
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)
