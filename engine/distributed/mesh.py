@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from engine.adapters.torch_internals import flatten_device_mesh
-from engine.config.schema import Config, torch_sections
 from engine.errors import ConfigError
 
 MESH_DIMS = ("pipeline", "data", "context", "tensor")  # outermost first: the rank order
@@ -51,6 +50,8 @@ GRADIENT_REDUCTION = ("data", "context")
 WINDOW_STATISTICS = ("data", "context")
 GRADIENT_NORM = MESH_DIMS
 SAME_BATCH = ("pipeline", "context", "tensor")
+STATISTICS_COPIES = ("pipeline", "tensor")  # ranks of a SAME_BATCH group holding the same window statistics
+STAGE_HOLDERS = ("data", "context", "tensor")  # ranks holding a part of one pipeline stage
 EXPERTS = ("data", "context")
 
 
@@ -92,15 +93,6 @@ class MeshLayout:
                 f"mesh: expert_parallel.size {self.expert} does not divide the data {self.data} × context "
                 f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); use a divisor "
                 f"of {borrowed}"])
-
-    @classmethod
-    def from_config(cls, config: Config, world_size: int) -> MeshLayout:
-        """The mesh a loaded config asks for on ``world_size`` ranks: the data dimension shards at
-        ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does)."""
-        sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
-                                                          and torch_sections(config).offload.to_host)
-        return cls(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                   context=config.context_parallel.size, data_sharded=sharded)
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -151,6 +143,10 @@ class MeshLayout:
         mine = self.coordinates(rank)
         return [r for r in range(self.world_size)
                 if all(getattr(self.coordinates(r), dim) == getattr(mine, dim) for dim in MESH_DIMS if dim not in dims)]
+
+    def index_in(self, dims: tuple[str, ...], rank: int) -> int:
+        """``rank``'s place in its group spanning ``dims`` (ranks in ascending order)."""
+        return self.group_ranks(dims, rank).index(rank)
 
     def describe(self) -> str:
         """The mesh in words, for errors and logs:
