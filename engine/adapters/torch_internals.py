@@ -55,7 +55,7 @@ def schedules_switch_modes() -> bool:
 # torch 2.11's compiler traces an autograd.Function whose backward runs an in-place c10d
 # collective (``dist.all_to_all_single`` into a new tensor) with a zero incoming gradient: a
 # compiled block then back-propagates zeros through it, silently (found on 2.11.0 by
-# tests/test_context_parallel.py's compiled scenario; 2.13 traces it right).
+# tests/distributed/test_context_parallel.py's compiled scenario; 2.13 traces it right).
 COMPILED_COLLECTIVE_BACKWARD_FROM = (2, 13)
 
 
