@@ -131,8 +131,8 @@ def test_bf16_autocast_on_a_float64_model_is_refused_on_one_process_too():
     assert "bf16.enabled: with torch_autocast, bf16 is autocast" in problem
     assert "model.float()" in problem
     eng = engine.initialize(mlp(), config, optimizer=sgd)
-    try:
-        eng.train_batch(regression_batches(1, 4)[0], mse)
+    try:  # fp32 labels, as the copy's outputs (torch 2.11's mse_loss backward refuses fp32 against float64)
+        eng.train_batch(regression_batches(1, 4, dtype=torch.float32)[0], mse)
         assert eng.global_steps == 1
     finally:
         eng.close()
