@@ -49,8 +49,8 @@ from tests.support.reference import (
     train_steps,
 )
 from tests.support.scenarios import (
-    assert_precision_results, checkpointing_case, clipped_reference, compiled_case, halving_schedule, needs_deepspeed, precision_case, precision_scenarios,
-    train_batch_failing_at, train_recording,
+    assert_precision_results, checkpointing_case, clipped_reference, compiled_case, halving_schedule, mse_in_fp32,
+    needs_deepspeed, precision_case, precision_scenarios, train_batch_failing_at, train_recording,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -246,13 +246,13 @@ def bf16_overflow(rank, world, stage):
 
     def loss_fn(model, batch):  # rank 1's second micro-batch has an infinite loss
         poisoned[0] += 1
-        loss = mse(model, batch)
+        loss = mse_in_fp32(model, batch)
         return loss * float("inf") if rank == 1 and poisoned[0] == 2 else loss
 
     eng.train_batch(rank_slice(batches[0], eng.plan), loss_fn)
     unchanged = torch.equal(flat(eng.full_state_dict()), before)
     skipped, epoch = eng.skipped_steps, eng.lr_scheduler.last_epoch
-    eng.train_batch(rank_slice(batches[1], eng.plan), mse)
+    eng.train_batch(rank_slice(batches[1], eng.plan), mse_in_fp32)
     moved = not torch.equal(flat(eng.full_state_dict()), before)
     result = {"unchanged": unchanged, "skipped": skipped, "epoch": epoch, "moved": moved,
               "after": (eng.skipped_steps, eng.lr_scheduler.last_epoch, eng.global_steps)}
@@ -315,7 +315,7 @@ def yaml_zero3(rank, world):
     """configs/deepspeed_zero3.yaml (backend, bf16 and ZeRO-3 knobs in the file) trains."""
     model, batches = mlp(dtype=F32), regression_batches(3, 64, dtype=F32)
     eng = engine.initialize(copy.deepcopy(model), str(CONFIGS / "deepspeed_zero3.yaml"))
-    losses = [eng.train_batch(rank_slice(batch, eng.plan), mse) for batch in batches]
+    losses = [eng.train_batch(rank_slice(batch, eng.plan), mse_in_fp32) for batch in batches]
     result = {"losses": losses, "strategy": type(eng.strategy).__name__, "stage": eng.strategy.stage,
               "accumulation": eng.plan.gradient_accumulation_steps, "params": flat(eng.full_state_dict()),
               "initial": flat(state(model))}

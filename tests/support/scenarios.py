@@ -173,7 +173,15 @@ F32 = torch.float32
 # window) for mean losses, 0.24, 0.31 and 0.21 for token losses. So clipping acts on the
 # second window only, and a wrongly scaled window is not rescued by being clipped to the same
 # norm as the right one.
-PRECISION_CASES = {"mean": (mse, mse, 1.0), "tokens": (token_loss_sum, token_loss_mean, 0.29)}
+def mse_in_fp32(model, batch):
+    """The mean squared error computed in fp32 whatever the outputs' precision (DeepSpeed's bf16
+    mode returns bf16 outputs, and torch 2.11's mse_loss backward refuses them against fp32 labels;
+    2.13 promotes the same way)."""
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+PRECISION_CASES = {"mean": (mse_in_fp32, mse, 1.0), "tokens": (token_loss_sum, token_loss_mean, 0.29)}
 # Allowed distance to the float64 reference. Measured (2 ranks, every stage alike): torch bf16
 # parameters 3.0e-4, torch fp16 parameters 3.4e-5, torch bf16 autocast 2.3e-4, DeepSpeed bf16
 # (bf16 parameters) 1.9e-3. A short window weighted as a full one, and token losses weighted by
