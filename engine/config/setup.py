@@ -96,6 +96,7 @@ class Setup:
     pipeline: PipelineSetup = PipelineSetup()
     tensor_parallel: TensorParallelSetup = TensorParallelSetup()
     context_parallel: ContextParallelSetup = ContextParallelSetup()
+    expert_modules: tuple[str, ...] | None = None  # expert_parallel.modules (None: the Hugging Face plan's)
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
     overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
@@ -114,7 +115,8 @@ class Setup:
             return "pipeline"
         if self.strategy in ("fsdp", "tensor_fsdp"):
             return "fsdp"
-        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters:
+        # Under expert parallelism the experts' gradients are reduced apart from DDP's: replicas then.
+        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters and self.mesh.expert == 1:
             return "ddp"
         return "replicas"
 
@@ -160,6 +162,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
         memory_limit=config.auto_memory_limit,
         pipeline=PipelineSetup(config.pipeline.schedule, config.pipeline.split if isinstance(config.pipeline.split, str)
                                else tuple(config.pipeline.split)),
+        expert_modules=tuple(config.expert_parallel.modules) if config.expert_parallel.modules else None,
         checkpointing=features.checkpointing,
         compile=features.compile,
         overlap=sections.overlap,
