@@ -80,7 +80,7 @@ def find_expert_modules(model: torch.nn.Module, patterns: list[str] | None) -> d
     return found
 
 
-def _check_module(name: str, module: torch.nn.Module, size: int) -> int:
+def expert_count(name: str, module: torch.nn.Module, size: int) -> int:
     """The module's expert count, after checking it can be split over ``size`` ranks."""
     experts = getattr(module, "num_experts", None)
     params = dict(module.named_parameters(recurse=False))
@@ -157,7 +157,7 @@ class ExpertShards:
     def apply(self, model: torch.nn.Module, patterns: list[str] | None) -> None:
         """Keep this rank's slice of every module of experts of ``model`` and wrap its forward."""
         found = find_expert_modules(model, patterns)
-        counts = {name: _check_module(name, module, self.size) for name, module in found.items()}
+        counts = {name: expert_count(name, module, self.size) for name, module in found.items()}
         for name, module in found.items():
             local = counts[name] // self.size
             for param_name, param in list(module.named_parameters(recurse=False)):
