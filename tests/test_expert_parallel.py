@@ -13,6 +13,7 @@ import torch
 import engine
 from engine.distributed.mesh import MeshLayout
 from engine.experts.parallel import expert_count, find_expert_modules, hugging_face_patterns
+from engine.memory import storage_bytes
 from tests import broken
 from tests.dist_utils import run_scenarios
 from tests.moe_models import (VOCAB, StackedMoE, float64_term, full_batch_loss, hf_loss, hf_moe, lm_batches,
@@ -71,7 +72,11 @@ def hugging_face_scenario(rank, world, kind, stage, accumulation):
     expected = reference(model, batches, hf_loss)
     eng = ep_engine(model, accumulation, stage=stage)
     experts = eng.module.model.layers[0].mlp.experts
-    local = (tuple(experts.gate_up_proj.shape), experts.num_experts)
+    # parameter bytes this rank holds, counted: at ZeRO 0 / 1 the dense part whole and half the experts
+    whole = storage_bytes(list(model.parameters()))
+    half_the_experts = storage_bytes([p for name, p in model.named_parameters() if ".experts." in name]) // 2
+    held = storage_bytes(list(eng.module.parameters()))
+    local = (tuple(experts.gate_up_proj.shape), experts.num_experts, held == whole - half_the_experts or stage > 1)
     eng.close()
     return local, differences(model, batches, hf_loss, expected,
                               [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group)],
@@ -163,6 +168,7 @@ def two_ranks(tmp_path_factory):
 def test_expert_2_on_2_ranks_equals_the_full_batch(two_ranks, kind, stage, accumulation):
     for rank, (local, result) in enumerate(two_ranks[(kind, stage, accumulation)]):
         assert local[1] == 2 and local[0][0] == 2, local  # this rank's 2 of the 4 experts
+        assert local[2], "a rank holds the dense parameters and half the experts' bytes"
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
 
@@ -253,6 +259,7 @@ def test_the_hugging_face_plan_names_the_experts():
         expert_count("mlp", block, 2)
 
 
+@pytest.mark.filterwarnings("ignore:.*offload_param")
 def test_what_expert_parallelism_does_not_compose_with_is_refused():
     from engine.config.checks import check_without_model
     base = {"train_batch_size": 8, "expert_parallel": {"size": 2}}
