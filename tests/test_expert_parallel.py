@@ -76,7 +76,8 @@ def hugging_face_scenario(rank, world, kind, stage, accumulation):
     whole = storage_bytes(list(model.parameters()))
     half_the_experts = storage_bytes([p for name, p in model.named_parameters() if ".experts." in name]) // 2
     held = storage_bytes(list(eng.module.parameters()))
-    local = (tuple(experts.gate_up_proj.shape), experts.num_experts, held == whole - half_the_experts or stage > 1)
+    local = (tuple(experts.gate_up_proj.shape), experts.num_experts, held == whole - half_the_experts or stage > 1,
+             type(eng.strategy).__name__)
     eng.close()
     return local, differences(model, batches, hf_loss, expected,
                               [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group)],
@@ -169,6 +170,7 @@ def test_expert_2_on_2_ranks_equals_the_full_batch(two_ranks, kind, stage, accum
     for rank, (local, result) in enumerate(two_ranks[(kind, stage, accumulation)]):
         assert local[1] == 2 and local[0][0] == 2, local  # this rank's 2 of the 4 experts
         assert local[2], "a rank holds the dense parameters and half the experts' bytes"
+        assert local[3] == ("FullyShardedDataParallel" if stage > 1 else "DataParallel")  # experts beside DDP, FSDP2
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
 

@@ -106,6 +106,8 @@ def _required():
 
     yield "DeviceMesh._flatten", hasattr(DeviceMesh, "_flatten")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    yield "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", \
+        hasattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
     # overridden by engine.adapters.pipelining (a pipeline's failure guard)
     yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
     yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
@@ -132,6 +134,14 @@ def set_ddp_gradient_sync(ddp, enabled: bool) -> None:
     """Whether DDP's next backward all-reduces: the flag ``no_sync()`` toggles (DDP reads it in
     the forward); set directly because a micro-step's forward and backward are separate calls."""
     ddp.require_backward_grad_sync = enabled
+
+
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """DDP, built on ``module`` after this, neither broadcasts nor reduces the parameters ``names``
+    (the workaround torch documents until an API exists, pytorch/pytorch#43690)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------

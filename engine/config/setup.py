@@ -115,8 +115,7 @@ class Setup:
             return "pipeline"
         if self.strategy in ("fsdp", "tensor_fsdp"):
             return "fsdp"
-        # Under expert parallelism the experts' gradients are reduced apart from DDP's: replicas then.
-        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters and self.mesh.expert == 1:
+        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters:
             return "ddp"
         return "replicas"
 

@@ -28,9 +28,9 @@ from engine.strategies.zero1 import OwnedOptimizerState
 class Replicas(TorchStrategy):
     @property
     def communicates_before_closing_backward(self) -> bool:
-        # Split layers and experts communicate in every forward; otherwise no collective inside a window
-        # (the averaging follows its closing backward): the check before that backward is its only one.
-        return self.mesh.tensor > 1 or self.expert_shards is not None
+        # Split layers communicate in every forward; otherwise no collective inside a window (the
+        # averaging follows its closing backward): the check before that backward is its only one.
+        return self.mesh.tensor > 1
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
@@ -43,7 +43,7 @@ class Replicas(TorchStrategy):
         else:
             names = {id(p): name for name, p in self.module.named_parameters()}
             self.parallelize(self.module)
-            if self.mesh.tensor > 1 or self.mesh.expert > 1:  # split layers' and experts' parameters are new
+            if self.mesh.tensor > 1:  # the split layers' parameters are new DTensors
                 repoint_optimizer(optimizer, names, self.module)
             self.forward_module = self.module
         self.optimizer = optimizer
