@@ -78,9 +78,15 @@ def hugging_face_scenario(rank, world, kind, stage, accumulation):
     held = storage_bytes(list(eng.module.parameters()))
     local = (tuple(experts.gate_up_proj.shape), experts.num_experts, held == whole - half_the_experts or stage > 1,
              type(eng.strategy).__name__)
+    # evaluation (no gradients) dispatches too: the same loss as every rank holding every expert
+    evaluated = eng.eval_batch(rank_slice(batches[0], eng.plan), hf_loss)
     eng.close()
+    whole_experts = ep_engine(model, accumulation, expert=1, stage=stage)
+    local += (abs(evaluated - whole_experts.eval_batch(rank_slice(batches[0], whole_experts.plan), hf_loss)),)
+    whole_experts.close()
     return local, differences(model, batches, hf_loss, expected,
-                              [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group)],
+                              [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group),
+                               ("per micro-batch term", broken.moe_micro_batch_term)],
                               accumulation=accumulation, stage=stage)
 
 
@@ -171,8 +177,10 @@ def test_expert_2_on_2_ranks_equals_the_full_batch(two_ranks, kind, stage, accum
         assert local[1] == 2 and local[0][0] == 2, local  # this rank's 2 of the 4 experts
         assert local[2], "a rank holds the dense parameters and half the experts' bytes"
         assert local[3] == ("FullyShardedDataParallel" if stage > 1 else "DataParallel")  # experts beside DDP, FSDP2
+        assert local[4] < 1e-12, local
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
+        assert result["per micro-batch term"] > MISSES, (rank, result)  # the global balance still counts
 
 
 @pytest.mark.distributed

@@ -71,9 +71,10 @@ def _expert_problems(config: Config) -> list[str]:
                         "its own layer (deepspeed.moe.layer.MoE) in the model, Microstep's splits a Hugging Face "
                         "model's experts as they are on backend: torch; set backend: torch")
     for key, value, why in (
-            ("tensor_parallel.size", config.tensor_parallel.size, "the tensor plan would have to leave the experts "
-             "whole and the expert groups be built per tensor index"),
-            ("pipeline.stages", config.pipeline.stages, "the expert groups would have to be built per stage"),
+            ("tensor_parallel.size", config.tensor_parallel.size, "the tensor plan must leave the experts whole, "
+             "and Hugging Face's plans split them; not built or tested"),
+            ("pipeline.stages", config.pipeline.stages, "the expert groups would have to be built per stage; not "
+             "built or tested"),
             ("context_parallel.size", config.context_parallel.size, "a mixture-of-experts model's load balance "
              "over the window is not available under context parallelism")):
         if value > 1:
