@@ -1,7 +1,7 @@
 """One command for a GPU machine: what only a GPU can show, at a size that fills it.
 
     python -m bench.gpu                         # CUDA: sized to the device; CPU: toy size
-    python -m bench.gpu --toy --no-compile      # the quick CPU run tests/test_bench_gpu.py makes
+    python -m bench.gpu --toy --no-compile      # the quick CPU run tests/integration/test_bench_gpu.py makes
     python -m launch --nproc-per-node N bench/gpu.py   # several GPUs: every ZeRO stage
 
 What it runs:

@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
-from engine.state.autosave import automatic_checkpoints
+from engine.autosave import automatic_checkpoints
 from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.mesh_plan import plan_for_mesh
 from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
-from engine.engine import Engine, LossFn
-from engine.experts.window import expert_balance
+from engine.engine import Engine
+from engine.window.runner import LossFn
+from engine.window.experts import expert_balance
 from engine.monitor import Monitor
-from engine.pipeline.windows import PipelineWindows
+from engine.window.pipeline import PipelineWindows
 from engine.precision.policy import check_autocast_computes
 from engine.config.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
@@ -108,7 +109,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1)
     experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,  # [moe]
-                             checkpointing=setup.checkpointing is not None, pipeline=setup.mesh.pipeline > 1,
+                             checkpointing=setup.checkpointing is not None, runner_runs_micro_steps=pipeline is not None,
                              all_reduce_sum=strategy.all_reduce_sum)
     if experts is not None and context is not None:
         raise ConfigError([

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from engine.batching.mesh_plan import describe_data_ranks, plan_for_mesh
-from engine.distributed.mesh import MeshLayout
+from engine.config.setup import mesh_layout, model_parallel_dimensions
 from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
@@ -32,7 +32,7 @@ def add_override_argument(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    mesh = MeshLayout.from_config(config, args.world_size)
+    mesh = mesh_layout(config, args.world_size)
     plan = plan_for_mesh(config, mesh, args.rank)
     if not mesh.is_data_parallel_only:
         print(f"mesh: {describe_data_ranks(mesh)}")
@@ -124,12 +124,7 @@ def summarize(config: Config) -> str:
              f"optimizer {config.optimizer.type if config.optimizer else '-'}",
              f"scheduler {config.scheduler.type if config.scheduler else '-'}",
              f"zero stage {config.zero_optimization.stage}",
-             *([f"pipeline {config.pipeline.stages} stages ({config.pipeline.schedule}, split "
-                f"{config.pipeline.split if isinstance(config.pipeline.split, str) else ','.join(config.pipeline.split)})"]
-               if config.pipeline.stages > 1 else []),
-             *([f"tensor parallel {config.tensor_parallel.size}"] if config.tensor_parallel.size > 1 else []),
-             *([f"context parallel {config.context_parallel.size} ({config.context_parallel.method})"]
-               if config.context_parallel.size > 1 else []),
+             *model_parallel_dimensions(config),
              f"backend {config.backend}", precision]
     return ", ".join(parts)
 

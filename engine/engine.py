@@ -33,10 +33,10 @@ strategy's share of the squared norm travels in that all-reduce and the one host
 statistics decides both (no pass, collective or sync of its own in the step).
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (:class:`WindowRunner`: the plain one, the
+(how the model is held), the window runner (``engine.window.runner``: the plain one, the
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
-schedule, ``engine.pipeline.windows``, which runs a window's micro-steps itself and tells the
+schedule, ``engine.window.pipeline``, which runs a window's micro-steps itself and tells the
 engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
 schedule's windows), the hooks
 (``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
@@ -50,50 +50,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
 
 import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
-from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
+from engine.window.loss_checks import check_loss, check_loss_signature, loss_and_units
+from engine.window.runner import LossFn, WindowRunner
 from engine.batching.data import DistributedBatches
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
-from engine.experts.window import ExpertBalance
+from engine.window.experts import ExpertBalance
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.strategies.base import StepResult, Strategy
 from engine.batching.window_split import PlannedSplit, Split
-from engine.context.parallel import ContextParallel
+from engine.context.parallel import ContextParallel, WholeSequences
 from engine.window import non_finite
 from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, agree_on_position
 from engine.window.records import Window, WindowReport, window_totals
 
 log = logging.getLogger("engine")
 
-LossFn = Callable[[Any, Any], Any]
 COUNTERS = ("micro_steps", "global_steps", "global_samples", "skipped_steps")
-
-
-class WindowRunner:
-    """Runs a training or evaluation window on an engine: this plain one runs it once; the
-    automatic micro-batch size (``engine.autotune.tuner``) re-runs it smaller after an
-    out-of-memory that every rank agreed on."""
-
-    chooses_micro_size = False  # True for the automatic micro-batch size
-    calls_loss_on_outputs = False  # True under a pipeline: loss_fn(outputs, labels)
-
-    def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
-        engine.run_window(batch, loss_fn)
-
-    def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
-        return engine.evaluate(batch, loss_fn)
-
-    def guard(self, work: Callable[[], None]) -> None:
-        """Run the micro-steps ``work`` of one window (training or evaluation)."""
-        work()
 
 
 class Engine:
@@ -115,7 +95,7 @@ class Engine:
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
         # Hooks, called in this order at every point. The monitor (engine.monitor) and the automatic
-        # checkpoints (engine.state.autosave) are kept by name too: scripts read eng.monitor
+        # checkpoints (engine.autosave) are kept by name too: scripts read eng.monitor
         # (history, log_eval) and eng.autosave (resumed_from); the checkpoints go last, since a
         # stop signal ends the run there.
         self._monitor, self.autosave = monitor, autosave
@@ -123,11 +103,11 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
-        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.experts.window)
+        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.window.experts)
         self.experts = experts
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
-        # context ranks and weighs their losses by tokens; None without it.
-        self.context = context
+        # context ranks and weighs their losses by tokens; without it, whole sequences (no change).
+        self.context = context if context is not None else WholeSequences()
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -199,11 +179,9 @@ class Engine:
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
         if not self._splitting:  # train_batch / eval_batch moved their batch already
-            args, kwargs = self._on_device(args), self._on_device(kwargs)
-            if self.context is not None:  # context parallelism: this rank's part of each sequence
-                args, kwargs = self.context.shard_call(args, kwargs)
+            args, kwargs = self.context.shard_call(self._on_device(args), self._on_device(kwargs))
         if not torch.is_grad_enabled():
-            with self._context_running():
+            with self.context.running():
                 return self.strategy.forward(*args, **kwargs)
         window = self._window  # a forward for a backward: plan its gradient sync
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
@@ -218,7 +196,7 @@ class Engine:
         # [moe] a manual-loop forward cannot hold the window's load-balancing term
         manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
             else contextlib.nullcontext()
-        with manual, self.measured_forwards(), self._context_running():
+        with manual, self.measured_forwards(), self.context.running():
             output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
@@ -255,12 +233,12 @@ class Engine:
         the gradients are averaged over and G the planned (or nominal) global batch. W is the data
         ranks, times the context ranks under context parallelism: gradients are averaged over data
         × context ranks, and the parts of one sequence add up (engine.context.parallel)."""
-        ranks = self.plan.world_size * (self.context.size if self.context is not None else 1)
+        ranks = self.plan.world_size * self.context.size
         return _share(samples, item_weighted) * ranks / self._weighting_batch()
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
-        ``engine.pipeline.windows``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
+        ``engine.window.pipeline``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
         or ``(sum, count)``), ``samples`` its real samples."""
         loss, units, item_weighted = loss_and_units(output, samples)
         self._window.check_same_kind(item_weighted)
@@ -425,11 +403,8 @@ class Engine:
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
-                if self.context is not None:  # this rank's part of each sequence, weighed by its tokens
-                    micro_batch = self.context.shard(micro_batch)
-                    output = self.context.item_weighted(loss_fn(self, micro_batch))
-                else:
-                    output = loss_fn(self, micro_batch)
+                # this rank's part of each sequence, weighed by its tokens
+                output = self.context.item_weighted(loss_fn(self, self.context.shard(micro_batch)))
                 loss, count, item_weighted = loss_and_units(output, n)
                 if n:
                     total[0] += loss.double().cpu() * (1 if item_weighted else n)
@@ -546,10 +521,8 @@ class Engine:
                                     backward=lambda output, size: self._backward(output, size, exact_counts=True),
                                     units=loss_and_units, before_counting=self._agree_before_counting)
             return
-        for micro_batch, size in split.pieces:
-            if self.context is not None:  # context parallelism: this rank's part of each sequence
-                micro_batch = self.context.shard(micro_batch)
-            self._backward(loss_fn(self, micro_batch), size, exact_counts=True)
+        for micro_batch, size in split.pieces:  # this rank's part of each sequence
+            self._backward(loss_fn(self, self.context.shard(micro_batch)), size, exact_counts=True)
 
     def _agree_before_counting(self) -> None:
         """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
@@ -559,8 +532,7 @@ class Engine:
 
     def _backward(self, output, samples: int, *, exact_counts: bool) -> None:
         window = self._window
-        if self.context is not None:  # each rank's part of the sequences weighs by its tokens
-            output = self.context.item_weighted(output)
+        output = self.context.item_weighted(output)  # each rank's part of the sequences weighs by its tokens
         loss, units, item_weighted = loss_and_units(output, samples)
         check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
         if self.world_size > 1 and not window.forwarded:
@@ -575,7 +547,7 @@ class Engine:
             # The automatic micro size agrees on each window's failures instead.
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
-        with self._context_running():
+        with self.context.running():
             self.strategy.backward(loss, self.micro_step_weight(samples, item_weighted))
         self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted,
                                exact_counts=exact_counts)
@@ -607,7 +579,7 @@ class Engine:
             loss, units, samples, tokens, squares = window_totals(
                 window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
                 same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None,
-                holders=self.context.size if self.context is not None else 1)
+                holders=self.context.size)
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
             self.discard_window()
             raise
@@ -642,10 +614,6 @@ class Engine:
         except (PeerLostError, RankDisagreementError):
             self._agreeing = False
             raise
-
-    def _context_running(self):
-        """Where the context group's exchanges run (a micro-step's forward and backward)."""
-        return self.context.running() if self.context is not None else contextlib.nullcontext()
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)
@@ -685,36 +653,7 @@ class Engine:
         return result
 
 
-def loss_and_units(output, samples: int):
-    """(loss, the units the window's mean divides by, item-weighted?): a mean loss
-    stands for its samples, a ``(sum, count)`` pair for its count."""
-    if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
-        output = output.loss
-    if isinstance(output, torch.Tensor):
-        return output, samples, False
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss_sum, count = output
-        if isinstance(loss_sum, torch.Tensor):
-            return loss_sum, checked_count(output, count), True
-    raise unrecognised_loss(output)
-
-
 def _share(samples: int, item_weighted: bool) -> int:
     """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
     1 (a sum), 0 (a zero-weight step)."""
     return (1 if item_weighted else samples) if samples else 0
-
-
-def check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise EngineUsageError(
-            f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
-            f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
-        )
-    if not loss.requires_grad:
-        raise EngineUsageError(
-            "the loss does not require grad: it was computed without the model's parameters, or "
-            "under torch.no_grad()"
-        )

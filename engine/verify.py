@@ -42,9 +42,9 @@ from engine.batching.mesh_plan import plan_for_mesh
 from engine.batching.microbatch import batch_size, map_tensors, split_batch
 from engine.build import initialize
 from engine.config.schema import load_config, torch_sections
-from engine.distributed.mesh import MeshLayout
+from engine.config.setup import mesh_layout
 from engine.distributed.process_group import init_distributed
-from engine.engine import loss_and_units
+from engine.window.loss_checks import loss_and_units
 from engine.errors import MicrostepError
 from engine.config.factories import FactoryError, load_factory, reference_of
 from engine.config.optim import build_optimizer, build_scheduler
@@ -495,7 +495,7 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
     if loaded.optimizer is None:
         raise VerifyError("the config has no optimizer section: verify builds the same optimizer in every process "
                           "from it; add `optimizer: {type: AdamW, params: {lr: ...}}`")
-    mesh = MeshLayout.from_config(loaded, nproc)
+    mesh = mesh_layout(loaded, nproc)
     plan = plan_for_mesh(loaded, mesh, 0)
     if plan.is_data_defined:
         raise VerifyError("the config gives only gradient_accumulation_steps: verify needs train_batch_size, the "

@@ -15,5 +15,5 @@ pip_install --no-deps -e .
 # DeepSpeed's compiled op is built against one torch: keep 2.14's apart from the main suite's
 export TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions-2.14
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$VENV/bin/python" -m pytest -q tests/test_adapters.py tests/test_pipeline.py tests/test_tensor_parallel.py \
-    tests/test_pipeline_hf.py tests/test_verify.py "$@"
+exec "$VENV/bin/python" -m pytest -q tests/distributed/test_adapters.py tests/distributed/test_pipeline.py \
+    tests/distributed/test_tensor_parallel.py tests/integration/test_pipeline_hf.py tests/integration/test_verify.py "$@"

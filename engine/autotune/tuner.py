@@ -24,7 +24,7 @@ size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or m
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
 
 Under a pipeline (``auto`` only) an attempt is one run of the schedule
-(``engine.pipeline.windows``, handed in as ``windows``): a stage that fails stands in for the
+(``engine.window.pipeline``, handed in as ``windows``): a stage that fails stands in for the
 rest of the schedule and raises after the window's collectives
 (``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
 those whose number of micro-batches the schedule runs.
@@ -42,18 +42,14 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.distributed.collectives import MEMORY_LIMIT, OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
-from engine.engine import WindowRunner
+from engine.window.runner import WindowRunner
 from engine.errors import ConfigError, OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
 from engine.batching.token_budget import budget_candidates
-
-if TYPE_CHECKING:
-    from engine.pipeline.windows import PipelineWindows
 
 log = logging.getLogger("engine")
 
@@ -175,10 +171,11 @@ class MicroBatchTuner(WindowRunner):
     clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
     def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2,
-                 windows: PipelineWindows | None = None):
+                 windows: WindowRunner | None = None):
         self.strategy = strategy
-        # Who runs one attempt of a window: a pipeline's schedule (engine.pipeline.windows), or,
-        # when None, the engine's own micro-steps.
+        # Who runs one attempt of a window: a runner that runs the micro-steps itself (a pipeline's
+        # schedule, engine.window.pipeline), guarded whole; when None, the engine's own micro-steps,
+        # each guarded by this tuner.
         self.windows = windows
         self.calls_loss_on_outputs = windows is not None and windows.calls_loss_on_outputs  # as the runner it drives
         if self._runnable(plan) is None:

@@ -161,7 +161,7 @@ def _resume(value):
 
 
 class CheckpointConfig(_DeepSpeedSection):
-    """Automatic checkpoints (``engine.state.autosave``); DeepSpeed's own checkpoint keys are kept
+    """Automatic checkpoints (``engine.autosave``); DeepSpeed's own checkpoint keys are kept
     for the DeepSpeed backend."""
 
     dir: Optional[Annotated[str, PlainValidator(_path)]] = None  # for step_<N>; None: nothing automatic

@@ -136,7 +136,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
     (``engine.initialize``'s) replaces the config's ``tensor_parallel.plan``."""
     zero = config.zero_optimization
     stage = zero.stage
-    mesh = MeshLayout.from_config(config, dist_info.world_size)
+    mesh = mesh_layout(config, dist_info.world_size)
     deepspeed = config.backend == "deepspeed"
     sections = torch_sections(config)
     features = sections.features
@@ -172,6 +172,24 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
         deepspeed=deepspeed_config(config, mesh.data) if deepspeed else None,
         deepspeed_allows_untested_optimizer=deepspeed and "zero_allow_untested_optimizer" not in config.deepspeed_extras,
     )
+
+
+def model_parallel_dimensions(config: Config) -> list[str]:
+    """The model-parallel dimensions a config splits, in words (``python -m engine plan``'s summary)."""
+    pipeline, tensor, context = config.pipeline, config.tensor_parallel, config.context_parallel
+    split = pipeline.split if isinstance(pipeline.split, str) else ",".join(pipeline.split)
+    return [*([f"pipeline {pipeline.stages} stages ({pipeline.schedule}, split {split})"] if pipeline.stages > 1 else []),
+            *([f"tensor parallel {tensor.size}"] if tensor.size > 1 else []),
+            *([f"context parallel {context.size} ({context.method})"] if context.size > 1 else [])]
+
+
+def mesh_layout(config: Config, world_size: int) -> MeshLayout:
+    """The mesh a loaded config asks for on ``world_size`` ranks: the data dimension shards at
+    ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does)."""
+    sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
+                                                      and torch_sections(config).offload.to_host)
+    return MeshLayout(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
+                      context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded)
 
 
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:

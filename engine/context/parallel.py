@@ -21,6 +21,7 @@ with the reason (see :func:`resolve_method`); ``auto`` is Ulysses.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -50,6 +51,25 @@ def resolve_method(method: str, device_type: str) -> str:
             f"(torch.distributed.tensor.experimental.context_parallel) on CUDA; {where}. Use method: ulysses "
             "(or auto), which runs on every device and with any attention implementation"])
     return "ulysses"
+
+
+class WholeSequences:
+    """No context dimension: every rank holds whole sequences, and the engine's four calls of
+    :class:`ContextParallel` change nothing."""
+
+    size = 1  # ranks whose parts of a sequence add up
+
+    def running(self):
+        return contextlib.nullcontext()
+
+    def shard(self, batch):
+        return batch
+
+    def shard_call(self, args: tuple, kwargs: dict):
+        return args, kwargs
+
+    def item_weighted(self, output):
+        return output
 
 
 class ContextParallel:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.distributed.mesh import SAME_BATCH, MeshLayout
+from engine.distributed.mesh import SAME_BATCH, STATISTICS_COPIES, MeshLayout
 from engine.errors import EngineUsageError
 
 FINGERPRINT_SIZE = 3
@@ -65,10 +65,9 @@ class ReplicaBatchCheck:
 
     def __init__(self, layout: MeshLayout, rank: int):
         self.layout = layout
-        where = layout.coordinates(rank)
-        self.copies = layout.pipeline * layout.tensor  # ranks holding the same window statistics
+        self.copies = layout.size(STATISTICS_COPIES)  # ranks holding the same window statistics
         self.slots = layout.size(SAME_BATCH)
-        self.slot = (where.pipeline * layout.context + where.context) * layout.tensor + where.tensor
+        self.slot = layout.index_in(SAME_BATCH, rank)
 
     @staticmethod
     def needed(layout: MeshLayout) -> bool:

@@ -51,7 +51,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.adapters.torch_internals import flatten_device_mesh
-from engine.config.schema import Config, torch_sections
 from engine.errors import ConfigError
 
 MESH_DIMS = ("pipeline", "data", "context", "tensor")  # outermost first: the rank order
@@ -60,6 +59,8 @@ GRADIENT_REDUCTION = ("data", "context")
 WINDOW_STATISTICS = ("data", "context")
 GRADIENT_NORM = MESH_DIMS
 SAME_BATCH = ("pipeline", "context", "tensor")
+STATISTICS_COPIES = ("pipeline", "tensor")  # ranks of a SAME_BATCH group holding the same window statistics
+STAGE_HOLDERS = ("data", "context", "tensor")  # ranks holding a part of one pipeline stage
 EXPERTS = ("data", "context")
 
 
@@ -101,15 +102,6 @@ class MeshLayout:
                 f"mesh: expert_parallel.size {self.expert} does not divide the data {self.data} × context "
                 f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); use a divisor "
                 f"of {borrowed}"])
-
-    @classmethod
-    def from_config(cls, config: Config, world_size: int) -> MeshLayout:
-        """The mesh a loaded config asks for on ``world_size`` ranks: the data dimension shards at
-        ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does)."""
-        sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
-                                                          and torch_sections(config).offload.to_host)
-        return cls(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                   context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded)
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -179,6 +171,10 @@ class MeshLayout:
                                                 (r * self.expert + e) % self.context, t))
                    for e in range(self.expert)] for r in range(self.expert_replicas)]
                  for t in range(self.tensor)] for p in range(self.pipeline)]
+
+    def index_in(self, dims: tuple[str, ...], rank: int) -> int:
+        """``rank``'s place in its group spanning ``dims`` (ranks in ascending order)."""
+        return self.group_ranks(dims, rank).index(rank)
 
     def describe(self) -> str:
         """The mesh in words, for errors and logs:

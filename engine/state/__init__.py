@@ -1,2 +1,3 @@
-"""State that outlives a process: checkpoints (``checkpoint``), automatic checkpoints and
-resume (``autosave``), stop signals (``preemption``) and random-number state (``rng``)."""
+"""State that outlives a process: checkpoints of stateful parts (``checkpoint``), written in the
+background (``async_save``), stop signals (``preemption``) and random-number state (``rng``).
+When automatic checkpoints are taken is the engine hook ``engine.autosave``."""

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.adapters import torch_internals
 from engine.distributed.collectives import average_used_gradients_, broadcast_, check_peers, failure_vote, sum_of_squares
-from engine.distributed.mesh import GRADIENT_REDUCTION, WINDOW_STATISTICS, MeshGroups
+from engine.distributed.mesh import GRADIENT_REDUCTION, STAGE_HOLDERS, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
 from engine.precision.loss_scaler import scale_
@@ -85,6 +85,8 @@ class Strategy(ABC):
     # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
     # positions at the window's start too, not only before that backward.
     communicates_before_closing_backward = True
+    # Whether ``module`` holds every layer of the model (a pipeline stage holds some of them)
+    holds_every_layer = True
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
@@ -320,7 +322,7 @@ class TorchStrategy(Strategy):
     def gradient_squares(self) -> torch.Tensor:
         """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
         the squared norm; ``engine.strategies.gradients``)."""
-        return squares_share(self.module.parameters(), self.world_size // self.mesh.pipeline, self.device,
+        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device,
                              self._expert_slices())
 
     def _expert_slices(self):
@@ -332,7 +334,7 @@ class TorchStrategy(Strategy):
         """The 2-norm of the whole gradient, identical on every rank (one all-reduce of one number,
         none where every rank holds the whole gradient)."""
         params = list(self.module.parameters())
-        holders = self.world_size // self.mesh.pipeline
+        holders = self.mesh.size(STAGE_HOLDERS)
         if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
         squares = squares_share(params, holders, self.device, self._expert_slices())

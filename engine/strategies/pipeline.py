@@ -13,7 +13,7 @@ each rank sends its stage's outputs to the rank of the same tensor index in the 
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
-over micro-batches (``scale_grads``) is off: the window runner (``engine.pipeline.windows``)
+over micro-batches (``scale_grads``) is off: the window runner (``engine.window.pipeline``)
 weights each micro-batch loss by its real share of the global batch, as the engine does, and
 this strategy adds the fp16 loss scale. What spans every stage is computed over the pipeline
 group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's
@@ -64,6 +64,8 @@ LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 class PipelineParallel(TorchStrategy):
+    holds_every_layer = False
+
     def __init__(self, setup, dist_info):
         if setup.stage == 1:  # engine.config.checks says so first; a Setup built by hand lands here
             raise EngineUsageError("pipeline: ZeRO stage 1 is not available under a pipeline; use "

@@ -122,3 +122,32 @@ def unrecognised_loss(output) -> EngineUsageError:
     elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         hint = "; return the loss alone, or (loss_sum, num_items)"
     return EngineUsageError(f"{EXPECTED}; got {_describe(output)}{hint}")
+
+
+def loss_and_units(output, samples: int):
+    """(loss, the units the window's mean divides by, item-weighted?): a mean loss
+    stands for its samples, a ``(sum, count)`` pair for its count."""
+    if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
+        output = output.loss
+    if isinstance(output, torch.Tensor):
+        return output, samples, False
+    if isinstance(output, (tuple, list)) and len(output) == 2:
+        loss_sum, count = output
+        if isinstance(loss_sum, torch.Tensor):
+            return loss_sum, checked_count(output, count), True
+    raise unrecognised_loss(output)
+
+
+def check_loss(loss) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise EngineUsageError(
+            f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
+            f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
+        )
+    if not loss.requires_grad:
+        raise EngineUsageError(
+            "the loss does not require grad: it was computed without the model's parameters, or "
+            "under torch.no_grad()"
+        )

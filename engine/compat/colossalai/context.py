@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.config.schema import ALIASES, Config
-from engine.distributed.mesh import MeshLayout
+from engine.config.setup import mesh_layout
 from engine.distributed.process_group import get_rank, get_world_size
 from engine.errors import EngineUsageError
 
@@ -102,7 +102,7 @@ class GlobalContext:
         config = self._config.microstep if self._config is not None else None
         if config is None:
             return rank if name == "DATA" else 0
-        place = MeshLayout.from_config(config, get_world_size()).coordinates(rank)
+        place = mesh_layout(config, get_world_size()).coordinates(rank)
         return {"DATA": place.data, "PIPELINE": place.pipeline}.get(name, place.tensor)
 
     def get_world_size(self, parallel_mode=None) -> int:
@@ -118,7 +118,7 @@ class GlobalContext:
         if name == "PIPELINE":
             return pipeline
         if name == "DATA":
-            return MeshLayout.from_config(config, get_world_size()).data if config is not None else get_world_size()
+            return mesh_layout(config, get_world_size()).data if config is not None else get_world_size()
         return get_world_size() if _splits_over_ranks(parallel_mode) else 1
 
 

@@ -1,0 +1,234 @@
+"""Windows under a pipeline: the accumulation steps are the schedule's micro-batches.
+
+``train_batch((inputs, labels), loss_fn)`` hands this runner the rank's per-device batch (every
+stage of one replica gets the same one); ``loss_fn(outputs, labels)``, or one decorated with
+``@engine.loss_on_outputs`` (which also trains without a pipeline). The window split cuts it into the plan's A
+micro-batches, exactly as without a pipeline (a short last batch: A smaller ones); they run
+as one ``torch.distributed.pipelining`` schedule (``engine.strategies.pipeline``), the first
+stage called with each micro-batch's ``inputs`` and the last computing
+``loss_fn(outputs, labels)`` — a mean or ``(sum, count)``, as everywhere.
+
+Exactness. The last stage weights each micro-batch loss by its real share of the global
+batch, ``units · W_dp / G`` (units: its samples for a mean loss, 1 for a sum), as the engine
+weights a manual-loop backward; the schedule's own 1/A is off. It then sends every
+micro-batch's loss and counts to the other stages of its replica (one small broadcast), and
+each stage records them in the engine's window, so the boundary's correction G / U (U: the
+real samples or items over every data-parallel rank) is the same on every stage, and so are
+the counters, the reported loss, the scheduler and the monitor.
+
+Shapes. The schedule needs micro-batches of one shape; when the plan's micro-batches differ
+in size (a balanced plan, a short window) each is padded to the largest with copies of its
+own first rows, whose outputs are cut off before ``loss_fn`` sees them: they take no part in
+the loss or the gradient (models whose rows do not interact, i.e. without batch statistics).
+
+Token budgets (``micro_batch_tokens``). torch's stages take one shape per step (a stage
+infers its input and output shapes once, from the first micro-batch, and every micro-batch's
+receive buffers are made from them; the schedule cuts its inputs into equal chunks), so
+micro-batches of different lengths cannot share a step. Shapes are bucketed instead
+(``window_split.OneShapeTokenSplit``): a window's micro-batches, on every rank, are cut to one
+bucket length (the longest row rounded up to 2^k × 1 or 1.5) and padded to one number of
+rows, and a window of another shape gets its own schedule (built once, kept for reuse). Each
+micro-batch is weighted by its real tokens with ``(sum, count)`` losses, and a zero-weight
+step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batching.microbatch import batch_size
+from engine.window.loss_checks import check_loss, loss_and_units
+from engine.window.runner import Engine, LossFn, WindowRunner
+from engine.errors import EngineUsageError
+from engine.losses import outputs_loss_of
+
+if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torch.distributed.pipelining)
+    from engine.strategies.pipeline import PipelineParallel
+
+
+class PipelineWindows(WindowRunner):
+    """Runs training and evaluation windows through the pipeline schedule."""
+
+    calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
+
+    def __init__(self, strategy: PipelineParallel, accumulation: int | None):
+        """``accumulation``: the plan's, checked against the schedule; None when a token budget
+        chooses it per window (as many as the schedule runs) or the automatic micro size does
+        (``runs_plan``)."""
+        if accumulation is not None:
+            strategy.check_accumulation(accumulation)
+        self.strategy = strategy
+
+    def runs_plan(self, plan) -> bool:
+        return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
+
+    def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
+        inputs, _ = _inputs_and_labels(batch, "train_batch")
+        loss_fn = outputs_loss_of(loss_fn)
+        split = engine.window_split.split(batch, engine.plan)
+        pieces = list(split.pieces)
+        sizes = [n for _, n in pieces]
+        engine.start_window()
+        engine.planned_window(split)
+        records = _Records(len(pieces))
+
+        def weighted_loss(outputs, index):
+            k = int(index[0])
+            # a zero-weight step only keeps the ranks' micro-step counts equal; a failed stage
+            # stands in for the rest of the schedule
+            if not sizes[k] or self.strategy.stage_failed:
+                return _zero_from(outputs)
+            try:
+                seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))  # as the model returns them
+                loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
+                check_loss(loss)
+            except Exception as error:  # raised once the schedule is through
+                self._failed(records, error)
+                return _zero_from(outputs)
+            records.put(k, loss, sizes[k], count, item_weighted)
+            return loss * engine.micro_step_weight(sizes[k], item_weighted)
+
+        rows = engine.window_split.schedule_rows()
+        if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
+            inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
+        with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+            self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
+        rows = records.shared(self.strategy)
+        self.strategy.raise_stage_failure()  # after the window's last collective: the tuner's vote follows
+        for output, samples in rows:
+            engine.record_micro_step(output, samples)
+
+    def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
+        """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
+        samples (default: the plan's)."""
+        _inputs_and_labels(batch, "eval_batch")
+        loss_fn = outputs_loss_of(loss_fn)
+        # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
+        pieces = list(engine.window_split.eval_pieces(batch, engine.plan, size))
+        # as many as the schedule runs: the last one repeated with 0 samples
+        pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
+        sizes = [n for _, n in pieces]
+        records = _Records(len(pieces))
+
+        def loss_only(outputs, index):
+            k = int(index[0])
+            if sizes[k] and not self.strategy.stage_failed:
+                try:
+                    seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
+                    loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
+                except Exception as error:  # raised once the schedule is through
+                    self._failed(records, error)
+                    return _zero_from(outputs)
+                records.put(k, loss, sizes[k], count, item_weighted)
+            return _zero_from(outputs)
+
+        module = engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces],
+                                                         engine.window_split.schedule_rows()),
+                                           len(pieces), loss_only, train=False)
+        finally:
+            module.train(was_training)
+        total = torch.zeros(2, dtype=torch.float64)
+        for output, samples in records.shared(self.strategy):
+            loss, units, item_weighted = loss_and_units(output, samples)
+            total[0] += loss.double() * (1 if item_weighted else samples)
+            total[1] += float(units)
+        total = self.strategy.all_reduce_sum(total.to(self.strategy.device))
+        self.strategy.raise_stage_failure()  # after the last collective: the tuner's vote follows
+        return float(total[0] / total[1])
+
+    def _failed(self, records: _Records, error: Exception) -> None:
+        """``loss_fn`` failed on this last stage: kept by the failure guard and raised here
+        alone (the tuner's vote tells the others), or raised on every rank after the schedule."""
+        if not self.strategy.keep_failure(error):
+            records.fail(error)
+
+
+class _Records:
+    """Each micro-batch's loss and counts on the last stage, shared with the other stages."""
+
+    def __init__(self, micro_batches: int):
+        # rows: loss, samples, count; plus two flags: (sum, count) losses, loss_fn failed
+        self.table = torch.zeros(3 * micro_batches + 2, dtype=torch.float64)
+        self.micro_batches = micro_batches
+        self.error: Exception | None = None
+
+    def fail(self, error: Exception) -> None:
+        """``loss_fn`` (or the loss it returned) failed on this last stage."""
+        self.error = self.error or error
+        self.table[-1] = 1.0
+
+    def put(self, k: int, loss: torch.Tensor, samples: int, count, item_weighted: bool) -> None:
+        n = self.micro_batches
+        self.table[k] = loss.detach().double().cpu()
+        self.table[n + k] = samples
+        self.table[2 * n + k] = float(count) if item_weighted else 0.0
+        self.table[3 * n] = float(item_weighted)
+
+    def shared(self, strategy: PipelineParallel) -> list[tuple[object, int]]:
+        """(loss as loss_fn returned it, samples) of every micro-batch, on every stage."""
+        table = strategy.from_last_stage(self.table.to(strategy.device))
+        # Every rank learns of a failed loss before the window's gradients are reduced: the
+        # other stages and replicas would otherwise wait for it in their collectives.
+        failed = strategy.all_reduce_max(table[-1:].clone())
+        if failed.item():
+            if self.error is not None:
+                raise self.error
+            raise EngineUsageError("loss_fn(outputs, labels) failed on a last pipeline stage (its rank raises the "
+                                   "error itself); this window is abandoned on every rank")
+        table = table.cpu()
+        n = self.micro_batches
+        item_weighted = bool(table[3 * n])
+        rows = []
+        for k in range(n):
+            loss, samples = table[k], int(table[n + k])
+            rows.append(((loss, table[2 * n + k]) if item_weighted else loss, samples))
+        return rows
+
+
+def _inputs_and_labels(batch, method: str):
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch
+    raise EngineUsageError(
+        f"{method}(): under a pipeline a batch is a pair (inputs, labels): the first stage is called with "
+        "inputs (a tensor, or a tuple of tensors: several arguments), loss_fn(outputs, labels) runs on the last "
+        f"stage; got {type(batch).__name__}")
+
+
+def _rows(outputs, n: int):
+    """The first ``n`` rows of the outputs (the rest pads the micro-batch)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs if outputs.shape[0] == n else outputs[:n]
+    return type(outputs)(_rows(t, n) if isinstance(t, torch.Tensor) else t for t in outputs)
+
+
+def _zero_from(outputs) -> torch.Tensor:
+    """0, computed from the outputs (a schedule may back-propagate it: zero gradients)."""
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+    return sum(t.sum() * 0 for t in tensors if t.is_floating_point())
+
+
+def _equal_chunks(inputs: list, rows: int | None = None):
+    """The micro-batches' inputs, each padded to ``rows`` (default: the largest's) with copies
+    of its own rows, one after the other: equal chunks for the schedule."""
+    rows = rows or max(batch_size(piece) for piece in inputs)
+    return _concat([_repeat_rows(piece, rows) for piece in inputs])
+
+
+def _repeat_rows(piece, size: int):
+    if isinstance(piece, torch.Tensor):
+        reps = -(-size // piece.shape[0])
+        return piece.repeat(reps, *([1] * (piece.dim() - 1)))[:size]
+    return type(piece)(_repeat_rows(t, size) for t in piece)
+
+
+def _concat(pieces: list):
+    if isinstance(pieces[0], torch.Tensor):
+        return torch.cat(pieces)
+    return type(pieces[0])(torch.cat(column) for column in zip(*pieces))

@@ -1,0 +1,1 @@
+"""The test suite: unit/, distributed/, integration/ (tests), support/ (what they share)."""

@@ -1,0 +1,2 @@
+"""Tests that start several ranks: run_distributed / run_scenarios, or the launcher / torchrun with
+more than one process per node."""

@@ -1,0 +1,423 @@
+"""Mixture-of-experts load balancing over the global batch (engine.experts) against the float64
+full-batch reference, with the broken variants the promise rules out."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+
+import engine
+from engine.experts.balance import micro_batch_term
+from tests.support import broken
+from tests.support.dist_utils import run_scenarios
+from tests.support.moe_models import (OwnMoE, deepseek_v3, float64_term, full_batch_loss, hf_loss, hf_moe, lm_batches,
+                              lm_sum_with_balance, own_mean_loss, own_sum_loss, train_with_bias_updates)
+from tests.support.reference import max_param_diff, rank_slice, reference_train, sgd, state
+
+pytest.importorskip("transformers")
+
+TOL = 1e-10
+# Hugging Face's routers compute their probabilities in float32 (``router_logits.float()``): the routing
+# weights' gradient rounds there, by an amount that depends on the loss's scale, which with padding
+# differs between a micro-batch and the full batch (dense batches happen to scale by powers of two).
+TOL_FLOAT32_ROUTER = 1e-8
+MISSES = 1e3 * TOL  # a broken variant is at least this far
+
+
+def reference(model, batches, loss_fn):
+    with float64_term(model):
+        return state(reference_train(model, batches, loss_fn, sgd))
+
+
+def moe_engine(model, global_batch=8, accumulation=4, **config):
+    return engine.initialize(model, {"train_batch_size": global_batch, "gradient_accumulation_steps": accumulation,
+                                     **config}, optimizer=sgd)
+
+
+def trained(model, batches, loss_fn, breaking=broken.intact, **config):
+    eng = breaking(moe_engine(copy.deepcopy(model), **config))
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), loss_fn)
+    return eng
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("counts", ["count_forward", "hold_forwards"])
+def test_accumulation_4_equals_the_full_batch_load_balancing_included(kind, counts):
+    model, batches = hf_moe(kind), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    eng = trained(model, batches, hf_loss, moe={"global_counts": counts})
+    assert eng.experts.global_counts == counts
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    if counts == "count_forward":  # the reported loss is the full batch's, its term included
+        with float64_term(model):
+            first = float(reference_train(model, batches[:1], hf_loss, sgd)(**batches[1]).loss.detach())
+        assert float(eng.last_window.loss) == pytest.approx(first, rel=1e-6)
+    per_micro_batch = trained(model, batches, hf_loss, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+    if counts == "count_forward":
+        running = trained(model, batches, hf_loss, broken.moe_running_average)
+        assert max_param_diff(running.full_state_dict(), expected) > MISSES
+
+
+def test_the_definition_is_hugging_faces_own():
+    """The float64 reference's term is transformers' (which accumulates in float32) to float32 rounding."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    eng = trained(model, batches, hf_loss)
+    transformers_own = state(reference_train(model, batches, hf_loss, sgd))
+    assert max_param_diff(eng.full_state_dict(), transformers_own) < 1e-7
+    batch = lm_batches(1, 8, padded=True)[0]
+    out = model(**batch)
+    ours = micro_batch_term(out.router_logits, 4, 2, batch["attention_mask"])
+    assert abs(float(ours.detach()) - float(out.aux_loss.detach())) < 1e-6 * float(out.aux_loss.detach())
+
+
+@pytest.mark.parametrize("counts", ["count_forward", "hold_forwards"])
+def test_padded_rows_with_the_sum_count_form(counts):
+    """Padding excluded through the attention mask from the term and from the token count, as the
+    full batch's ``.loss`` does; the language-model part as (sum, count)."""
+    model, batches = hf_moe(), lm_batches(2, 8, padded=True)
+    expected = reference(model, batches, full_batch_loss(model.config.router_aux_loss_coef))
+    loss_fn = lm_sum_with_balance(model.config.router_aux_loss_coef)
+    eng = trained(model, batches, loss_fn, moe={"global_counts": counts})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL_FLOAT32_ROUTER
+    if counts == "count_forward":  # (sum, count): the term counts once in the reported loss too
+        with float64_term(model):
+            stepped = reference_train(model, batches[:1], full_batch_loss(model.config.router_aux_loss_coef), sgd)
+            first = float(full_batch_loss(model.config.router_aux_loss_coef)(stepped, batches[1]))
+        assert float(eng.last_window.loss) == pytest.approx(first, rel=1e-9)
+    per_micro_batch = trained(model, batches, loss_fn, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > 1e3 * TOL_FLOAT32_ROUTER
+    # The same in float64 throughout (a router of one's own): exact.
+    own, padded = OwnMoE(), lm_batches(2, 8, padded=True)
+    expected = state(reference_train(own, padded, own_mean_loss, sgd))
+    eng = trained(own, padded, own_sum_loss, moe={"global_counts": counts})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    per_micro_batch = trained(own, padded, own_sum_loss, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+
+
+def test_a_router_of_ones_own():
+    model, batches = OwnMoE(), lm_batches(2, 8)
+    expected = state(reference_train(model, batches, own_mean_loss, sgd))
+    loss_fn = own_mean_loss
+    eng = trained(model, batches, loss_fn)
+    assert eng.experts is not None and eng.experts.own_terms
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    per_micro_batch = trained(model, batches, loss_fn, broken.moe_micro_batch_term)
+    assert max_param_diff(per_micro_batch.full_state_dict(), expected) > MISSES
+
+
+def test_micro_batch_reproduces_what_the_model_computes_per_forward():
+    """moe.load_balance: micro_batch is a plain accumulation of each forward's own ``.loss``."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    by_hand = copy.deepcopy(model)
+    optimizer = sgd(by_hand.parameters())
+    for batch in batches:
+        optimizer.zero_grad()
+        for k in range(4):
+            (by_hand(**{key: value[2 * k:2 * k + 2] for key, value in batch.items()}).loss / 4).backward()
+        optimizer.step()
+    eng = trained(model, batches, hf_loss, moe={"load_balance": "micro_batch"})
+    assert max_param_diff(eng.full_state_dict(), state(by_hand)) < TOL
+
+
+def test_router_jitter_is_drawn_again_in_the_training_forwards(caplog):
+    """Randomness in the forward (Mixtral's router jitter): the counting forward's generators are
+    restored, so the training forwards route alike, and both ways of counting agree."""
+    model, batches = hf_moe(router_jitter_noise=0.5), lm_batches(2, 8)
+    for block in model.model.layers:
+        block.mlp.jitter_noise = 0.5
+    torch.manual_seed(7)
+    counted = trained(model, batches, hf_loss, moe={"global_counts": "count_forward"})
+    torch.manual_seed(7)
+    held = trained(model, batches, hf_loss, moe={"global_counts": "hold_forwards"})
+    assert counted.experts.routing_differences == 0
+    assert max_param_diff(counted.full_state_dict(), held.full_state_dict()) < TOL
+
+
+def test_the_manual_loop_refuses_global_balance_and_names_train_batch():
+    model, batch = hf_moe(), lm_batches(1, 8)[0]
+    eng = moe_engine(model)
+    with pytest.raises(engine.EngineUsageError, match=r"eng.train_batch\(batch, loss_fn\).*micro_batch"):
+        eng(**{key: value[:2] for key, value in batch.items()})
+    eng = moe_engine(hf_moe(), moe={"load_balance": "micro_batch"})
+    for k in range(4):
+        eng.backward(eng(**{key: value[2 * k:2 * k + 2] for key, value in batch.items()}).loss)
+        eng.step()
+    assert eng.global_steps == 1
+
+
+def test_router_logits_asked_for_per_call_without_the_config_are_refused():
+    model, batch = hf_moe(output_router_logits=False), lm_batches(1, 8)[0]
+    eng = moe_engine(model)
+    assert not eng.experts.computes_terms
+    with pytest.raises(engine.EngineUsageError, match="output_router_logits = True before engine.initialize"):
+        eng.train_batch(batch, lambda m, b: m(**b, output_router_logits=True).loss)
+    eng.train_batch(batch, hf_loss)  # no term: trains as any model
+    assert eng.global_steps == 1
+
+
+def test_a_term_of_another_definition_is_refused_under_global():
+    import transformers
+    config = transformers.SwitchTransformersConfig(vocab_size=32, d_model=16, d_kv=4, d_ff=16, num_layers=2,
+                                                   num_decoder_layers=2, num_heads=2, num_experts=4, expert_capacity=4)
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    with pytest.raises(engine.EngineUsageError, match="switch_transformers.*load_balancing_loss_func.*micro_batch"):
+        moe_engine(model)
+    assert moe_engine(model, moe={"load_balance": "micro_batch"}).experts is None
+
+
+def test_a_pipeline_refuses_global_balance():
+    from engine.config.schema import MoeConfig
+    from engine.window.experts import expert_balance
+    with pytest.raises(engine.EngineUsageError, match="under a pipeline.*micro_batch"):
+        expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, runner_runs_micro_steps=True,
+                       all_reduce_sum=lambda tensor: tensor)
+    assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), single_process=False,
+                          checkpointing=False, runner_runs_micro_steps=True, all_reduce_sum=lambda tensor: tensor) is not None
+    with pytest.raises(engine.EngineUsageError, match="hold_forwards .* one process"):
+        expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), single_process=False,
+                       checkpointing=False, runner_runs_micro_steps=False, all_reduce_sum=lambda tensor: tensor)
+
+
+def test_a_model_without_routers_runs_its_windows_as_before():
+    eng = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "gradient_accumulation_steps": 2},
+                            optimizer=sgd)
+    assert eng.experts is None
+
+
+def test_moe_config_keys():
+    config = engine.load_config({"train_batch_size": 8})
+    assert (config.moe.load_balance, config.moe.global_counts) == ("global", "auto")
+    with pytest.raises(engine.ConfigError, match="moe.load_balance"):
+        engine.load_config({"train_batch_size": 8, "moe": {"load_balance": "per_rank"}})
+    with pytest.raises(engine.ConfigError, match="expert_parallel.size 2 does not divide the data 1 × context 1"):
+        engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "expert_parallel": {"size": 2}},
+                          optimizer=sgd)
+    deepspeed_autoep = engine.load_config({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 4}})
+    assert deepspeed_autoep.expert_parallel.size == 4
+    with pytest.raises(engine.ConfigError, match="autoep_size 4 .* conflicts with size: 2"):
+        engine.load_config({"train_batch_size": 8, "expert_parallel": {"enabled": True, "autoep_size": 4, "size": 2}})
+
+
+def test_auto_holds_the_forwards_under_activation_checkpointing_in_one_process():
+    plain = moe_engine(hf_moe())
+    assert plain.experts.global_counts == "count_forward"
+    checkpointed = moe_engine(hf_moe(), activation_checkpointing={"enabled": True})
+    assert checkpointed.experts.global_counts == "hold_forwards"
+
+
+def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    eng = trained(model, batches, hf_loss, activation_checkpointing={"enabled": True})
+    assert eng.experts.global_counts == "hold_forwards"
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+
+
+# -- two data ranks ----------------------------------------------------------------------------
+def data_parallel_scenario(rank, world, stage, padded):
+    model, batches = hf_moe(), lm_batches(2, 8, padded=padded)
+    coef = model.config.router_aux_loss_coef
+    loss_fn = lm_sum_with_balance(coef) if padded else hf_loss
+    expected = reference(model, batches, full_batch_loss(coef) if padded else hf_loss)
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term),
+                           ("running average", broken.moe_running_average)]:
+        eng = trained(model, batches, loss_fn, breaking, accumulation=2, zero_optimization={"stage": stage})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        results["load"] = eng.experts.last_load.per_expert().tolist()
+        eng.close()
+    return results
+
+
+def bias_scenario(rank, world, stage):
+    model, batches = deepseek_v3(), lm_batches(3, 8)
+    expected = state(train_with_bias_updates(model, batches, hf_loss, 0.01, sgd))
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("this rank's load", broken.moe_bias_from_this_rank)]:
+        eng = trained(model, batches, hf_loss, breaking, accumulation=2, zero_optimization={"stage": stage},
+                      moe={"bias_update_speed": 0.01})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        eng.close()
+    return results
+
+
+def short_data_scenario(rank, world):
+    """Rank 1's data ends a window early: under count_forward at ZeRO-3 the ranks compare positions
+    before the counting forward's gathers, so both raise at once instead of waiting in a collective."""
+    import time
+    model, batches = hf_moe(), lm_batches(3, 8)
+    eng = moe_engine(model, accumulation=2, zero_optimization={"stage": 3})
+    started = time.monotonic()
+    try:
+        for batch in batches[:2 if rank == 1 else 3]:
+            eng.train_batch(rank_slice(batch, eng.plan), hf_loss)
+        eng.close()
+    except engine.RankDisagreementError as error:
+        eng.close()
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def example_scenario(rank, world):
+    from examples import moe
+    return moe.main([])["difference"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
+                 for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
+    scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
+    scenarios["example"] = example_scenario
+    scenarios["short data"] = short_data_scenario
+    return run_scenarios(scenarios, world_size=2, timeout=400)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("stage, padded", [(0, False), (1, False), (2, False), (3, False), (0, True), (3, True)],
+                         ids=["stage 0", "stage 1", "stage 2", "stage 3", "stage 0 padded", "stage 3 padded"])
+def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
+    results = two_ranks[(stage, padded)]
+    for rank, result in enumerate(results):
+        tolerance = TOL_FLOAT32_ROUTER if padded else TOL
+        assert result["exact"] < tolerance, (rank, result)
+        assert result["per micro-batch"] > 1e3 * tolerance, (rank, result)
+        assert result["running average"] > 1e3 * tolerance, (rank, result)
+    assert results[0]["load"] == results[1]["load"]  # the window's load over both ranks
+
+
+# -- aux-loss-free balancing ------------------------------------------------------------------
+def test_aux_loss_free_bias_moves_with_the_window_load():
+    model, batches = deepseek_v3(), lm_batches(3, 8)
+    expected = state(train_with_bias_updates(model, batches, hf_loss, 0.01, sgd))
+    eng = trained(model, batches, hf_loss, moe={"bias_update_speed": 0.01})
+    assert max_param_diff(eng.full_state_dict(), expected) < TOL
+    bias = [v for k, v in eng.full_state_dict().items() if k.endswith("e_score_correction_bias")]
+    assert len(bias) == 2 and all(b.abs().sum() > 0 for b in bias)
+    assert eng.experts.last_load.per_expert().sum() == 2 * 2 * 8 * 6  # layers x top-k x rows
+    one_micro_batch = trained(model, batches, hf_loss, broken.moe_bias_from_one_micro_batch,
+                              moe={"bias_update_speed": 0.01})
+    assert max_param_diff(one_micro_batch.full_state_dict(), expected) > MISSES
+    untouched = trained(model, batches, hf_loss)  # speed 0: the bias stays as transformers leaves it
+    assert all(v.abs().sum() == 0 for k, v in untouched.full_state_dict().items()
+               if k.endswith("e_score_correction_bias"))
+
+
+def test_aux_loss_free_bias_does_not_move_on_a_discarded_window():
+    model, batch = deepseek_v3(), lm_batches(1, 8)[0]
+    eng = moe_engine(model, moe={"bias_update_speed": 0.01})
+    eng.train_batch(batch, lambda m, b: m(**b).loss * float("nan"))
+    assert eng.skipped_steps == 1
+    assert all(v.abs().sum() == 0 for k, v in eng.full_state_dict().items() if k.endswith("e_score_correction_bias"))
+    with pytest.raises(engine.EngineUsageError, match="bias_update_speed.*eng.train_batch"):
+        eng(**{key: value[:2] for key, value in batch.items()})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_data_ranks_move_the_bias_by_the_load_of_both(two_ranks, stage):
+    for rank, result in enumerate(two_ranks[("bias", stage)]):
+        assert result["exact"] < TOL, (rank, result)
+        assert result["this rank's load"] > MISSES, (rank, result)
+
+
+# -- seeing the router ------------------------------------------------------------------------
+def test_monitor_records_the_window_load_and_plots_it(tmp_path):
+    model, batches = hf_moe(), lm_batches(3, 8)
+    jsonl, csv_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.csv"
+    eng = trained(model, batches, hf_loss, monitor={"enabled": True, "progress": False, "jsonl": str(jsonl),
+                                                     "csv": str(csv_path)})
+    record = eng.monitor.history[-1]
+    # Every layer's top-2 choice of every real row of the window: 2 layers x 2 x 48 rows.
+    assert sum(record["expert_load"]) == 2 * 2 * 48 and len(record["expert_load"]) == 4
+    per_layer = eng.experts.last_load.assignments[0]
+    assert record["expert_imbalance"] == pytest.approx(float((per_layer.max(1).values / per_layer.mean(1)).max()))
+    assert record["expert_imbalance"] >= 1
+    eng.monitor.close()
+    assert csv_path.read_text().splitlines()[1].split(",")[-2].count(" ") == 3  # four loads in one cell
+    from engine.cli import main
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(jsonl), "--out", str(tmp_path / "load.png")]) == 0
+    assert (tmp_path / "load.png").stat().st_size > 0
+    plain = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 2, "monitor": {"enabled": True,
+                                                                                         "progress": False}},
+                              optimizer=sgd)
+    plain.train_batch((torch.ones(2, 2), torch.ones(2, 2)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    assert plain.monitor.history[-1]["expert_load"] is None
+
+
+def test_the_example_trains_as_the_full_batch(capsys):
+    from examples import moe
+    result = moe.main([])
+    assert result["difference"] < TOL_FLOAT32_ROUTER
+    assert "max |weight - full-batch weight|" in capsys.readouterr().out
+    assert all(record["expert_imbalance"] >= 1 for record in result["records"])
+    assert moe.main(["--set", "moe.load_balance=micro_batch"])["difference"] > 1e3 * TOL_FLOAT32_ROUTER
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_a_rank_whose_data_ended_stops_both_before_the_counting_forward(two_ranks):
+    (first, _), (second, _) = two_ranks["short data"]
+    assert first is not None and first == second
+    assert "rank 1: closing the engine after global step 2" in first
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_the_example_on_two_ranks(two_ranks):
+    assert all(difference < TOL_FLOAT32_ROUTER for difference in two_ranks["example"])
+
+
+# -- four data ranks ---------------------------------------------------------------------------
+def four_ranks_scenario(rank, world):
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term)]:
+        eng = trained(model, batches, hf_loss, breaking, accumulation=2, zero_optimization={"stage": 3})
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        eng.close()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_four_data_ranks_at_zero_3_equal_the_full_batch():
+    for rank, result in enumerate(run_scenarios({"four": four_ranks_scenario}, world_size=4, timeout=500)["four"]):
+        assert result["exact"] < TOL, (rank, result)
+        assert result["per micro-batch"] > MISSES, (rank, result)
+
+
+# -- the DeepSpeed backend ---------------------------------------------------------------------
+def deepspeed_scenario(rank, world):
+    model, batches = hf_moe().float(), lm_batches(2, 8)  # DeepSpeed trains float32 at most
+    expected = reference(model, batches, hf_loss)
+    results = {}
+    for stage in (0, 2):
+        for name, breaking in [("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term)]:
+            eng = trained(model, batches, hf_loss, breaking, accumulation=4 // world, backend="deepspeed",
+                          zero_optimization={"stage": stage})
+            results[(stage, name)] = max_param_diff(eng.full_state_dict(), expected)
+            eng.close()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+@pytest.mark.timeout(600)
+def test_the_deepspeed_backend_balances_over_the_global_batch_too():
+    pytest.importorskip("deepspeed")
+    for result in run_scenarios({"deepspeed": deepspeed_scenario}, world_size=2, timeout=500)["deepspeed"]:
+        for stage in (0, 2):
+            assert result[(stage, "exact")] < 1e-6, result  # float32 against the float64 reference
+            assert result[(stage, "per micro-batch")] > 1e-5, result

@@ -1,0 +1,2 @@
+"""Tests that need no ranks, launcher or model hub: one process (test_layering also imports every
+module afresh in one child interpreter)."""
