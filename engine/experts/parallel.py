@@ -104,10 +104,11 @@ def expert_count(name: str, module: torch.nn.Module, size: int) -> int:
 
 
 class ExpertDispatch:
-    """The forward of a module of experts holding ``local`` experts (slice ``index`` of ``size``)."""
+    """The forward of a module of experts holding ``local`` consecutive experts on each of the
+    ``size`` ranks of ``group`` (its own ``forward`` runs on the tokens that arrive)."""
 
-    def __init__(self, forward, group, size: int, index: int, local: int):
-        self.forward, self.group, self.size, self.index, self.local = forward, group, size, index, local
+    def __init__(self, forward, group, size: int, local: int):
+        self.forward, self.group, self.size, self.local = forward, group, size, local
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, k = top_k_index.shape
@@ -149,7 +150,6 @@ class ExpertShards:
         self.divisor = mesh_layout.data * mesh_layout.context  # the dense gradients' 1/W
         self.mesh = groups.expert_mesh
         self.parameters: list[ExpertParameter] = []
-        self.modules: dict[str, torch.nn.Module] = {}
         self._held: set[int] = set()  # ids of the parameters above
 
     # -- splitting ----------------------------------------------------------------------------
@@ -167,8 +167,7 @@ class ExpertShards:
                 self.parameters.append(ExpertParameter(f"{name}.{param_name}", piece, param.shape))
                 self._held.add(id(piece))
             module.num_experts = local
-            module.forward = ExpertDispatch(module.forward, self.group, self.size, self.index, local)
-            self.modules[name] = module
+            module.forward = ExpertDispatch(module.forward, self.group, self.size, local)
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is one of the split experts' parameters."""

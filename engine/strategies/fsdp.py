@@ -316,7 +316,7 @@ class FullyShardedDataParallel(TorchStrategy):
             return super().full_state_dict()
         # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
         masters_gathered = self.rests_gathered and self._is_gathered() and not self.precision.converts_parameters
-        if masters_gathered:  # every rank holds the whole model (but split experts): nothing to gather
+        if masters_gathered:  # every rank holds the whole model, split experts aside: only those gathered
             return self.whole_experts(cpu_state_dict(self.module.state_dict()))
         with self._sharded():
             return self.whole_experts(cpu_state_dict(

@@ -6,9 +6,9 @@ the data dimension), tensor-parallel pieces (DTensors over the tensor dimension)
 gradient is the sum over the world of every rank's pieces' squares, each divided by the number
 of ranks that hold the same piece; that count is the ranks holding the module the piece belongs
 to (the world over the pipeline: every rank of a pipeline index holds its stages) over the number
-of distinct pieces its placements cut it into — or, for a plain tensor that is one slice of a whole
-(an expert parallelism's experts, ``engine.experts.parallel``), the number of slices. So one all-reduce of one float64 number over the
-world gives the norm, identical on every rank, whatever the mesh.
+of distinct pieces its placements cut it into — or, for a plain tensor that is one slice of a
+whole (split experts, ``engine.experts.parallel``), over the number of slices. So one all-reduce
+of one float64 number over the world gives the norm, identical on every rank, whatever the mesh.
 """
 
 from __future__ import annotations

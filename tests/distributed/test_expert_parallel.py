@@ -291,8 +291,8 @@ def test_what_expert_parallelism_does_not_compose_with_is_refused():
 def test_the_mesh_names_the_expert_size():
     config = engine.load_config({"train_batch_size": 8, "expert_parallel": {"size": 2}})
     mesh = mesh_layout(config, 4)
-    assert mesh.describe() == "world 4 = pipeline 1 × data 4 × context 1 × tensor 1, experts over 2 of the data × " \
-                              "context ranks"
+    assert mesh.describe() == ("world 4 = pipeline 1 × data 4 × context 1 × tensor 1, experts over 2 of the "
+                               "data × context ranks")
     assert [mesh.expert_index(rank) for rank in range(4)] == [0, 1, 0, 1]
     assert mesh.expert_layout() == [[[[0, 1], [2, 3]]]]  # expert groups {0, 1} and {2, 3}
     with pytest.raises(engine.ConfigError, match=r"expert_parallel.size 4 does not divide the data 2 × context 1"):
