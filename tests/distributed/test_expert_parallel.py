@@ -156,6 +156,11 @@ def refusal_scenario(rank, world):
     return refused
 
 
+def example_scenario(rank, world):
+    from examples import moe
+    return moe.main(["--set", "expert_parallel.size=2"])["difference"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     scenarios = {
@@ -164,7 +169,7 @@ def two_ranks(tmp_path_factory):
         ("qwen2_moe", 3, 2): functools.partial(hugging_face_scenario, kind="qwen2_moe", stage=3, accumulation=2),
         "clipping": clipping_scenario, "uneven": uneven_scenario, "padded": padded_scenario,
         "checkpoint": functools.partial(checkpoint_scenario, root=str(tmp_path_factory.mktemp("ep"))),
-        "refusals": refusal_scenario,
+        "refusals": refusal_scenario, "example": example_scenario,
     }
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -229,6 +234,12 @@ def test_bad_input_is_refused_with_its_reason(two_ranks):
         assert "expert_parallel.modules" in refused["no experts"]
         assert "expert_parallel.modules (layers.*.mlp) matches no module of StackedMoE" \
             in refused["patterns match nothing"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_the_example_with_its_experts_split_over_2_ranks(two_ranks):
+    assert all(difference < TOL_FLOAT32_ROUTER for difference in two_ranks["example"])
 
 
 # -- four ranks: expert 2 × data 2 ------------------------------------------------------------------
