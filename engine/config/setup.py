@@ -180,7 +180,8 @@ def model_parallel_dimensions(config: Config) -> list[str]:
     split = pipeline.split if isinstance(pipeline.split, str) else ",".join(pipeline.split)
     return [*([f"pipeline {pipeline.stages} stages ({pipeline.schedule}, split {split})"] if pipeline.stages > 1 else []),
             *([f"tensor parallel {tensor.size}"] if tensor.size > 1 else []),
-            *([f"context parallel {context.size} ({context.method})"] if context.size > 1 else [])]
+            *([f"context parallel {context.size} ({context.method})"] if context.size > 1 else []),
+            *([f"expert parallel {config.expert_parallel.size}"] if config.expert_parallel.size > 1 else [])]
 
 
 def mesh_layout(config: Config, world_size: int) -> MeshLayout:

@@ -299,7 +299,7 @@ def test_what_expert_parallelism_does_not_compose_with_is_refused():
                               ).expert_parallel.size == 2
 
 
-def test_the_mesh_names_the_expert_size():
+def test_the_mesh_names_the_expert_size(tmp_path, capsys):
     config = engine.load_config({"train_batch_size": 8, "expert_parallel": {"size": 2}})
     mesh = mesh_layout(config, 4)
     assert mesh.describe() == ("world 4 = pipeline 1 × data 4 × context 1 × tensor 1, experts over 2 of the "
@@ -312,3 +312,10 @@ def test_the_mesh_names_the_expert_size():
     with pytest.raises(engine.BatchConfigError, match="experts over 2 of the data × context ranks"):
         plan_for_mesh(engine.load_config({"train_batch_size": 6, "expert_parallel": {"size": 2},
                                           "train_micro_batch_size_per_gpu": 4}), mesh)
+    from engine.cli import main
+    path = tmp_path / "ep.yaml"
+    path.write_text("train_batch_size: 16\ntrain_micro_batch_size_per_gpu: 2\nexpert_parallel: {size: 2}\n")
+    assert main(["plan", str(path), "--world-size", "4"]) == 0 and main(["validate", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "mesh: world 4 = pipeline 1 × data 4 × context 1 × tensor 1, experts over 2" in printed
+    assert "expert parallel 2" in printed
