@@ -243,21 +243,33 @@ def test_the_example_with_its_experts_split_over_2_ranks(two_ranks):
 
 
 # -- four ranks: expert 2 × data 2 ------------------------------------------------------------------
-def four_ranks_scenario(rank, world):
+def four_ranks_scenario(rank, world, root):
     model, batches = hf_moe(), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
-    return differences(model, batches, hf_loss, expected,
-                       [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group),
-                        ("not over replicas", broken.experts_not_reduced_over_replicas)], stage=3)
+    results = differences(model, batches, hf_loss, expected,
+                          [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group),
+                           ("not over replicas", broken.experts_not_reduced_over_replicas)], stage=3)
+    # saved by 2 expert groups holding the same slices, resumed with every rank holding every expert
+    eng = trained(model, batches[:1], hf_loss, stage=1)
+    eng.save_checkpoint(root)
+    eng.close()
+    eng = ep_engine(hf_moe(seed=1), expert=1, stage=3)
+    eng.load_checkpoint(root)
+    eng.train_batch(rank_slice(batches[1], eng.plan), hf_loss)
+    results["resumed at expert 1"] = max_param_diff(eng.full_state_dict(), expected)
+    eng.close()
+    return results
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_expert_2_by_data_2_at_zero_3_on_4_ranks():
-    for rank, result in enumerate(run_scenarios({"four": four_ranks_scenario}, world_size=4, timeout=500)["four"]):
+def test_expert_2_by_data_2_at_zero_3_on_4_ranks(tmp_path):
+    scenario = functools.partial(four_ranks_scenario, root=str(tmp_path / "expert2x2"))
+    for rank, result in enumerate(run_scenarios({"four": scenario}, world_size=4, timeout=500)["four"]):
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
         assert result["not over replicas"] > MISSES, (rank, result)
+        assert result["resumed at expert 1"] < TOL, (rank, result)
 
 
 # -- one process: finding experts, the config ------------------------------------------------------
