@@ -90,6 +90,14 @@ def hugging_face_scenario(rank, world, kind, stage, accumulation):
                               accumulation=accumulation, stage=stage)
 
 
+def batched_experts_scenario(rank, world):
+    """transformers' batched_mm experts implementation: the module's own forward, whichever it runs."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    model.config._experts_implementation = "batched_mm"  # the config object every layer holds
+    return differences(model, batches, hf_loss, expected, [("exact", broken.intact)])
+
+
 def clipping_scenario(rank, world):
     model, batches = hf_moe(), lm_batches(2, 8)
     clip = 0.05
@@ -169,7 +177,7 @@ def two_ranks(tmp_path_factory):
         ("qwen2_moe", 3, 2): functools.partial(hugging_face_scenario, kind="qwen2_moe", stage=3, accumulation=2),
         "clipping": clipping_scenario, "uneven": uneven_scenario, "padded": padded_scenario,
         "checkpoint": functools.partial(checkpoint_scenario, root=str(tmp_path_factory.mktemp("ep"))),
-        "refusals": refusal_scenario, "example": example_scenario,
+        "refusals": refusal_scenario, "example": example_scenario, "batched_mm": batched_experts_scenario,
     }
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -186,6 +194,13 @@ def test_expert_2_on_2_ranks_equals_the_full_batch(two_ranks, kind, stage, accum
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
         assert result["per micro-batch term"] > MISSES, (rank, result)  # the global balance still counts
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_another_experts_implementation(two_ranks):
+    for rank, result in enumerate(two_ranks["batched_mm"]):
+        assert result["exact"] < TOL, (rank, result)
 
 
 @pytest.mark.distributed
