@@ -75,8 +75,8 @@ def _expert_problems(config: Config) -> list[str]:
              "and Hugging Face's plans split them; not built or tested"),
             ("pipeline.stages", config.pipeline.stages, "the expert groups would have to be built per stage; not "
              "built or tested"),
-            ("context_parallel.size", config.context_parallel.size, "a mixture-of-experts model's load balance "
-             "over the window is not available under context parallelism")):
+            ("context_parallel.size", config.context_parallel.size, "a mixture-of-experts model's routers are "
+             "not available under context parallelism yet")):
         if value > 1:
             problems.append(f"{key}: {value} is not available {where} yet ({why}); use one of the two")
     if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
