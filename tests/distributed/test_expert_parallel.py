@@ -90,12 +90,16 @@ def hugging_face_scenario(rank, world, kind, stage, accumulation):
                               accumulation=accumulation, stage=stage)
 
 
-def batched_experts_scenario(rank, world):
-    """transformers' batched_mm experts implementation: the module's own forward, whichever it runs."""
+def transformed_scenario(rank, world):
+    """transformers' batched_mm experts implementation (the module's own forward runs, whichever it
+    is); activation checkpointing and compile of the blocks around the dispatch."""
     model, batches = hf_moe(), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
+    results = differences(model, batches, hf_loss, expected, [("checkpointed and compiled", broken.intact)],
+                          activation_checkpointing={"enabled": True},
+                          compile={"enabled": True, "backend": "aot_eager"})
     model.config._experts_implementation = "batched_mm"  # the config object every layer holds
-    return differences(model, batches, hf_loss, expected, [("exact", broken.intact)])
+    return results | differences(model, batches, hf_loss, expected, [("batched_mm", broken.intact)])
 
 
 def clipping_scenario(rank, world):
@@ -177,7 +181,7 @@ def two_ranks(tmp_path_factory):
         ("qwen2_moe", 3, 2): functools.partial(hugging_face_scenario, kind="qwen2_moe", stage=3, accumulation=2),
         "clipping": clipping_scenario, "uneven": uneven_scenario, "padded": padded_scenario,
         "checkpoint": functools.partial(checkpoint_scenario, root=str(tmp_path_factory.mktemp("ep"))),
-        "refusals": refusal_scenario, "example": example_scenario, "batched_mm": batched_experts_scenario,
+        "refusals": refusal_scenario, "example": example_scenario, "transformed": transformed_scenario,
     }
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -198,9 +202,9 @@ def test_expert_2_on_2_ranks_equals_the_full_batch(two_ranks, kind, stage, accum
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-def test_another_experts_implementation(two_ranks):
-    for rank, result in enumerate(two_ranks["batched_mm"]):
-        assert result["exact"] < TOL, (rank, result)
+def test_another_experts_implementation_checkpointing_and_compile(two_ranks):
+    for rank, result in enumerate(two_ranks["transformed"]):
+        assert result["batched_mm"] < TOL and result["checkpointed and compiled"] < TOL, (rank, result)
 
 
 @pytest.mark.distributed
