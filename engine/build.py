@@ -113,10 +113,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                              all_reduce_sum=strategy.all_reduce_sum)
     if experts is not None and context is not None:
         raise ConfigError([
-            f"context_parallel.size {setup.mesh.context}: not available yet with a mixture-of-experts model's "
-            "load balance over the window (moe.load_balance: global counts each micro-batch's routing before its "
-            "backward, which a rank's part of each sequence does not give alone); set moe.load_balance: "
-            "micro_batch, or context_parallel.size: 1"])
+            f"context_parallel.size {setup.mesh.context}: not available yet with a mixture-of-experts model whose "
+            "routers the engine balances or counts (at either moe.load_balance: the window's routing is counted on "
+            "whole sequences, and a rank holds a part of each); train it with context_parallel.size: 1"])
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

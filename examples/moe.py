@@ -3,6 +3,7 @@ included, as one step on the whole global batch.
 
     python examples/moe.py                                   # accumulation 4, one process
     python -m launch --nproc-per-node 2 examples/moe.py      # data 2 x accumulation 2
+    python -m launch --nproc-per-node 2 examples/moe.py --set expert_parallel.size=2   # 4 experts per rank
     python examples/moe.py --set moe.load_balance=micro_batch
 
 A tiny Mixtral (random init, float64, output_router_logits, router_aux_loss_coef 0.02) and
@@ -105,8 +106,10 @@ def main(argv=None) -> dict:
     expected = full_batch_reference(model, batches, lr)
     difference = max((trained[name] - expected[name]).abs().max().item() for name in expected)
     if eng.rank == 0:
+        experts = f", experts split over {eng.config.expert_parallel.size}" if eng.config.expert_parallel.size > 1 else ""
         print(f"moe.load_balance: {eng.config.moe.load_balance} on {plan.world_size} data rank(s) x accumulation "
-              f"{plan.gradient_accumulation_steps}: max |weight - full-batch weight| = {difference:.1e}", flush=True)
+              f"{plan.gradient_accumulation_steps}{experts}: max |weight - full-batch weight| = {difference:.1e}",
+              flush=True)
     eng.close()
     return {"difference": difference, "records": eng.monitor.history}
 

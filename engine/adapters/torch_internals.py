@@ -55,7 +55,8 @@ def schedules_switch_modes() -> bool:
 # torch 2.11's compiler traces an autograd.Function whose backward runs an in-place c10d
 # collective (``dist.all_to_all_single`` into a new tensor) with a zero incoming gradient: a
 # compiled block then back-propagates zeros through it, silently (found on 2.11.0 by
-# tests/distributed/test_context_parallel.py's compiled scenario; 2.13 traces it right).
+# tests/distributed/test_context_parallel.py's compiled scenario; 2.13 traces it right). Used on
+# ``engine.distributed.collectives.all_to_all`` (context and expert parallelism).
 COMPILED_COLLECTIVE_BACKWARD_FROM = (2, 13)
 
 
@@ -123,6 +124,8 @@ def _required():
 
     yield "DeviceMesh._flatten", hasattr(DeviceMesh, "_flatten")
     yield "DistributedDataParallel.no_sync", hasattr(DistributedDataParallel, "no_sync")
+    yield "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", \
+        hasattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
     # overridden by engine.adapters.pipelining (a pipeline's failure guard)
     yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
     yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
@@ -149,6 +152,14 @@ def set_ddp_gradient_sync(ddp, enabled: bool) -> None:
     """Whether DDP's next backward all-reduces: the flag ``no_sync()`` toggles (DDP reads it in
     the forward); set directly because a micro-step's forward and backward are separate calls."""
     ddp.require_backward_grad_sync = enabled
+
+
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """DDP, built on ``module`` after this, neither broadcasts nor reduces the parameters ``names``
+    (the workaround torch documents until an API exists, pytorch/pytorch#43690)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ both report the same problems, all at once:
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
-  dimension, the automatic micro size).
+  dimension, the automatic micro size);
+* expert parallelism: the same, and tensor / context dimensions and offload.
 """
 from __future__ import annotations
 
@@ -59,11 +60,32 @@ def check_without_model(config: Config) -> list[str]:
 
 
 def _expert_problems(config: Config) -> list[str]:
-    if config.expert_parallel.size == 1:
+    """What ``expert_parallel.size`` > 1 does not run with yet (docs/moe.md, "Expert parallelism")."""
+    size = config.expert_parallel.size
+    if size == 1:
         return []
-    return [f"expert_parallel.size: {config.expert_parallel.size}: expert parallelism (experts sharded over ranks, "
-            "tokens dispatched by all-to-all) is not available yet; remove expert_parallel (every data rank then holds "
-            "every expert, and moe.load_balance: global still balances over the whole global batch)"]
+    where, problems = f"with expert_parallel.size {size}", []
+    if config.backend != "torch":
+        problems.append(f"backend: {config.backend} is not available {where}: DeepSpeed's expert parallelism needs "
+                        "its own layer (deepspeed.moe.layer.MoE) in the model, Microstep's splits a Hugging Face "
+                        "model's experts as they are on backend: torch; set backend: torch")
+    for key, value, why in (
+            ("tensor_parallel.size", config.tensor_parallel.size, "the tensor plan must leave the experts whole, "
+             "and Hugging Face's plans split them; not built or tested"),
+            ("pipeline.stages", config.pipeline.stages, "the expert groups would have to be built per stage; not "
+             "built or tested"),
+            ("context_parallel.size", config.context_parallel.size, "a mixture-of-experts model's routers are "
+             "not available under context parallelism yet")):
+        if value > 1:
+            problems.append(f"{key}: {value} is not available {where} yet ({why}); use one of the two")
+    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
+        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
+                        f"{where} (a rank that runs out of memory inside an expert leaves its expert group waiting "
+                        "in the all-to-all); give a number")
+    if config.backend == "torch" and torch_sections(config).offload.to_host:
+        problems.append(f"zero_optimization: offload is not available {where} (the experts are kept out of FSDP2, "
+                        "which offloads); remove offload_param / offload_optimizer")
+    return problems
 
 
 def _automatic_checkpointing_problems(config: Config) -> list[str]:

@@ -328,10 +328,13 @@ class MoeConfig(Section):
 
 
 class ExpertParallelConfig(_DeepSpeedSection):
-    """Experts sharded over ranks: not available yet (engine.config.checks refuses size > 1). DeepSpeed's
-    AutoEP section maps: ``{enabled: true, autoep_size: N}`` is ``size: N``."""
+    """Experts split over ``size`` of the data ranks, tokens dispatched by all-to-all
+    (``engine.experts.parallel``). ``modules``: glob patterns (``*`` one name part) of the modules of
+    experts, for a model without Hugging Face's ``base_model_ep_plan``. DeepSpeed's AutoEP section
+    maps: ``{enabled: true, autoep_size: N}`` is ``size: N``."""
 
     size: PositiveInt = 1
+    modules: Optional[Annotated[list[str], Field(min_length=1)]] = None
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_EXPERT_PARALLEL_KEYS | {"enabled", "autoep_size"}
 
     @model_validator(mode="after")

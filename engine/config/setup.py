@@ -96,6 +96,7 @@ class Setup:
     pipeline: PipelineSetup = PipelineSetup()
     tensor_parallel: TensorParallelSetup = TensorParallelSetup()
     context_parallel: ContextParallelSetup = ContextParallelSetup()
+    expert_modules: tuple[str, ...] | None = None  # expert_parallel.modules (None: the Hugging Face plan's)
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
     overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
@@ -160,6 +161,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
         memory_limit=config.auto_memory_limit,
         pipeline=PipelineSetup(config.pipeline.schedule, config.pipeline.split if isinstance(config.pipeline.split, str)
                                else tuple(config.pipeline.split)),
+        expert_modules=tuple(config.expert_parallel.modules) if config.expert_parallel.modules else None,
         checkpointing=features.checkpointing,
         compile=features.compile,
         overlap=sections.overlap,
@@ -178,7 +180,8 @@ def model_parallel_dimensions(config: Config) -> list[str]:
     split = pipeline.split if isinstance(pipeline.split, str) else ",".join(pipeline.split)
     return [*([f"pipeline {pipeline.stages} stages ({pipeline.schedule}, split {split})"] if pipeline.stages > 1 else []),
             *([f"tensor parallel {tensor.size}"] if tensor.size > 1 else []),
-            *([f"context parallel {context.size} ({context.method})"] if context.size > 1 else [])]
+            *([f"context parallel {context.size} ({context.method})"] if context.size > 1 else []),
+            *([f"expert parallel {config.expert_parallel.size}"] if config.expert_parallel.size > 1 else [])]
 
 
 def mesh_layout(config: Config, world_size: int) -> MeshLayout:
@@ -187,7 +190,7 @@ def mesh_layout(config: Config, world_size: int) -> MeshLayout:
     sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
                                                       and torch_sections(config).offload.to_host)
     return MeshLayout(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                      context=config.context_parallel.size, data_sharded=sharded)
+                      context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded)
 
 
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:

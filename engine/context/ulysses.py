@@ -27,42 +27,15 @@ activation checkpointing happens in the backward); at other times the model is t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from engine.adapters.torch_internals import eager_where_compiled_collectives_fail
 from engine.context.sharding import ContextShards
+from engine.distributed.collectives import all_to_all
 from engine.errors import EngineUsageError
 
 # Hugging Face implementations that build their own causal masking from ``is_causal`` (no mask given).
 SELF_MASKING = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
-
-
-class _Exchange(torch.autograd.Function):
-    """All-to-all over ``group`` of a tensor whose dim 0 has one entry per rank: entry j goes to
-    rank j, entry j of the result came from rank j. Its own transpose, so also its gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _all_to_all(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
-
-
-@eager_where_compiled_collectives_fail
-def _exchange(tensor: torch.Tensor, group) -> torch.Tensor:
-    return _Exchange.apply(tensor, group)
-
-
-def _all_to_all(tensor: torch.Tensor, group) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    received = torch.empty_like(tensor)
-    dist.all_to_all_single(received, tensor, group=group)
-    return received
 
 
 class UlyssesExchange:
@@ -103,7 +76,7 @@ class UlyssesExchange:
         *lead, heads, shard, width = x.shape
         self.check_heads(heads, what)
         parts = x.reshape(*lead, size, heads // size, shard, width).movedim(len(lead), 0)
-        received = _exchange(parts, self.group)  # (N, ..., heads / N, shard, d): rank j's shard
+        received = all_to_all(parts, self.group)  # (N, ..., heads / N, shard, d): rank j's shard
         whole = received.movedim(0, len(lead) + 1).reshape(*lead, heads // size, size * shard, width)
         natural, _ = self._order(size * shard, x.device)
         return whole.index_select(-2, natural)
@@ -114,7 +87,7 @@ class UlyssesExchange:
         *lead, heads, length, width = x.shape
         _, gathered = self._order(length, x.device)
         parts = x.index_select(-2, gathered).reshape(*lead, heads, size, length // size, width)
-        received = _exchange(parts.movedim(len(lead) + 1, 0), self.group)  # rank j's heads of my shard
+        received = all_to_all(parts.movedim(len(lead) + 1, 0), self.group)  # rank j's heads of my shard
         return received.movedim(0, len(lead)).reshape(*lead, size * heads, length // size, width)
 
 

@@ -7,7 +7,8 @@
 * ``agree``: the same for errors found while checkpointing, raised on every rank;
 * ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``;
 * ``positions_of_ranks``: where each rank is (its window and micro-step), for the engine's
-  per-window check that no collective pairs different windows.
+  per-window check that no collective pairs different windows;
+* ``all_to_all``: the differentiable all-to-all (even or uneven) of context and expert parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.adapters.torch_internals import flatten, foreach_norm, unflatten
+from engine.adapters.torch_internals import eager_where_compiled_collectives_fail, flatten, foreach_norm, unflatten
 from engine.distributed.process_group import agreement_timeout_seconds, control_group, is_peer_lost
 from engine.errors import CheckpointError, EngineUsageError, MicrostepError, PeerError, PeerLostError
 
@@ -135,6 +136,50 @@ def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
             raise
         raise PeerLostError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
     return [t.tolist() for t in everyone]
+
+
+# -- the all-to-all of context and expert parallelism ---------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """All-to-all over ``group``; its gradient is the reverse all-to-all (the counts swapped)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, send_counts, receive_counts):
+        ctx.group, ctx.send_counts, ctx.receive_counts = group, send_counts, receive_counts
+        return _all_to_all(tensor, group, send_counts, receive_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.receive_counts, ctx.send_counts), None, None, None
+
+
+def _all_to_all(tensor: torch.Tensor, group, send_counts, receive_counts) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    if send_counts is None:
+        received = torch.empty_like(tensor)
+    else:
+        received = tensor.new_empty((sum(receive_counts), *tensor.shape[1:]))
+    dist.all_to_all_single(received, tensor, output_split_sizes=receive_counts, input_split_sizes=send_counts,
+                           group=group)
+    return received
+
+
+@eager_where_compiled_collectives_fail  # torch 2.11's compiler back-propagates zeros through it
+def all_to_all(tensor: torch.Tensor, group, send_counts: list[int] | None = None,
+               receive_counts: list[int] | None = None) -> torch.Tensor:
+    """Exchange rows of ``tensor`` (dim 0) between the ranks of ``group``, differentiably, on any
+    backend (gloo included). Without counts dim 0 splits evenly: entry j goes to rank j, entry j of
+    the result came from rank j. With counts (uneven): the first ``send_counts[0]`` rows go to rank 0,
+    the next ``send_counts[1]`` to rank 1, ...; ``receive_counts[j]`` rows come from rank j
+    (:func:`exchange_counts` learns them)."""
+    return _AllToAll.apply(tensor, group, send_counts, receive_counts)
+
+
+def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    """How many rows each rank of ``group`` will send this rank, given how many this rank sends
+    each (an int64 vector of the group's size): one small all-to-all."""
+    received = torch.empty_like(send_counts)
+    dist.all_to_all_single(received, send_counts.contiguous(), group=group)
+    return received
 
 
 # -- failures inside a window ---------------------------------------------------------------

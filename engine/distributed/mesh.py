@@ -8,7 +8,11 @@ then pipeline — the order ``init_device_mesh(device, (pipeline, data, context,
 The data dimension is data-replicate × data-shard: one of the two is the whole data dimension
 (``data_sharded``: FSDP2 shards the model over it, ZeRO 2 / 3 on the torch backend; otherwise
 every data rank holds a whole replica). Experts borrow data × context ranks: ``expert`` of them
-split the experts between them (it must divide data × context), no rank is added for them.
+split the experts between them (it must divide data × context), no rank is added for them. In the
+data × context index ``i = data_index · context + context_index`` of a (pipeline, tensor)
+coordinate, the expert group is ``i // expert`` (consecutive ranks: the all-to-all's traffic stays
+near) and the rank holds slice ``i % expert`` of the experts; the ranks holding the same slice are
+its expert replicas.
 
 :class:`MeshLayout` is arithmetic on sizes (no process group needed: ``python -m engine plan``
 uses it); :class:`MeshGroups` builds the process groups of one mesh, once, collectively. Both
@@ -26,6 +30,10 @@ group                       dimensions               why
 ``SAME_BATCH``              pipeline × context ×     ranks of one data index: they must be given the
                             tensor                   same batch (checked, never assumed)
 ``EXPERTS``                 data × context           the ranks experts are spread over
+expert group                ``expert`` ranks of      split the experts: tokens dispatched to the
+(``MeshGroups.experts``)    data × context           rank holding their expert (all-to-all)
+expert replicas             data × context /         hold the same slice of the experts: its
+(``.expert_replicas``)      ``expert`` ranks         gradients summed over them
 =========================  =======================  ==============================================
 
 The batch planner counts data ranks only (its W is ``data``): the context, tensor and pipeline
@@ -38,8 +46,9 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.adapters.torch_internals import flatten_device_mesh
 from engine.errors import ConfigError
@@ -116,7 +125,13 @@ class MeshLayout:
 
     @property
     def is_data_parallel_only(self) -> bool:
-        return self.tensor == 1 and self.pipeline == 1 and self.context == 1
+        """Every rank holds the whole model (no dimension splits it, experts included)."""
+        return self.tensor == 1 and self.pipeline == 1 and self.context == 1 and self.expert == 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same slice of the experts: data × context / expert."""
+        return self.data * self.context // self.expert
 
     # -- where a rank sits -------------------------------------------------------------------
     def coordinates(self, rank: int) -> MeshCoordinates:
@@ -143,6 +158,19 @@ class MeshLayout:
         mine = self.coordinates(rank)
         return [r for r in range(self.world_size)
                 if all(getattr(self.coordinates(r), dim) == getattr(mine, dim) for dim in MESH_DIMS if dim not in dims)]
+
+    def expert_index(self, rank: int) -> int:
+        """Which slice of the experts ``rank`` holds (0 .. expert - 1)."""
+        p, d, c, t = self.coordinates(rank)
+        return (d * self.context + c) % self.expert
+
+    def expert_layout(self):
+        """Every rank, as a (pipeline, tensor, expert replica, expert) array of global ranks: row
+        [p][t][r] is an expert group, column [p][t][:, e] the replicas of slice e."""
+        return [[[[self.rank_at(MeshCoordinates(p, (r * self.expert + e) // self.context,
+                                                (r * self.expert + e) % self.context, t))
+                   for e in range(self.expert)] for r in range(self.expert_replicas)]
+                 for t in range(self.tensor)] for p in range(self.pipeline)]
 
     def index_in(self, dims: tuple[str, ...], rank: int) -> int:
         """``rank``'s place in its group spanning ``dims`` (ranks in ascending order)."""
@@ -171,6 +199,13 @@ class MeshGroups:
         self.device_mesh = layout.device_mesh(device_type)
         self._submeshes: dict[tuple[str, ...], object] = {}
         self.submesh(GRADIENT_REDUCTION)  # a flattened group when data and context both split: made by every rank
+        self.expert_mesh = self.experts = self.expert_replicas = None
+        if layout.expert > 1:  # every rank builds every expert group, in the same order
+            dims = ("pipeline", "tensor", "expert_replica", "expert")
+            whole = DeviceMesh(device_type, torch.tensor(layout.expert_layout()), mesh_dim_names=dims)
+            # (expert replica, expert): what a checkpoint's expert tensors are DTensors on
+            self.expert_mesh = whole["expert_replica", "expert"]
+            self.experts, self.expert_replicas = whole["expert"].get_group(), whole["expert_replica"].get_group()
 
     def submesh(self, dims: tuple[str, ...]):
         """The ``DeviceMesh`` of this rank's group spanning ``dims``: one mesh dimension, or the

@@ -79,6 +79,8 @@ class Strategy(ABC):
     # context_parallel: the context dimension's batch split and attention exchange
     # (engine.context.parallel), which the engine drives; None without a context dimension
     context = None
+    # expert_parallel: the experts split over the expert groups (engine.experts.parallel); None without
+    expert_shards = None
     # Whether a window may issue collectives before the backward that closes it (a reduction in
     # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
     # positions at the window's start too, not only before that backward.
@@ -271,6 +273,17 @@ class TorchStrategy(Strategy):
         if transform:
             self.checkpoint_switch = done.checkpoint_switch
         self.context = done.context
+        self.expert_shards = done.experts
+
+    @property
+    def forward_communicates(self) -> bool:
+        # Expert parallelism dispatches tokens in every forward: the ranks compare positions first.
+        return self.expert_shards is not None
+
+    def dense_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters every rank of the gradient-reduction group holds alike (all but split experts)."""
+        params = list(self.module.parameters())
+        return params if self.expert_shards is None else [p for p in params if not self.expert_shards.holds(p)]
 
     # -- a micro-step ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -291,9 +304,17 @@ class TorchStrategy(Strategy):
         ranks = self.mesh.size(GRADIENT_REDUCTION)
         if ranks == 1:
             return []
-        return average_used_gradients_(self.module.parameters(), ranks, self.device,
-                                       group=self.group_of(GRADIENT_REDUCTION),
-                                       bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        users = average_used_gradients_(self.dense_parameters(), ranks, self.device,
+                                        group=self.group_of(GRADIENT_REDUCTION),
+                                        bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
+        self.reduce_expert_gradients()
+        return users
+
+    def reduce_expert_gradients(self) -> None:
+        """Split experts: each gradient summed over the ranks holding the same experts, divided by
+        data × context as the dense ones (``engine.experts.parallel``)."""
+        if self.expert_shards is not None:
+            self.expert_shards.reduce_gradients_(self.settings.overlap.reduce_bucket_bytes)
 
     def local_gradients(self) -> list[torch.Tensor]:
         """This rank's pieces of the reduced gradient (shards and tensor pieces of DTensors)."""
@@ -302,16 +323,22 @@ class TorchStrategy(Strategy):
     def gradient_squares(self) -> torch.Tensor:
         """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
         the squared norm; ``engine.strategies.gradients``)."""
-        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device)
+        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device,
+                             self._expert_slices())
+
+    def _expert_slices(self):
+        """For the norm: into how many slices a parameter is cut over ranks (an expert's: the expert size)."""
+        shards = self.expert_shards
+        return None if shards is None else lambda p: shards.size if shards.holds(p) else 1
 
     def global_grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole gradient, identical on every rank (one all-reduce of one number,
         none where every rank holds the whole gradient)."""
         params = list(self.module.parameters())
         holders = self.mesh.size(STAGE_HOLDERS)
-        if whole_on_every_rank(params, holders, self.world_size):
+        if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
-        squares = squares_share(params, holders, self.device)
+        squares = squares_share(params, holders, self.device, self._expert_slices())
         dist.all_reduce(squares)
         return squares.sqrt()
 
@@ -363,12 +390,16 @@ class TorchStrategy(Strategy):
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self):
         self.check_replicas("full_state_dict()")
-        return cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
-                               for name, value in self.module.state_dict().items()})
+        return self.whole_experts(cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
+                                                  for name, value in self.module.state_dict().items()}))
+
+    def whole_experts(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with split experts gathered whole (collective over each expert group)."""
+        return state if self.expert_shards is None else self.expert_shards.whole(state)
 
     def save_training_state(self, directory):
         self.check_replicas("saving a checkpoint")
-        save_training_state(self.module, self.optimizer, directory)
+        save_training_state(self.module, self.optimizer, directory, self.expert_shards)
 
     def check_replicas(self, what: str) -> None:
         """The parameters a tensor group replicates are equal on its ranks, before ``what`` keeps one
@@ -377,4 +408,4 @@ class TorchStrategy(Strategy):
             check_replicas_equal(self.module, self.groups.group(("tensor",)), what)
 
     def load_training_state(self, directory):
-        load_training_state(self.module, self.optimizer, directory)
+        load_training_state(self.module, self.optimizer, directory, experts=self.expert_shards)

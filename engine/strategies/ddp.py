@@ -13,6 +13,9 @@ sees which parameters got a gradient on which rank; when some did not on every r
 rebuilt to find unused parameters in each backward (an extra traversal of the autograd graph,
 which models without unused parameters never pay). A parameter unused on every rank keeps no
 gradient, so the optimizer leaves it alone, as in one process.
+
+Split experts (``expert_parallel``) differ between ranks: DDP ignores them (neither broadcast nor
+reduced); their gradients are summed over their replicas at the boundary (``engine.experts.parallel``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import logging
 
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.adapters.torch_internals import set_ddp_gradient_sync
+from engine.adapters.torch_internals import ddp_ignore, set_ddp_gradient_sync
 from engine.distributed.mesh import GRADIENT_REDUCTION
-from engine.strategies.base import TorchStrategy
+from engine.strategies.base import TorchStrategy, repoint_optimizer
 from engine.strategies.zero1 import OwnedOptimizerState
 
 log = logging.getLogger("engine")
@@ -35,11 +38,16 @@ class DataParallel(TorchStrategy):
         # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
         # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
         # a synced backward); otherwise the closing backward's all-reduce is the window's first.
-        return not self._buckets_rebuilt or self._has_buffers
+        # Split experts dispatch tokens in every forward.
+        return not self._buckets_rebuilt or self._has_buffers or self.expert_shards is not None
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
+        names = {id(p): name for name, p in self.module.named_parameters()}
         self.parallelize(self.module)
+        if self.expert_shards is not None:  # split experts: reduced over their replicas, not by DDP
+            ddp_ignore(self.module, [entry.name for entry in self.expert_shards.parameters])
+            repoint_optimizer(optimizer, names, self.module)
         self._has_buffers = any(True for _ in self.module.buffers())
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
@@ -81,7 +89,8 @@ class DataParallel(TorchStrategy):
         self._defer_reduction = True
 
     def reduce_gradients(self):
-        if self._backward_syncs:
+        if self._backward_syncs:  # DDP reduced the rest in the closing backward
+            self.reduce_expert_gradients()
             return
         users = self.average_gradients()
         if self._probing_usage:

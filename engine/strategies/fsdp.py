@@ -126,17 +126,19 @@ class FullyShardedDataParallel(TorchStrategy):
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
         inner, root = self.precision.fsdp_policies()
+        # Split experts stay whole on their ranks: their gradients are reduced over the expert replicas.
+        ignored = {"ignored_params": {e.param for e in self.expert_shards.parameters}} if self.expert_shards else {}
         self.inner_units, unit_sizes = [], []
         for group in shard_units(module, self.settings.shard_unit_size):
             unit_sizes.append(sum(map(_parameter_count, group)))
             fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy,
-                        mp_policy=inner)
+                        mp_policy=inner, **ignored)
             self.inner_units.append(group[0])  # the modules of one group share their FSDP state
         if self.settings.overlap.prefetch_parameters is not None:
             _prefetch(self.inner_units, unit_sizes, self.settings.overlap.prefetch_parameters)
         # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
-                    offload_policy=self.offload_policy, mp_policy=root)
+                    offload_policy=self.offload_policy, mp_policy=root, **ignored)
         repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
@@ -160,14 +162,16 @@ class FullyShardedDataParallel(TorchStrategy):
 
     @property
     def communicates_before_closing_backward(self) -> bool:
-        # Split layers communicate in every forward; otherwise only ZeRO-2 deferring its reduction
-        # (parameters gathered since the last step) waits for the closing backward.
-        return self.mesh.tensor > 1 or not (self.rests_gathered and self.deferral.deferring)
+        # Split layers and experts communicate in every forward; otherwise only ZeRO-2 deferring its
+        # reduction (parameters gathered since the last step) waits for the closing backward.
+        return self.mesh.tensor > 1 or self.expert_shards is not None or \
+            not (self.rests_gathered and self.deferral.deferring)
 
     @property
     def forward_communicates(self) -> bool:
-        # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers).
-        return self.stage == 3 and not self._window_defers
+        # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers), and
+        # split experts dispatch tokens in every forward.
+        return self.stage == 3 and not self._window_defers or self.expert_shards is not None
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
@@ -211,6 +215,7 @@ class FullyShardedDataParallel(TorchStrategy):
             self._flags = None
         elif not after_backward:  # parameters still gathered: the step updates the shards
             self._reshard()
+        self.reduce_expert_gradients()
 
     def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
         result = super().step(multiplier, max_norm, want_norm, grad_squares)
@@ -311,10 +316,11 @@ class FullyShardedDataParallel(TorchStrategy):
             return super().full_state_dict()
         # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
         masters_gathered = self.rests_gathered and self._is_gathered() and not self.precision.converts_parameters
-        if masters_gathered:  # every rank holds the whole model: nothing to gather
-            return cpu_state_dict(self.module.state_dict())
+        if masters_gathered:  # every rank holds the whole model, split experts aside: only those gathered
+            return self.whole_experts(cpu_state_dict(self.module.state_dict()))
         with self._sharded():
-            return cpu_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)))
+            return self.whole_experts(cpu_state_dict(
+                get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))))
 
     def save_training_state(self, directory):
         with self._sharded():

@@ -6,8 +6,9 @@ the data dimension), tensor-parallel pieces (DTensors over the tensor dimension)
 gradient is the sum over the world of every rank's pieces' squares, each divided by the number
 of ranks that hold the same piece; that count is the ranks holding the module the piece belongs
 to (the world over the pipeline: every rank of a pipeline index holds its stages) over the number
-of distinct pieces its placements cut it into. So one all-reduce of one float64 number over the
-world gives the norm, identical on every rank, whatever the mesh.
+of distinct pieces its placements cut it into — or, for a plain tensor that is one slice of a
+whole (split experts, ``engine.experts.parallel``), over the number of slices. So one all-reduce
+of one float64 number over the world gives the norm, identical on every rank, whatever the mesh.
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ def whole_on_every_rank(params, holders: int, world_size: int) -> bool:
     return holders == world_size and not any(isinstance(p.grad, DTensor) for p in params)
 
 
-def squares_share(params, holders: int, device: torch.device) -> torch.Tensor:
+def squares_share(params, holders: int, device: torch.device, slices=None) -> torch.Tensor:
     """This rank's share of the squared norm of the whole gradient of ``params`` (a float64
     scalar on ``device``): summed over the world it is the squared norm. ``holders``: the ranks
-    holding each of this rank's modules (world / pipeline)."""
+    holding each of this rank's modules (world / pipeline); ``slices(p)``: into how many slices the
+    ranks cut a plain parameter ``p`` (None: 1 for every one)."""
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            by_copies.setdefault(copies(p.grad, holders), []).append(local(p.grad))
+            count = copies(p.grad, holders // (slices(p) if slices is not None else 1))
+            by_copies.setdefault(count, []).append(local(p.grad))
     if len(by_copies) == 1:  # the usual case: one fused pass
         ((count, pieces),) = by_copies.items()
         return sum_of_squares(pieces, device) / count

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from engine.context.parallel import ContextParallel
-from engine.errors import ConfigError
+from engine.experts.parallel import ExpertShards
 from engine.strategies.model_transforms import CheckpointSwitch, transform_model
 from engine.config.setup import Setup
 from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
@@ -33,6 +33,7 @@ class Parallelized(NamedTuple):
 
     checkpoint_switch: CheckpointSwitch | None  # activation_checkpointing: auto's switch
     context: ContextParallel | None  # the context dimension's batch split and attention exchange
+    experts: ExpertShards | None  # the experts split over the expert groups (their gradients, checkpoints)
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
@@ -50,11 +51,10 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
-    if mesh.expert > 1:
-        apply_expert_parallel(module, setup, groups)
+    experts = apply_expert_parallel(module, setup, groups) if mesh.expert > 1 else None
     if not transform:
-        return Parallelized(None, context)
-    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context)
+        return Parallelized(None, context, experts)
+    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context, experts)
 
 
 def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> ContextParallel:
@@ -68,7 +68,10 @@ def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> Con
     return context
 
 
-def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups) -> None:
-    """Spread the experts over the mesh's data × context ranks (issue 30 builds it here)."""
-    raise ConfigError([f"expert parallelism ({setup.mesh.describe()}) is not available in this version; "
-                       "use an expert size of 1"])
+def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups) -> ExpertShards:
+    """Split the model's experts over the mesh's expert groups (inside data × context): each rank
+    keeps its slice, tokens are dispatched to their expert's rank (``engine.experts.parallel``); the
+    holder keeps the returned experts out of its data sharding and reduces their gradients."""
+    experts = ExpertShards(groups, setup.mesh, groups.rank)
+    experts.apply(module, list(setup.expert_modules) if setup.expert_modules else None)
+    return experts

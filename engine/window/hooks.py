@@ -28,8 +28,8 @@ class EngineHook:
     def on_window_closed(self, engine, report) -> None:
         """A window closed (``report``: the engine's ``last_window``); counters are updated."""
 
-    def on_state_loaded(self, engine, path) -> None:
-        """``eng.load_checkpoint(path)`` restored the engine (``path`` None: an automatic resume)."""
+    def on_state_loaded(self, engine) -> None:
+        """A checkpoint restored the engine (``eng.load_checkpoint`` or an automatic resume)."""
 
     def on_close(self, engine) -> None:
         """``eng.close()``."""

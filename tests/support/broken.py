@@ -230,3 +230,40 @@ def moe_bias_from_this_rank(eng):
     window_load = routers.window_load
     routers.window_load = lambda all_reduce_sum: window_load(lambda tensor: tensor)
     return eng
+
+
+def experts_averaged_over_the_expert_group(eng):
+    """Expert parallelism: each expert gradient averaged over its expert group (as if it were a dense
+    gradient the group's ranks each computed) instead of summed: N times too small."""
+    shards = eng.strategy.expert_shards
+    reduce = shards.reduce_gradients_
+
+    def averaged(bucket_bytes=None):
+        reduce(bucket_bytes)
+        for entry in shards.parameters:
+            entry.param.grad.div_(shards.size)
+
+    shards.reduce_gradients_ = averaged
+    return eng
+
+
+def experts_not_reduced_over_replicas(eng):
+    """Expert parallelism: each expert gradient divided by W but never summed over the ranks holding
+    the same experts (each replica steps on its own expert group's tokens alone)."""
+    shards = eng.strategy.expert_shards
+
+    def divided(bucket_bytes=None):
+        for entry in shards.parameters:
+            if entry.param.grad is None:
+                entry.param.grad = torch.zeros_like(entry.param)
+            entry.param.grad.div_(shards.divisor)
+
+    shards.reduce_gradients_ = divided
+    return eng
+
+
+def experts_norm_counted_on_every_rank(eng):
+    """Expert parallelism: the gradient norm counts each rank's expert slice as if every rank held it
+    (the slices' squares divided by the world instead of by their replicas): clipping sees too small a norm."""
+    eng.strategy._expert_slices = lambda: None
+    return eng

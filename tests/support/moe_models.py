@@ -202,3 +202,69 @@ def train_with_bias_updates(model, batches, loss_fn, speed: float, optimizer_fac
     for handle in handles:
         handle.remove()
     return model
+
+
+class StackedExperts(torch.nn.Module):
+    """Experts held as one module, Hugging Face's form: parameters ``[num_experts, ...]`` and
+    ``forward(hidden_states, top_k_index, top_k_weights)``, each row the weighted sum of its experts."""
+
+    def __init__(self, experts: int, width: int):
+        super().__init__()
+        self.num_experts = experts
+        self.weight = torch.nn.Parameter(torch.randn(experts, width, width) / width ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(experts, width) / 10)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(top_k_index == e)
+            if len(rows):
+                y = torch.tanh(hidden_states[rows] @ self.weight[e].T + self.bias[e])
+                out = out.index_add(0, rows, y * top_k_weights[rows, slot, None])
+        return out
+
+
+class StackedMoE(torch.nn.Module):
+    """A model of one's own with :class:`StackedExperts` (named ``blocks.<i>.experts``, for
+    ``expert_parallel.modules``) and :class:`engine.LoadBalancingLoss`. Its routers prefer experts 0 and
+    1 by ``preference`` for token ids below ``VOCAB // 2``: a batch of such ids sends no token to 2 and 3."""
+
+    coef = 0.05
+
+    def __init__(self, seed: int = 0, width: int = 8, experts: int = 4, preference: float = 20.0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.routers = torch.nn.ModuleList(torch.nn.Linear(width, experts, bias=False) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+        for block in self.blocks:
+            block.experts = StackedExperts(experts, width)
+        table = torch.zeros(VOCAB, experts)
+        table[:VOCAB // 2, :2] = preference
+        self.register_buffer("preference", table)
+        self.head = torch.nn.Linear(width, VOCAB)
+        self.balance = engine.LoadBalancingLoss(num_experts=experts, top_k=2)
+        self.to(DTYPE)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids).flatten(0, 1)
+        bias = self.preference[input_ids.flatten()]
+        logits_per_layer = []
+        for router, block in zip(self.routers, self.blocks):
+            logits = router(h) + bias
+            logits_per_layer.append(logits)
+            weights, chosen = torch.softmax(logits, -1).topk(2, dim=-1)
+            h = h + block.experts(h, chosen, weights)
+        return self.head(h), self.balance(tuple(logits_per_layer), attention_mask)
+
+
+def stacked_mean_loss(model, batch):
+    logits, aux = model(batch["input_ids"], batch["attention_mask"])
+    return F.cross_entropy(logits, batch["labels"].flatten(), ignore_index=-100) + StackedMoE.coef * aux
+
+
+def stacked_sum_loss(model, batch):
+    logits, aux = model(batch["input_ids"], batch["attention_mask"])
+    labels = batch["labels"].flatten()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") + StackedMoE.coef * aux, \
+        (labels != -100).sum()
