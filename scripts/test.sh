@@ -6,4 +6,7 @@ bash scripts/setup.sh
 # DeepSpeed compiles a small shared-memory op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), each taking whole test files: a file's module fixtures run once, and
+# the second core is not idle while a test waits on its ranks or on a launcher (about 10 minutes on
+# 2 cores instead of 14). One worker: MICROSTEP_TEST_WORKERS=0 bash scripts/test.sh
+exec .venv/bin/python -m pytest -q -n "${MICROSTEP_TEST_WORKERS:-2}" --dist loadfile "$@"
