@@ -24,6 +24,8 @@ error at the same boundary, before the update is applied.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -41,11 +43,26 @@ def batch_fingerprint(tree, device) -> torch.Tensor:
     values = torch.zeros(FINGERPRINT_SIZE, dtype=torch.float64, device=device)
     for position, tensor in enumerate(_tensors(tree), start=1):
         flat = tensor.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        weights = torch.arange(flat.numel(), device=device, dtype=torch.float64).remainder_(13).add_(1)
         values[0] += position * flat.numel()
         values[1] += position * flat.sum()
-        values[2] += position * (flat @ weights)
+        values[2] += position * (flat @ _index_weights(flat.numel(), device))
     return values.nan_to_num_(nan=-1.0)  # equal batches holding NaN (or +inf and -inf) compare equal
+
+
+def _index_weights(numel: int, device: torch.device) -> torch.Tensor:
+    """1, 2, ..., 13, 1, 2, ... (``numel`` of them). Every window of a run fingerprints batches of
+    the same few shapes: up to 8 MB each, they are made once and kept."""
+    return _kept_weights(numel, device) if numel <= _KEPT_WEIGHTS_MAX else _weights(numel, device)
+
+
+_KEPT_WEIGHTS_MAX = 1 << 20  # elements (float64)
+
+
+def _weights(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(numel, device=device, dtype=torch.float64).remainder_(13).add_(1)
+
+
+_kept_weights = functools.lru_cache(maxsize=8)(_weights)
 
 
 def _tensors(tree):
