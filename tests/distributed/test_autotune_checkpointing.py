@@ -340,7 +340,7 @@ def test_ranks_agree_on_the_choice_at_zero_stages_0_and_3():
         # auto keeps 8 with checkpointing; explore measured 4 without it faster (3 · 0.1248 s vs 0.1392 s)
         chosen = (8, True) if mode == "auto" else (4, False)
         assert (first["micro"], first["checkpointing"]) == chosen == (second["micro"], second["checkpointing"]), stage
-        assert first["changes"] == second["changes"], case
+        assert first["changes"] == second["changes"], (stage, mode)
     # checkpointing on rank 0 only: rank 1 still breaches the limit and both ranks halve (and word
     # the change alike, though only rank 1 measured the breach)
     assert [result["micro"] for result in broken] == [4, 4]
