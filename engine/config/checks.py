@@ -78,10 +78,8 @@ def _expert_problems(config: Config) -> list[str]:
              "not available under context parallelism yet")):
         if value > 1:
             problems.append(f"{key}: {value} is not available {where} yet ({why}); use one of the two")
-    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
-        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
-                        f"{where} (a rank that runs out of memory inside an expert leaves its expert group waiting "
-                        "in the all-to-all); give a number")
+    problems += _automatic_micro_size_refused(config, where, "inside an expert leaves its expert group waiting in "
+                                              "the all-to-all")
     if config.backend == "torch" and torch_sections(config).offload.to_host:
         problems.append(f"zero_optimization: offload is not available {where} (the experts are kept out of FSDP2, "
                         "which offloads); remove offload_param / offload_optimizer")
@@ -117,11 +115,19 @@ def _context_problems(config: Config) -> list[str]:
     if config.pipeline.stages > 1:
         problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (a stage's "
                         "schedule moves whole sequences between ranks); use one of the two")
-    if config.train_micro_batch_size_per_gpu in SEARCH_MODES:
-        problems.append(f"train_micro_batch_size_per_gpu: {config.train_micro_batch_size_per_gpu!r} is not available "
-                        f"{where} (a rank that runs out of memory inside attention leaves its context group waiting in "
-                        "the exchange); give a number")
+    problems += _automatic_micro_size_refused(config, where, "inside attention leaves its context group waiting in "
+                                              "the exchange")
     return problems
+
+
+def _automatic_micro_size_refused(config: Config, where: str, stall: str) -> list[str]:
+    """``auto`` / ``explore`` micro sizes under a dimension whose collectives run inside the forward:
+    a rank that runs out of memory there (``stall``: what it leaves waiting) cannot vote."""
+    mode = config.train_micro_batch_size_per_gpu
+    if mode not in SEARCH_MODES:
+        return []
+    return [f"train_micro_batch_size_per_gpu: {mode!r} is not available {where} (a rank that runs out of memory "
+            f"{stall}); give a number"]
 
 
 def _tensor_problems(config: Config) -> list[str]:

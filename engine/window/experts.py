@@ -221,7 +221,9 @@ class ExpertBalance(EngineHook):
             backward(output, samples)
         self._keep_load(self._window_counts(loads, [])[0])
 
-    def _counted_window(self, pieces, forward, backward, units) -> None:
+    def _counting_pass(self, pieces, forward, units) -> tuple[list, list]:
+        """Every micro-batch's forward without gradients, random generators restored after (the
+        training forwards draw the same numbers): each one's router counts and units."""
         saved = rng_state()
         counted, sizes = [], []
         with torch.no_grad(), self.bias_routers.paused():
@@ -231,6 +233,10 @@ class ExpertBalance(EngineHook):
                 counted.append(scope.calls)
                 sizes.append(self._units(units, output, samples))
         restore_rng_state(saved)
+        return counted, sizes
+
+    def _counted_window(self, pieces, forward, backward, units) -> None:
+        counted, sizes = self._counting_pass(pieces, forward, units)
         window, factors = self._window_and_factors(counted, sizes)
         difference = None
         for (micro_batch, samples), before, factor in zip(pieces, counted, factors):

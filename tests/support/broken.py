@@ -177,23 +177,13 @@ def moe_micro_batch_term(eng):
 def moe_running_average(eng):
     """Megatron's ``global_aux_loss``: micro-batch k's term uses the counts of micro-batches 1..k of the
     window (summed over the data ranks), not the whole window's."""
-    from engine.experts import balance
     from engine.experts.terms import scoped
-    from engine.window.experts import _Counting, _Global
-    from engine.state.rng import restore_rng_state, rng_state
+    from engine.window.experts import _Global
 
     experts = eng.experts
 
     def counted_window(pieces, forward, backward, units):
-        saved = rng_state()
-        counted, sizes = [], []
-        with torch.no_grad():
-            for micro_batch, samples in pieces:
-                with scoped(_Counting()) as scope:
-                    output = forward(micro_batch)
-                counted.append(scope.calls)
-                sizes.append(experts._units(units, output, samples))
-        restore_rng_state(saved)
+        counted, sizes = experts._counting_pass(pieces, forward, units)
         _, factors = experts._window_and_factors(counted, sizes)
         for k, (micro_batch, samples) in enumerate(pieces):
             seen, _ = experts._window_counts(counted[:k + 1], [])
