@@ -150,7 +150,8 @@ class ExpertShards:
         self.divisor = mesh_layout.data * mesh_layout.context  # the dense gradients' 1/W
         self.mesh = groups.expert_mesh
         self.parameters: list[ExpertParameter] = []
-        self._held: set[int] = set()  # ids of the parameters above
+        self._by_name: dict[str, ExpertParameter] = {}  # the same, by name (checkpoints look them up per key)
+        self._held: set[int] = set()  # ids of their parameters
 
     # -- splitting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -164,7 +165,9 @@ class ExpertShards:
                 piece = torch.nn.Parameter(param.detach()[self.index * local:(self.index + 1) * local].clone(),
                                            requires_grad=param.requires_grad)
                 setattr(module, param_name, piece)
-                self.parameters.append(ExpertParameter(f"{name}.{param_name}", piece, param.shape))
+                entry = ExpertParameter(f"{name}.{param_name}", piece, param.shape)
+                self.parameters.append(entry)
+                self._by_name[entry.name] = entry
                 self._held.add(id(piece))
             module.num_experts = local
             module.forward = ExpertDispatch(module.forward, self.group, self.size, local)
@@ -213,4 +216,4 @@ class ExpertShards:
                                   stride=torch.empty(shape, device="meta").stride())
 
     def entry(self, name: str) -> ExpertParameter | None:
-        return next((entry for entry in self.parameters if entry.name == name), None)
+        return self._by_name.get(name)

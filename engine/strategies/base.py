@@ -280,6 +280,12 @@ class TorchStrategy(Strategy):
         # Expert parallelism dispatches tokens in every forward: the ranks compare positions first.
         return self.expert_shards is not None
 
+    @property
+    def split_model_exchanges(self) -> bool:
+        """Whether the model's split layers (tensor) or experts exchange in every forward: a window
+        then communicates before its closing backward, whatever the holder does."""
+        return self.mesh.tensor > 1 or self.expert_shards is not None
+
     def dense_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters every rank of the gradient-reduction group holds alike (all but split experts)."""
         params = list(self.module.parameters())

@@ -38,8 +38,7 @@ class DataParallel(TorchStrategy):
         # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
         # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
         # a synced backward); otherwise the closing backward's all-reduce is the window's first.
-        # Split experts dispatch tokens in every forward.
-        return not self._buckets_rebuilt or self._has_buffers or self.expert_shards is not None
+        return not self._buckets_rebuilt or self._has_buffers or self.split_model_exchanges
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)

@@ -162,16 +162,15 @@ class FullyShardedDataParallel(TorchStrategy):
 
     @property
     def communicates_before_closing_backward(self) -> bool:
-        # Split layers and experts communicate in every forward; otherwise only ZeRO-2 deferring its
-        # reduction (parameters gathered since the last step) waits for the closing backward.
-        return self.mesh.tensor > 1 or self.expert_shards is not None or \
-            not (self.rests_gathered and self.deferral.deferring)
+        # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for the
+        # closing backward, unless the split model exchanges in its forwards.
+        return self.split_model_exchanges or not (self.rests_gathered and self.deferral.deferring)
 
     @property
     def forward_communicates(self) -> bool:
         # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers), and
         # split experts dispatch tokens in every forward.
-        return self.stage == 3 and not self._window_defers or self.expert_shards is not None
+        return self.stage == 3 and not self._window_defers or super().forward_communicates
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]

@@ -28,9 +28,9 @@ from engine.strategies.zero1 import OwnedOptimizerState
 class Replicas(TorchStrategy):
     @property
     def communicates_before_closing_backward(self) -> bool:
-        # Split layers communicate in every forward; otherwise no collective inside a window (the
-        # averaging follows its closing backward): the check before that backward is its only one.
-        return self.mesh.tensor > 1
+        # No collective of its own inside a window (the averaging follows its closing backward): the
+        # check before that backward is its only one, unless the split model exchanges in its forwards.
+        return self.split_model_exchanges
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
