@@ -88,7 +88,8 @@ def shown_sessions(doc: Path):
 def shown_as_pattern(command: str, shown: str) -> str:
     """A regular expression for what a doc shows: "..." stands for what the doc leaves out (a
     line of its own: any number of lines); a measured explore row keeps its sizes and whether
-    it fits, its timings vary."""
+    it fits, its timings vary (and so whether the fastest differs from the configured size, which
+    the tuner's change line on stderr reports)."""
     lines = []
     for line in shown.rstrip("\n").splitlines():
         if line.strip() == "...":
@@ -98,6 +99,8 @@ def shown_as_pattern(command: str, shown: str) -> str:
             lines.append(rf"\s+{micro}\s+{accumulation}\s.*\s{'yes' if 'yes' in line else 'no'}\b.*\n")
         else:
             lines.append(".*".join(re.escape(part) for part in line.split("...")) + r"\n")
+    if " explore " in command:
+        lines.append(r"(?:.*\(explore: fastest that fits, global step \d+\).*\n)?")
     return "".join(lines)
 
 
