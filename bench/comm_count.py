@@ -30,7 +30,7 @@ _WATCHED = {
     "broadcast": ("broadcast", 0),
     "all_gather_into_tensor": ("all_gather", 0),
     "all_gather_single": ("all_gather", 0),
-    "all_gather": ("all_gather", 0),
+    "all_gather": ("small all_gather", 0),  # the list form: small reductions (collectives.small_sum)
     "reduce_scatter_tensor": ("reduce_scatter", 1),
     "reduce_scatter_single": ("reduce_scatter", 1),
     "reduce_scatter": ("reduce_scatter", 1),

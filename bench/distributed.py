@@ -7,8 +7,9 @@ Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulati
 AdamW, fp32, gloo. Every variant trains its own copy; variants alternate round by round and
 the slowest rank's time counts. Rows by memory profile:
 
-* ZeRO memory (the engine's defaults): stage 0 against DDP with ``no_sync``; stage 1 (no
-  hand-written counterpart: against DDP); stages 2 and 3 against FSDP2 loops that hold the
+* ZeRO memory (the engine's defaults): stage 0 against DDP with ``no_sync``; stage 1 against
+  the same with PyTorch's ZeRO-1, ``ZeroRedundancyOptimizer`` (the optimizer state sharded, the
+  updated parameters broadcast from their owners); stages 2 and 3 against FSDP2 loops that hold the
   same memory — gradients reduce-scattered every micro-step; parameters gathered for the
   window at stage 2, freed after every forward and backward at stage 3. The hand loops shard
   the model as the engine does (its default ``shard_unit_size`` makes this MLP one unit) and
@@ -30,13 +31,15 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import engine
-from bench.common import GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
+from bench.common import ADAMW, GLOBAL_BATCH, adamw, interleaved, mse, save, start_ranks
 from engine.adapters.torch_internals import fsdp_comms
 
 ACCUMULATION = 4
@@ -47,9 +50,10 @@ def _micro_batches(data):
     return list(zip(data[0].chunk(ACCUMULATION), data[1].chunk(ACCUMULATION)))
 
 
-def hand_ddp(model, data):
+def hand_ddp(model, data, zero1=False):
     ddp = DistributedDataParallel(model)
-    optimizer = adamw(model.parameters())
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW) \
+        if zero1 else adamw(model.parameters())
     micro_batches = _micro_batches(data)
 
     def step():
@@ -128,7 +132,9 @@ def variants(model, data):
                                          lambda m: engine_manual_loop(m, data, engine_config(0))),
         "engine stage 0, auto (guarded)": ("ZeRO", "hand DDP + no_sync",
                                            lambda m: engine_train_batch(m, data, engine_config(0, micro="auto"))),
-        "engine stage 1": ("ZeRO", "hand DDP + no_sync", lambda m: engine_train_batch(m, data, engine_config(1))),
+        "hand DDP + no_sync + ZeroRedundancyOptimizer": ("ZeRO", None, lambda m: hand_ddp(m, data, zero1=True)),
+        "engine stage 1": ("ZeRO", "hand DDP + no_sync + ZeroRedundancyOptimizer",
+                           lambda m: engine_train_batch(m, data, engine_config(1))),
     }
     for stage in (2, 3):
         hand, fast = f"hand FSDP2 stage {stage}", f"hand FSDP2 stage {stage} + engine's gloo reduce-scatter"

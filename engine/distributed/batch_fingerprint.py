@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from engine.distributed.collectives import small_sum
 from engine.distributed.mesh import SAME_BATCH, STATISTICS_COPIES, MeshLayout
 from engine.errors import EngineUsageError
 
@@ -90,18 +91,23 @@ class ReplicaBatchCheck:
     def needed(layout: MeshLayout) -> bool:
         return layout.size(SAME_BATCH) > 1
 
-    def reduce(self, stats: torch.Tensor, fingerprint: torch.Tensor) -> torch.Tensor:
+    def reduce(self, stats: torch.Tensor, fingerprint: torch.Tensor,
+               world_sums: torch.Tensor | None = None) -> torch.Tensor:
         """``stats`` summed over the data (× context) ranks, as the strategy's window-statistics
-        reduction gives them, in one all-reduce over the world that also compares every replica's
-        batch fingerprints; raises EngineUsageError on every rank when they differ. Collective."""
-        carried = torch.zeros(self.slots, FINGERPRINT_SIZE, dtype=torch.float64, device=stats.device)
-        carried[self.slot] = fingerprint.to(stats.device)
-        combined = torch.cat([stats.to(torch.float64), carried.reshape(-1)])
-        dist.all_reduce(combined)
-        slots = combined[stats.numel():].reshape(self.slots, FINGERPRINT_SIZE)
+        reduction gives them, then ``world_sums`` (a scalar, or None) summed over the world, in one
+        all-reduce over the world that also compares every replica's batch fingerprints; raises
+        EngineUsageError on every rank when they differ. Collective."""
+        device, n = stats.device, stats.numel()
+        sums = torch.zeros(0, dtype=torch.float64, device=device) if world_sums is None else world_sums.reshape(1)
+        carried = torch.zeros(self.slots, FINGERPRINT_SIZE, dtype=torch.float64, device=device)
+        carried[self.slot] = fingerprint.to(device)
+        combined = torch.cat([stats.to(torch.float64), sums.to(device=device, dtype=torch.float64),
+                              carried.reshape(-1)])
+        combined = small_sum(combined)
+        slots = combined[n + sums.numel():].reshape(self.slots, FINGERPRINT_SIZE)
         if not bool((slots == slots[0]).all()):  # reads the reduced tensor, which the step reads anyway
             raise EngineUsageError(self._different(slots))
-        return (combined[:stats.numel()] / self.copies).to(stats.dtype)
+        return torch.cat([combined[:n] / self.copies, combined[n:n + sums.numel()]]).to(stats.dtype)
 
     def _different(self, slots: torch.Tensor) -> str:
         layout = self.layout

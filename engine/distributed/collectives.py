@@ -97,15 +97,49 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     return torch.stack([n.to(torch.float64) for n in norms]).square().sum().to(device)
 
 
+# -- small statistics -----------------------------------------------------------------------------
+# A few numbers are reduced as one all-gather and a sum (or maximum) in rank order, the same on
+# every rank: an all-reduce on gloo goes twice around the ring (a reduce-scatter, then an
+# all-gather), which for a few numbers waits twice as long (docs/benchmarks.md, "small
+# statistics"). Past GATHERED_LIMIT gathered elements the all-reduce moves fewer bytes.
+GATHERED_LIMIT = 1 << 16
+
+
+def small_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """A small tensor summed over the ranks of ``group`` (None: every rank), identical on every rank."""
+    gathered = _gathered_small(tensor, group)
+    if gathered is None:
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    return gathered.sum(0)
+
+
+def small_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """A small tensor's element-wise maximum over the ranks of ``group`` (None: every rank)."""
+    gathered = _gathered_small(tensor, group)
+    if gathered is None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return tensor
+    return gathered.amax(0)
+
+
+def _gathered_small(tensor: torch.Tensor, group) -> torch.Tensor | None:
+    """Every rank's ``tensor`` stacked in rank order, or None when that would exceed GATHERED_LIMIT."""
+    size = dist.get_world_size(group)
+    if size * tensor.numel() > GATHERED_LIMIT:
+        return None
+    everyone = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(everyone, tensor.contiguous(), group=group)
+    return torch.stack(everyone)
+
+
 def max_over_ranks(values: list[int]) -> list[int]:
     """Element-wise maximum of a few integers over ranks, on the control group: a peer that
     never joins makes it raise after the agreement timeout instead of waiting forever."""
     group = control_group()
     if group is None:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    return small_max(torch.tensor(values, dtype=torch.int64), group).tolist()
 
 
 def agreed_max(values: list[int], stuck: str) -> list[int]:

@@ -18,11 +18,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.adapters import torch_internals
-from engine.distributed.collectives import average_used_gradients_, broadcast_, check_peers, failure_vote, sum_of_squares
+from engine.distributed.collectives import (average_used_gradients_, broadcast_, check_peers, failure_vote, small_max,
+                                           small_sum, sum_of_squares)
 from engine.distributed.mesh import GRADIENT_REDUCTION, STAGE_HOLDERS, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
@@ -130,9 +130,10 @@ class Strategy(ABC):
 
     def grad_squares_share(self) -> torch.Tensor | None:
         """After ``reduce_gradients``: this rank's share of the sum of squares of the whole reduced
-        gradient (before the step's multiplier), such that ``all_reduce_sum`` over the shares gives
-        the total — the engine carries it in the window statistics' all-reduce and hands the total to
-        ``step``. None (the default): the step computes the norm itself."""
+        gradient (before the step's multiplier), such that the sum of the shares over every rank
+        gives the total — the engine carries it in the window statistics' all-reduce where that one
+        spans the world and hands the total to ``step``. None (the default): the step computes the
+        norm itself."""
         return None
 
     @abstractmethod
@@ -148,18 +149,21 @@ class Strategy(ABC):
     @abstractmethod
     def zero_grad(self) -> None: ...
 
+    @property
+    def statistics_span_world(self) -> bool:
+        """Whether ``all_reduce_sum`` sums over every rank (no pipeline or tensor dimension)."""
+        return self.mesh.size(WINDOW_STATISTICS) == self.world_size
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a small tensor over the window-statistics group (data × context: every row and
         token once; the tensor and pipeline ranks of one data index share its batch)."""
         if self.mesh.size(WINDOW_STATISTICS) > 1:
-            dist.all_reduce(tensor, group=self.group_of(WINDOW_STATISTICS))
+            return small_sum(tensor, self.group_of(WINDOW_STATISTICS))
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Maximum of a small tensor over every rank (an overflow on any stage or shard counts everywhere)."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor
+        return small_max(tensor) if self.world_size > 1 else tensor
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -344,16 +348,11 @@ class TorchStrategy(Strategy):
         holders = self.mesh.size(STAGE_HOLDERS)
         if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
-        squares = squares_share(params, holders, self.device, self._expert_slices())
-        dist.all_reduce(squares)
-        return squares.sqrt()
+        return small_sum(squares_share(params, holders, self.device, self._expert_slices())).sqrt()
 
     def grad_squares_share(self):
-        # The statistics' all-reduce carries the norm where it spans the world (no pipeline, no tensor
-        # dimension); the loss scaler checks overflow on the unscaled gradient, in step.
-        if self.mesh.size(WINDOW_STATISTICS) != self.world_size or self.precision.scaler is not None:
-            return None
-        return self.gradient_squares()
+        # The loss scaler checks overflow on the unscaled gradient, in step.
+        return None if self.precision.scaler is not None else self.gradient_squares()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

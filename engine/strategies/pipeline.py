@@ -307,6 +307,14 @@ class PipelineParallel(TorchStrategy):
         dist.broadcast(tensor, src=self.last_stage_rank, group=self.pipeline_group)
         return tensor
 
+    def failed_on_any_last_stage(self, flag: torch.Tensor) -> bool:
+        """Whether the last stage of any replica raised ``flag`` (this replica's, as
+        ``from_last_stage`` brought it): one all-reduce over the world, none where this replica's
+        stages are the whole world (the broadcast told every rank already)."""
+        if self.mesh.pipeline == self.world_size:
+            return bool(flag.item())
+        return bool(self.all_reduce_max(flag.clone()).item())
+
     # -- the boundary ------------------------------------------------------------------------------
     def reduce_gradients(self):
         if not self.sharded:  # sharded: the schedule reduce-scattered them after the window's last backward

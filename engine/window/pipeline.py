@@ -176,8 +176,7 @@ class _Records:
         table = strategy.from_last_stage(self.table.to(strategy.device))
         # Every rank learns of a failed loss before the window's gradients are reduced: the
         # other stages and replicas would otherwise wait for it in their collectives.
-        failed = strategy.all_reduce_max(table[-1:].clone())
-        if failed.item():
+        if strategy.failed_on_any_last_stage(table[-1:]):
             if self.error is not None:
                 raise self.error
             raise EngineUsageError("loss_fn(outputs, labels) failed on a last pipeline stage (its rank raises the "

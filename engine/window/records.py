@@ -68,11 +68,12 @@ class WindowReport:
 def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_batch=None, holders: int = 1):
     """(mean loss, units, samples, (real, padded) tokens, Σ squares of the reduced gradient or
     None) of ``window``. Over all ranks: one small all-reduce over the window-statistics group
-    (real counts, or a record the monitor makes), which carries the strategy's share of the squared
-    gradient norm too (``Strategy.grad_squares_share``). Otherwise the manual loop's planned sizes
+    (real counts, or a record the monitor makes). Otherwise the manual loop's planned sizes
     (``plan``): no collective, no host sync, and the loss is this rank's. ``same_batch``: a
     ``ReplicaBatchCheck`` and this window's batch fingerprint, checked in the same all-reduce
     (which then spans the world; EngineUsageError on every rank when a replica's ranks differ).
+    Where the all-reduce spans the world it carries the strategy's share of the squared gradient
+    norm too (``Strategy.grad_squares_share``): the step then needs no collective of its own.
     ``holders``: how many ranks of that group hold each row (the context size: a context group
     splits its rows' tokens, so each of its ranks adds 1/holders of the rows and their tokens)."""
     if not over_all_ranks:
@@ -82,15 +83,13 @@ def window_totals(window: Window, plan, strategy, *, over_all_ranks: bool, same_
     cost = window.tokens
     values = [window.loss_total(), window.units(), float(window.samples) / holders,
               float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders]
-    share = strategy.grad_squares_share()
-    if share is not None:
-        values.append(share)
+    share = strategy.grad_squares_share() if same_batch is not None or strategy.statistics_span_world else None
     stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()) for value in values])
-    if same_batch is not None and share is None:
+    if same_batch is not None:
         check, fingerprint = same_batch
-        stats = check.reduce(stats, fingerprint)
+        stats = check.reduce(stats, fingerprint, world_sums=share)
     else:
-        stats = strategy.all_reduce_sum(stats)
+        stats = strategy.all_reduce_sum(stats if share is None else torch.cat([stats, share.reshape(1).double()]))
     counts = stats[2:].tolist()  # the step's one host sync
     samples, real, padded = (round(n) for n in counts[:3])  # shares of 1/holders add up to whole numbers
     tokens = (real, padded) if cost else (None, None)

@@ -226,12 +226,13 @@ def expected_collectives(stage, defer, clipped=False):
     return [step] * 3 + [{"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}]
 
 
-def window_total(per_micro_step, extra_all_reduces):
-    total = {}
+def window_total(per_micro_step, statistics_reductions):
+    """The micro-steps' collectives summed, plus the window statistics' small reductions (an
+    all-gather of a few numbers each, ``collectives.small_sum``)."""
+    total = {"small all_gather": statistics_reductions}
     for step in per_micro_step:
         for kind, count in step.items():
             total[kind] = total.get(kind, 0) + count
-    total["all_reduce"] = total.get("all_reduce", 0) + extra_all_reduces
     return total
 
 

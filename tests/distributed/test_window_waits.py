@@ -1,9 +1,10 @@
 """What a training window makes the ranks wait for besides its own training collectives, counted:
-the position checks (one all-gather each on the control group) and the all-reduces. Each is a
+the position checks (one all-gather each on the control group) and the reductions (all-reduces,
+and the all-gathers that sum a few numbers, ``collectives.small_sum``). Each is a
 point where every rank waits for the slowest, so the engine makes only the checks no other one
 covers (tests/distributed/test_rank_agreement.py shows they still stop every disagreement), and the
 non-finite gradient check adds no collective of its own where ``train_batch`` sums the window's
-statistics anyway: its squared norm travels in that all-reduce."""
+statistics anyway: its squared norm travels in that reduction."""
 
 import functools
 
@@ -15,6 +16,7 @@ import engine
 from bench.comm_count import CommCounter
 from engine.distributed.process_group import control_group
 from tests.support.dist_utils import run_scenarios
+from tests.support.pipeline_helpers import mse_outputs
 from tests.support.reference import mlp, mse, regression_batches, sgd
 from tests.support.scenarios import share
 
@@ -22,14 +24,17 @@ F32 = torch.float32
 WINDOWS = 5  # DDP agrees on rebuilt buckets in the third window's first forward: the last two are steady
 
 
-def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None):
-    """[(position checks, all-reduces on the training group)] of each train_batch window (2 micro-steps)."""
+def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, mesh=None):
+    """[(position checks, reductions on the training group)] of each train_batch window (2 micro-steps).
+    ``mesh``: a "pipeline" or "tensor" section over both ranks (one data rank: the whole batch)."""
     model = mlp(dtype=F32)
     if buffer:  # DDP broadcasts buffers in a window's first forward
         model.register_buffer("seen", torch.zeros(1))
-    eng = engine.initialize(model, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+    eng = engine.initialize(model, {"train_batch_size": 8 if mesh is None else 4, "train_micro_batch_size_per_gpu": 2,
                                     "zero_optimization": {"stage": stage, "defer_reduction": defer},
-                                    **({half: {"enabled": True}} if half else {})}, optimizer=sgd)
+                                    **({half: {"enabled": True}} if half else {}), **(mesh or {})}, optimizer=sgd)
+    loss_fn = mse_outputs if mesh and "pipeline" in mesh else mse
+    data_ranks = eng.plan.world_size
     checks = {"n": 0}
     original = dist.all_gather
 
@@ -42,11 +47,11 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None):
     dist.all_gather = counted
     try:
         with CommCounter() as comm:
-            for batch in regression_batches(WINDOWS, 8, dtype=F32):
+            for batch in regression_batches(WINDOWS, 4 * data_ranks, dtype=F32):
                 checks["n"] = 0
                 comm.reset()
-                eng.train_batch(share(batch, rank, world), mse)
-                per_window.append((checks["n"], comm.calls["all_reduce"]))
+                eng.train_batch(share(batch, eng.plan.rank, data_ranks), loss_fn)
+                per_window.append((checks["n"], comm.calls["all_reduce"] + comm.calls["small all_gather"]))
     finally:
         dist.all_gather = original
     eng.close()
@@ -56,7 +61,7 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None):
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_a_window_waits_only_where_no_other_check_covers():
-    # name -> (position checks, all-reduces) in a steady window of 2 micro-steps per rank
+    # name -> (position checks, reductions) in a steady window of 2 micro-steps per rank
     expected = {
         # The check before the closing backward comes before DDP's first collective.
         "stage 0": (1, 1), "stage 1": (1, 1),
@@ -98,3 +103,24 @@ def test_the_half_precision_compute_copy_checks_once_per_window():
     # bf16's norm adds no all-reduce: the statistics, which parameters got gradients, one bucket
     for stage in (0, 1):
         assert results[f"stage {stage}, bf16"] == [[(1, 3)] * WINDOWS] * 2, results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_a_mesh_window_sums_its_statistics_norm_and_batch_check_in_one_reduction():
+    """With ranks that must see the same batch (pipeline stages, tensor ranks), the window's
+    statistics all-reduce spans the world and carries the batch fingerprint and the squared
+    gradient norm, which then needs no reduction of its own; a pipeline over the whole world
+    learns of a failed loss from the last stage's broadcast, with no further reduction."""
+    scenarios = {
+        "pipeline 2": functools.partial(waits_per_window, stage=0,
+                                        mesh={"pipeline": {"stages": 2, "schedule": "gpipe"}}),
+        "tensor 2": functools.partial(waits_per_window, stage=0,
+                                      mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
+    }
+    expected = {"pipeline 2": (1, 1),  # the check before the schedule's first send; one reduction
+                "tensor 2": (2, 1)}  # before the first forward's exchange and the closing backward
+    for name, per_rank in run_scenarios(scenarios, world_size=2, timeout=130).items():
+        for per_window in per_rank:
+            # (a tensor group also compares each forward's inputs in its first two windows)
+            assert per_window[-2:] == [expected[name]] * 2, (name, per_window)

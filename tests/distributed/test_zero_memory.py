@@ -156,13 +156,13 @@ def collectives_per_window(rank, world, stage, defer, unit):
 def expected_collectives(stage, defer, units):
     """What one manual-loop window of ACCUMULATION micro-steps sends, micro-step by micro-step
     (2 ranks, gloo: the reduce-scatter is an all-to-all; no clipping, no monitor). At ZeRO-2/3
-    the boundary adds one all-reduce of the squared gradient norm, the non-finite check over
-    the sharded gradient (clipping reuses it)."""
-    return _with_boundary_norm(_micro_step_collectives(stage, defer, units), stage)
-
-
-def _with_boundary_norm(steps: list, stage: int) -> list:
-    return steps[:-1] + [with_extra_all_reduces(steps[-1], int(stage >= 2))]
+    the boundary adds one small reduction of the squared gradient norm (an all-gather of one
+    number, ``collectives.small_sum``), the non-finite check over the sharded gradient (clipping
+    reuses it)."""
+    steps = _micro_step_collectives(stage, defer, units)
+    if stage < 2:
+        return steps
+    return steps[:-1] + [{**steps[-1], "small all_gather": steps[-1].get("small all_gather", 0) + 1}]
 
 
 def _micro_step_collectives(stage, defer, units):
@@ -186,22 +186,16 @@ def _micro_step_collectives(stage, defer, units):
     return [{"all_gather": units + again, "all_to_all": units}] * ACCUMULATION
 
 
-def with_extra_all_reduces(calls: dict, extra: int) -> dict:
-    calls = dict(calls)
-    if extra:
-        calls["all_reduce"] = calls.get("all_reduce", 0) + extra
-    return calls
-
-
 def expected_train_batch_window(stage, defer, units):
-    """One whole train_batch window: the micro-steps' collectives summed, plus one small all-reduce
-    of the window's real sample and loss totals, which carries the squared gradient norm of sharded
-    gradients too (clipped or not): no all-reduce of its own."""
-    total: dict = {}
+    """One whole train_batch window: the micro-steps' collectives summed, plus one small reduction
+    of the window's real sample and loss totals (an all-gather of a few numbers,
+    ``collectives.small_sum``), which carries the squared gradient norm of sharded gradients too
+    (clipped or not): no reduction of its own."""
+    total: dict = {"small all_gather": 1}
     for step in _micro_step_collectives(stage, defer, units):
         for kind, count in step.items():
             total[kind] = total.get(kind, 0) + count
-    return with_extra_all_reduces(total, 1)
+    return total
 
 
 @pytest.mark.distributed
