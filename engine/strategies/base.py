@@ -255,6 +255,7 @@ class TorchStrategy(Strategy):
         if not self.mesh.is_data_parallel_only:  # collective: every rank builds the same groups
             self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
         self.same_batch = SameBatchCheck(self, setup.tensor_parallel.check_batches) if self.mesh.tensor > 1 else None
+        self.holder_index = self.mesh.index_in(STAGE_HOLDERS, self.rank)  # among the ranks holding its stages
 
     @property
     def loss_scaler(self):
@@ -333,7 +334,7 @@ class TorchStrategy(Strategy):
     def gradient_squares(self) -> torch.Tensor:
         """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
         the squared norm; ``engine.strategies.gradients``)."""
-        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device,
+        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.holder_index, self.device,
                              self._expert_slices())
 
     def _expert_slices(self):
@@ -348,7 +349,7 @@ class TorchStrategy(Strategy):
         holders = self.mesh.size(STAGE_HOLDERS)
         if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
-        return small_sum(squares_share(params, holders, self.device, self._expert_slices())).sqrt()
+        return small_sum(squares_share(params, holders, self.holder_index, self.device, self._expert_slices())).sqrt()
 
     def grad_squares_share(self):
         # The loss scaler checks overflow on the unscaled gradient, in step.

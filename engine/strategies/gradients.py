@@ -4,10 +4,11 @@ A rank holds pieces of the gradient: whole tensors (replicas), shards (FSDP2's D
 the data dimension), tensor-parallel pieces (DTensors over the tensor dimension), or both
 (a 2-D DTensor), of the stages its pipeline index holds. The squared norm of the whole
 gradient is the sum over the world of every rank's pieces' squares, each divided by the number
-of ranks that hold the same piece; that count is the ranks holding the module the piece belongs
+of ranks that hold the same piece (or, where every rank holding the module holds it, split
+between them: each squares its part); that count is the ranks holding the module the piece belongs
 to (the world over the pipeline: every rank of a pipeline index holds its stages) over the number
 of distinct pieces its placements cut it into — or, for a plain tensor that is one slice of a
-whole (split experts, ``engine.experts.parallel``), over the number of slices. So one all-reduce
+whole (split experts, ``engine.experts.parallel``), over the number of slices. So one reduction
 of one float64 number over the world gives the norm, identical on every rank, whatever the mesh.
 """
 
@@ -45,20 +46,35 @@ def whole_on_every_rank(params, holders: int, world_size: int) -> bool:
     return holders == world_size and not any(isinstance(p.grad, DTensor) for p in params)
 
 
-def squares_share(params, holders: int, device: torch.device, slices=None) -> torch.Tensor:
+def squares_share(params, holders: int, holder_index: int, device: torch.device, slices=None) -> torch.Tensor:
     """This rank's share of the squared norm of the whole gradient of ``params`` (a float64
     scalar on ``device``): summed over the world it is the squared norm. ``holders``: the ranks
-    holding each of this rank's modules (world / pipeline); ``slices(p)``: into how many slices the
-    ranks cut a plain parameter ``p`` (None: 1 for every one)."""
+    holding each of this rank's modules (world / pipeline), this rank the ``holder_index``-th of
+    them; ``slices(p)``: into how many slices the ranks cut a plain parameter ``p`` (None: 1 for
+    every one). Pieces every holder holds alike (replicas' whole gradients) are split between the
+    holders, each squaring its part; other copies divide their squares by their number."""
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             count = copies(p.grad, holders // (slices(p) if slices is not None else 1))
             by_copies.setdefault(count, []).append(local(p.grad))
-    if len(by_copies) == 1:  # the usual case: one fused pass
-        ((count, pieces),) = by_copies.items()
-        return sum_of_squares(pieces, device) / count
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for count, pieces in by_copies.items():
-        squares = squares + sum_of_squares(pieces, device) / count
+        if count == holders:
+            squares = squares + sum_of_squares(_part(pieces, holder_index, holders), device)
+        else:
+            squares = squares + sum_of_squares(pieces, device) / count
     return squares
+
+
+def _part(pieces: list[torch.Tensor], index: int, parts: int) -> list[torch.Tensor]:
+    """The ``index``-th of ``parts`` nearly equal runs of the pieces' elements, taken in order (views)."""
+    total = sum(piece.numel() for piece in pieces)
+    start, end = total * index // parts, total * (index + 1) // parts
+    run, offset = [], 0
+    for piece in pieces:
+        low, high = max(start - offset, 0), min(end - offset, piece.numel())
+        if low < high:
+            run.append(piece.reshape(-1)[low:high])
+        offset += piece.numel()
+    return run
