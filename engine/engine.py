@@ -542,9 +542,11 @@ class Engine:
             )
         window.check_same_kind(item_weighted)
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
-        if window.micro_steps + 1 >= planned and not self.window_runner.chooses_micro_size:
+        if window.micro_steps + 1 >= planned and not self.window_runner.chooses_micro_size \
+                and self.strategy.reduces_gradients_over_ranks:
             # Before the backward that reduces the window's gradient (ZeRO-0/1: its first collective).
-            # The automatic micro size agrees on each window's failures instead.
+            # The automatic micro size agrees on each window's failures instead; with one data rank
+            # nothing is reduced (a split model's exchanges come after the window start's check).
             self._agree_on_position(CLOSING_MICRO_STEP)
         # Before backward: a failing backward must leave the window as it was.
         with self.context.running():

@@ -150,6 +150,12 @@ class Strategy(ABC):
     def zero_grad(self) -> None: ...
 
     @property
+    def reduces_gradients_over_ranks(self) -> bool:
+        """Whether gradients are reduced (or shards gathered) over several ranks: data × context
+        beyond one rank. Otherwise a window's closing backward pairs no collective of its own."""
+        return self.mesh.size(GRADIENT_REDUCTION) > 1
+
+    @property
     def statistics_span_world(self) -> bool:
         """Whether ``all_reduce_sum`` sums over every rank (no pipeline or tensor dimension)."""
         return self.mesh.size(WINDOW_STATISTICS) == self.world_size

@@ -117,9 +117,12 @@ def test_a_mesh_window_sums_its_statistics_norm_and_batch_check_in_one_reduction
                                         mesh={"pipeline": {"stages": 2, "schedule": "gpipe"}}),
         "tensor 2": functools.partial(waits_per_window, stage=0,
                                       mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
+        "tensor 2, stage 3": functools.partial(
+            waits_per_window, stage=3, mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
     }
     expected = {"pipeline 2": (1, 1),  # the check before the schedule's first send; one reduction
-                "tensor 2": (2, 1)}  # before the first forward's exchange and the closing backward
+                "tensor 2": (1, 1),  # before the first forward's exchange (one data rank: no gradient reduction)
+                "tensor 2, stage 3": (1, 1)}  # nor a gather over one data rank before each forward
     for name, per_rank in run_scenarios(scenarios, world_size=2, timeout=130).items():
         for per_window in per_rank:
             # (a tensor group also compares each forward's inputs in its first two windows)
