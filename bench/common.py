@@ -50,7 +50,7 @@ def adamw(params):
     return torch.optim.AdamW(params, **ADAMW)
 
 
-def start_ranks(description: str, rounds: int, argv=None):
+def start_ranks(description: str, rounds: int, argv=None, steps: int = 3):
     """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``), the process
     group, one thread per rank, and the workload: (args, dist info, model, this rank's share
     of the global batch)."""
@@ -59,7 +59,7 @@ def start_ranks(description: str, rounds: int, argv=None):
     strip_local_rank_arg(argv)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=steps)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
