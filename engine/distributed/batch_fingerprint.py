@@ -40,14 +40,22 @@ FINGERPRINT_SIZE = 3
 def batch_fingerprint(tree, device) -> torch.Tensor:
     """Three float64 numbers that differ, but for a negligible chance, between batches that differ:
     the number of elements and, weighted by each tensor's position in ``tree``, their sums and
-    index-weighted sums. Computed on ``device``; no host sync."""
+    index-weighted sums, each kept as a 40-bit whole number folded from its float64 pattern: sums
+    of up to 2**13 of them are exact in any order, so equal fingerprints add up alike however a
+    reduction orders its additions (a ring all-reduce over many ranks does not add every slot in
+    the same order). Computed on ``device``; no host sync."""
     values = torch.zeros(FINGERPRINT_SIZE, dtype=torch.float64, device=device)
     for position, tensor in enumerate(_tensors(tree), start=1):
         flat = tensor.detach().reshape(-1).to(device=device, dtype=torch.float64)
         values[0] += position * flat.numel()
         values[1] += position * flat.sum()
         values[2] += position * (flat @ _index_weights(flat.numel(), device))
-    return values.nan_to_num_(nan=-1.0)  # equal batches holding NaN (or +inf and -inf) compare equal
+    values.nan_to_num_(nan=-1.0)  # equal batches holding NaN (or +inf and -inf) compare equal
+    bits = values.view(torch.int64)
+    return ((bits ^ (bits >> 24)) & _LOW_BITS).to(torch.float64)  # the exponent folded onto the low bits
+
+
+_LOW_BITS = (1 << 40) - 1
 
 
 def _index_weights(numel: int, device: torch.device) -> torch.Tensor:

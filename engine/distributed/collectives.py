@@ -98,10 +98,12 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
 
 
 # -- small statistics -----------------------------------------------------------------------------
-# A few numbers are reduced as one all-gather and a sum (or maximum) in rank order, the same on
-# every rank: an all-reduce on gloo goes twice around the ring (a reduce-scatter, then an
+# On gloo a few numbers are reduced as one all-gather and a sum (or maximum) in rank order, the
+# same on every rank: gloo's all-reduce goes twice around the ring (a reduce-scatter, then an
 # all-gather), which for a few numbers waits twice as long (docs/benchmarks.md, "small
-# statistics"). Past GATHERED_LIMIT gathered elements the all-reduce moves fewer bytes.
+# statistics"). Past GATHERED_LIMIT gathered elements the all-reduce moves fewer bytes; NCCL's
+# all-reduce of a few numbers is a latency-bound tree already. Use the returned tensor: the
+# input may be overwritten.
 GATHERED_LIMIT = 1 << 16
 
 
@@ -124,9 +126,9 @@ def small_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def _gathered_small(tensor: torch.Tensor, group) -> torch.Tensor | None:
-    """Every rank's ``tensor`` stacked in rank order, or None when that would exceed GATHERED_LIMIT."""
+    """Every rank's ``tensor`` stacked in rank order; None past GATHERED_LIMIT or off gloo."""
     size = dist.get_world_size(group)
-    if size * tensor.numel() > GATHERED_LIMIT:
+    if size * tensor.numel() > GATHERED_LIMIT or dist.get_backend(group) != "gloo":
         return None
     everyone = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(everyone, tensor.contiguous(), group=group)

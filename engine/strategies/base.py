@@ -261,7 +261,8 @@ class TorchStrategy(Strategy):
         if not self.mesh.is_data_parallel_only:  # collective: every rank builds the same groups
             self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
         self.same_batch = SameBatchCheck(self, setup.tensor_parallel.check_batches) if self.mesh.tensor > 1 else None
-        self.holder_index = self.mesh.index_in(STAGE_HOLDERS, self.rank)  # among the ranks holding its stages
+        # the gradient-reduction group: its ranks' copies of a replicated gradient are equal (engine.strategies.gradients)
+        self.norm_split = (self.mesh.index_in(GRADIENT_REDUCTION, self.rank), self.mesh.size(GRADIENT_REDUCTION))
 
     @property
     def loss_scaler(self):
@@ -340,8 +341,8 @@ class TorchStrategy(Strategy):
     def gradient_squares(self) -> torch.Tensor:
         """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
         the squared norm; ``engine.strategies.gradients``)."""
-        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.holder_index, self.device,
-                             self._expert_slices())
+        return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device,
+                             self._expert_slices(), self.norm_split)
 
     def _expert_slices(self):
         """For the norm: into how many slices a parameter is cut over ranks (an expert's: the expert size)."""
@@ -349,13 +350,13 @@ class TorchStrategy(Strategy):
         return None if shards is None else lambda p: shards.size if shards.holds(p) else 1
 
     def global_grad_norm(self) -> torch.Tensor:
-        """The 2-norm of the whole gradient, identical on every rank (one all-reduce of one number,
-        none where every rank holds the whole gradient)."""
+        """The 2-norm of the whole gradient, identical on every rank (one small reduction of one
+        number, none where every rank holds the whole gradient)."""
         params = list(self.module.parameters())
         holders = self.mesh.size(STAGE_HOLDERS)
         if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
-        return small_sum(squares_share(params, holders, self.holder_index, self.device, self._expert_slices())).sqrt()
+        return small_sum(squares_share(params, holders, self.device, self._expert_slices(), self.norm_split)).sqrt()
 
     def grad_squares_share(self):
         # The loss scaler checks overflow on the unscaled gradient, in step.

@@ -163,15 +163,14 @@ class FullyShardedDataParallel(TorchStrategy):
     @property
     def communicates_before_closing_backward(self) -> bool:
         # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for the
-        # closing backward, unless the split model exchanges in its forwards; shards on one rank
-        # (a tensor or pipeline mesh with one data rank) exchange nothing.
-        return self.split_model_exchanges or (self.reduces_gradients_over_ranks
-                                              and not (self.rests_gathered and self.deferral.deferring))
+        # closing backward, unless the split model exchanges in its forwards.
+        return self.split_model_exchanges or not (self.rests_gathered and self.deferral.deferring)
 
     @property
     def forward_communicates(self) -> bool:
         # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers, or
-        # one rank holds every shard), and split experts dispatch tokens in every forward.
+        # one data rank holds every shard: a tensor mesh with data 1), and split experts dispatch
+        # tokens in every forward.
         return (self.stage == 3 and not self._window_defers and self.reduces_gradients_over_ranks
                 or super().forward_communicates)
 

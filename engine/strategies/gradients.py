@@ -4,12 +4,13 @@ A rank holds pieces of the gradient: whole tensors (replicas), shards (FSDP2's D
 the data dimension), tensor-parallel pieces (DTensors over the tensor dimension), or both
 (a 2-D DTensor), of the stages its pipeline index holds. The squared norm of the whole
 gradient is the sum over the world of every rank's pieces' squares, each divided by the number
-of ranks that hold the same piece (or, where every rank holding the module holds it, split
-between them: each squares its part); that count is the ranks holding the module the piece belongs
-to (the world over the pipeline: every rank of a pipeline index holds its stages) over the number
-of distinct pieces its placements cut it into — or, for a plain tensor that is one slice of a
-whole (split experts, ``engine.experts.parallel``), over the number of slices. So one reduction
-of one float64 number over the world gives the norm, identical on every rank, whatever the mesh.
+of ranks that hold the same piece (a gradient every rank of the module holds is first split
+between the ranks that all-reduced it, each squaring its part); that count is the ranks holding
+the module the piece belongs to (the world over the pipeline: every rank of a pipeline index
+holds its stages) over the number of distinct pieces its placements cut it into — or, for a
+plain tensor that is one slice of a whole (split experts, ``engine.experts.parallel``), over the
+number of slices. So one reduction of one float64 number over the world gives the norm,
+identical on every rank, whatever the mesh.
 """
 
 from __future__ import annotations
@@ -46,13 +47,17 @@ def whole_on_every_rank(params, holders: int, world_size: int) -> bool:
     return holders == world_size and not any(isinstance(p.grad, DTensor) for p in params)
 
 
-def squares_share(params, holders: int, holder_index: int, device: torch.device, slices=None) -> torch.Tensor:
+def squares_share(params, holders: int, device: torch.device, slices=None, split: tuple[int, int] = (0, 1)
+                  ) -> torch.Tensor:
     """This rank's share of the squared norm of the whole gradient of ``params`` (a float64
     scalar on ``device``): summed over the world it is the squared norm. ``holders``: the ranks
-    holding each of this rank's modules (world / pipeline), this rank the ``holder_index``-th of
-    them; ``slices(p)``: into how many slices the ranks cut a plain parameter ``p`` (None: 1 for
-    every one). Pieces every holder holds alike (replicas' whole gradients) are split between the
-    holders, each squaring its part; other copies divide their squares by their number."""
+    holding each of this rank's modules (world / pipeline); ``slices(p)``: into how many slices the
+    ranks cut a plain parameter ``p`` (None: 1 for every one). ``split``: this rank's index among
+    the ranks whose copies come out of one all-reduce (the gradient-reduction group), and their
+    number: the pieces every holder holds (replicated gradients) are split between them, each
+    squaring its part (their copies are then equal bit for bit; a copy each tensor rank computes
+    itself is squared by each, divided by the tensor ranks, so a non-finite value in any copy counts)."""
+    index, parts = split
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -61,7 +66,7 @@ def squares_share(params, holders: int, holder_index: int, device: torch.device,
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for count, pieces in by_copies.items():
         if count == holders:
-            squares = squares + sum_of_squares(_part(pieces, holder_index, holders), device)
+            squares = squares + sum_of_squares(_part(pieces, index, parts), device) / (holders // parts)
         else:
             squares = squares + sum_of_squares(pieces, device) / count
     return squares

@@ -1,20 +1,20 @@
 """What a training window makes the ranks wait for besides its own training collectives, counted:
-the position checks (one all-gather each on the control group) and the reductions (all-reduces,
-and the all-gathers that sum a few numbers, ``collectives.small_sum``). Each is a
-point where every rank waits for the slowest, so the engine makes only the checks no other one
-covers (tests/distributed/test_rank_agreement.py shows they still stop every disagreement), and the
-non-finite gradient check adds no collective of its own where ``train_batch`` sums the window's
-statistics anyway: its squared norm travels in that reduction."""
+the position checks (one all-gather each on the control group, counted where the engine makes
+them) and the reductions (all-reduces, and the all-gathers that sum a few numbers,
+``collectives.small_sum``). Each is a point where every rank waits for the slowest, so the engine
+makes only the checks no other one covers (tests/distributed/test_rank_agreement.py shows they
+still stop every disagreement), and the non-finite gradient check adds no collective of its own
+where ``train_batch`` sums the window's statistics anyway: its squared norm travels in that
+reduction."""
 
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import engine
 from bench.comm_count import CommCounter
-from engine.distributed.process_group import control_group
+from engine.window import positions
 from tests.support.dist_utils import run_scenarios
 from tests.support.pipeline_helpers import mse_outputs
 from tests.support.reference import mlp, mse, regression_batches, sgd
@@ -36,15 +36,14 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, m
     loss_fn = mse_outputs if mesh and "pipeline" in mesh else mse
     data_ranks = eng.plan.world_size
     checks = {"n": 0}
-    original = dist.all_gather
+    original = positions.positions_of_ranks
 
     def counted(*args, **kwargs):
-        if kwargs.get("group") is not None and kwargs["group"] is control_group():
-            checks["n"] += 1
+        checks["n"] += 1
         return original(*args, **kwargs)
 
     per_window = []
-    dist.all_gather = counted
+    positions.positions_of_ranks = counted
     try:
         with CommCounter() as comm:
             for batch in regression_batches(WINDOWS, 4 * data_ranks, dtype=F32):
@@ -53,7 +52,7 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, m
                 eng.train_batch(share(batch, eng.plan.rank, data_ranks), loss_fn)
                 per_window.append((checks["n"], comm.calls["all_reduce"] + comm.calls["small all_gather"]))
     finally:
-        dist.all_gather = original
+        positions.positions_of_ranks = original
     eng.close()
     return per_window
 

@@ -30,7 +30,7 @@ TORCH_EXTENSIONS_DIR (unless the caller's environment sets it: the checkout's
   sometimes aborts with "terminate called without an active exception") is harmless;
 * echoes each rank's stdout/stderr to this process's stderr, prefixed by rank;
 * stops ranks still running at the end with SIGINT first (KeyboardInterrupt: their ``finally``
-  blocks run), then SIGKILL after up to five seconds.
+  blocks run), then SIGKILL after a second.
 
 DeepSpeed on CPU compiles its shared-memory comm op at every ``deepspeed.initialize`` on first
 use (3 to 7 minutes on a loaded 2-core machine) into TORCH_EXTENSIONS_DIR, under a lock file
@@ -74,7 +74,7 @@ EXIT_GRACE_SECONDS = 5.0  # after delivering results, ranks get this long to exi
 ERROR_GRACE_SECONDS = 0.5  # after the first error, collect the other ranks' errors this long
 STACK_DUMP_WAIT_SECONDS = 0.5
 PORT_RETRIES = 2  # free_port() can race with another process grabbing the same port
-INTERRUPT_GRACE_SECONDS = 5.0  # after SIGINT, ranks get this long to run their finally blocks (1 s: not always, loaded)
+INTERRUPT_GRACE_SECONDS = 1.0  # after SIGINT, ranks get this long to run their finally blocks
 TORCH_EXTENSIONS_DIR = Path(__file__).resolve().parents[2] / ".cache" / "torch_extensions"
 
 
@@ -96,6 +96,9 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, environ: dict,
     os.dup2(log_fd, 2)
     faulthandler.enable()  # segfaults and aborts print their stack to the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks on timeout
+    # SIGINT raises KeyboardInterrupt (the stop at the end relies on it) even where pytest was
+    # started in the background by a shell, which makes its children ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import torch
 
