@@ -50,10 +50,14 @@ def _micro_batches(data):
     return list(zip(data[0].chunk(ACCUMULATION), data[1].chunk(ACCUMULATION)))
 
 
-def hand_ddp(model, data, zero1=False):
+def sharded_adamw(params):
+    """PyTorch's ZeRO-1: AdamW whose state each rank keeps for its share of the parameters."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **ADAMW)
+
+
+def hand_ddp(model, data, optimizer_of=adamw):
     ddp = DistributedDataParallel(model)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW) \
-        if zero1 else adamw(model.parameters())
+    optimizer = optimizer_of(model.parameters())
     micro_batches = _micro_batches(data)
 
     def step():
@@ -132,7 +136,7 @@ def variants(model, data):
                                          lambda m: engine_manual_loop(m, data, engine_config(0))),
         "engine stage 0, auto (guarded)": ("ZeRO", "hand DDP + no_sync",
                                            lambda m: engine_train_batch(m, data, engine_config(0, micro="auto"))),
-        "hand DDP + no_sync + ZeroRedundancyOptimizer": ("ZeRO", None, lambda m: hand_ddp(m, data, zero1=True)),
+        "hand DDP + no_sync + ZeroRedundancyOptimizer": ("ZeRO", None, lambda m: hand_ddp(m, data, sharded_adamw)),
         "engine stage 1": ("ZeRO", "hand DDP + no_sync + ZeroRedundancyOptimizer",
                            lambda m: engine_train_batch(m, data, engine_config(1))),
     }
