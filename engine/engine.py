@@ -239,10 +239,21 @@ class Engine:
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
         ``engine.window.pipeline``): ``output`` is its loss as ``loss_fn`` returned it (a mean,
-        or ``(sum, count)``), ``samples`` its real samples."""
+        or ``(sum, count)``), ``samples`` its real samples. ``output`` None: this rank holds no
+        loss of it (a stage before the last, a zero-weight step); the window's statistics bring
+        the loss, its units and its kind from the ranks that do (``Strategy.loss_copies``)."""
+        if output is None:
+            self._count_micro_step(None, 0, samples, 0, None, exact_counts=True)
+            return
         loss, units, item_weighted = loss_and_units(output, samples)
         self._window.check_same_kind(item_weighted)
         self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted, exact_counts=True)
+
+    def fail_window(self, error: Exception) -> None:
+        """This rank's loss failed in a window whose micro-steps ran on (a pipeline's last stage
+        stands in for the rest of its schedule): the window is counted, then abandoned on every
+        rank at its statistics' reduction, this one raising ``error``."""
+        self._window.failure = self._window.failure or error
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss, weighted by its share of the global batch.
@@ -554,15 +565,16 @@ class Engine:
         self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted,
                                exact_counts=exact_counts)
 
-    def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool, *,
+    def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool | None, *,
                           exact_counts: bool) -> None:
         window = self._window
         if samples == 0:  # a zero-weight step: it only keeps the ranks' micro-step counts equal
             units = 0
         window.micro_steps += 1
         window.samples += samples
-        window.losses.append(loss.detach())
-        window.loss_weights.append(share)
+        if loss is not None:
+            window.losses.append(loss.detach())
+            window.loss_weights.append(share)
         if item_weighted:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
@@ -578,15 +590,21 @@ class Engine:
         recorded = self._records(step)
         fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
         try:
-            loss, units, samples, tokens, squares = window_totals(
-                window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
-                same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None,
-                holders=self.context.size)
+            totals = window_totals(window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+                                   same_batch=(self._same_batch, fingerprint) if fingerprint is not None else None,
+                                   holders=self.context.size)
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
             self.discard_window()
             raise
+        if totals.failed:
+            self.discard_window()
+            raise window.failure or EngineUsageError(
+                "loss_fn(outputs, labels) failed on another rank, which raises its error itself; this window is "
+                "abandoned on every rank")
+        window.item_weighted = totals.item_weighted  # a rank that computes no loss learns its kind here
+        samples = totals.samples
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
-        result = self._apply_update(window, units, samples, squares,
+        result = self._apply_update(window, totals.units, samples, totals.squares,
                                     want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))
         self.window_split.window_closed(samples)
         if result.applied:
@@ -596,10 +614,11 @@ class Engine:
             self.skipped_steps += 1
         self.global_steps += 1
         self.global_samples += samples
-        self.last_window = WindowReport(loss=loss, samples=samples, step=result, lr=lr,
-                                        items=units if window.item_weighted else None,
+        self.last_window = WindowReport(loss=totals.loss, samples=samples, step=result, lr=lr,
+                                        items=totals.units if window.item_weighted else None,
                                         peak_memory_bytes=self._peak.peak if self._recording else None,
-                                        micro_steps=window.micro_steps, real_tokens=tokens[0], padded_tokens=tokens[1])
+                                        micro_steps=window.micro_steps, real_tokens=totals.tokens[0],
+                                        padded_tokens=totals.tokens[1])
         self._window, self._recording = Window(), False
         for hook in self.hooks:
             hook.on_window_closed(self, self.last_window)

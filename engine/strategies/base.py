@@ -128,6 +128,13 @@ class Strategy(ABC):
         """At the boundary: finish any gradient reduction the backward did not do (a window
         closed early, or communication deliberately deferred)."""
 
+    @property
+    def loss_copies(self) -> int:
+        """How many of the ranks holding one replica's window statistics (``mesh.STATISTICS_COPIES``)
+        this rank's loss records stand for in their reduction: 1 where each of them computes the
+        loss (tensor ranks), under a pipeline every stage on the last stage and none elsewhere."""
+        return 1
+
     def grad_squares_share(self) -> torch.Tensor | None:
         """After ``reduce_gradients``: this rank's share of the sum of squares of the whole reduced
         gradient (before the step's multiplier), such that the sum of the shares over every rank

@@ -302,6 +302,10 @@ class PipelineParallel(TorchStrategy):
         return GuardedPipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group,
                                     guard=self._failures)
 
+    @property
+    def loss_copies(self) -> int:
+        return self.mesh.pipeline if self.holds_last_stage else 0
+
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's ``tensor`` on every stage of this replica (in place)."""
         dist.broadcast(tensor, src=self.last_stage_rank, group=self.pipeline_group)

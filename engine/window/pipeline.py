@@ -10,11 +10,15 @@ stage called with each micro-batch's ``inputs`` and the last computing
 
 Exactness. The last stage weights each micro-batch loss by its real share of the global
 batch, ``units · W_dp / G`` (units: its samples for a mean loss, 1 for a sum), as the engine
-weights a manual-loop backward; the schedule's own 1/A is off. It then sends every
-micro-batch's loss and counts to the other stages of its replica (one small broadcast), and
-each stage records them in the engine's window, so the boundary's correction G / U (U: the
-real samples or items over every data-parallel rank) is the same on every stage, and so are
-the counters, the reported loss, the scheduler and the monitor.
+weights a manual-loop backward; the schedule's own 1/A is off. Every stage counts every
+micro-step with its samples; the last stage's losses, their counts and kind, and a failed
+``loss_fn`` reach the other stages in the reduction of the window's statistics, which spans
+the world on a pipeline anyway (``Strategy.loss_copies``): no wait of its own after the
+schedule. So the boundary's correction G / U (U: the real samples or items over every
+data-parallel rank) is the same on every stage, and so are the counters, the reported loss,
+the scheduler and the monitor; a failed ``loss_fn`` abandons the window on every rank there,
+its own rank raising its error. (Evaluation, which has no such reduction, broadcasts its loss
+table from the last stage.)
 
 Shapes. The schedule needs micro-batches of one shape; when the plan's micro-batches differ
 in size (a balanced plan, a short window) each is padded to the largest with copies of its
@@ -40,6 +44,7 @@ import torch
 
 from engine.batching.microbatch import batch_size
 from engine.window.loss_checks import check_loss, loss_and_units
+from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
@@ -72,22 +77,29 @@ class PipelineWindows(WindowRunner):
         sizes = [n for _, n in pieces]
         engine.start_window()
         engine.planned_window(split)
-        records = _Records(len(pieces))
+        outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
+        failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
+        kinds = set()
 
-        def weighted_loss(outputs, index):
+        def weighted_loss(outputs_of_stage, index):
+            nonlocal failure
             k = int(index[0])
             # a zero-weight step only keeps the ranks' micro-step counts equal; a failed stage
             # stands in for the rest of the schedule
-            if not sizes[k] or self.strategy.stage_failed:
-                return _zero_from(outputs)
+            if not sizes[k] or self.strategy.stage_failed or failure is not None:
+                return _zero_from(outputs_of_stage)
             try:
-                seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))  # as the model returns them
+                seen = self.strategy.model_outputs(_rows(outputs_of_stage, sizes[k]))  # as the model returns them
                 loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
                 check_loss(loss)
-            except Exception as error:  # raised once the schedule is through
-                self._failed(records, error)
-                return _zero_from(outputs)
-            records.put(k, loss, sizes[k], count, item_weighted)
+                kinds.add(item_weighted)
+                if len(kinds) > 1:  # said here: the other stages learn the kind only at the window's end
+                    raise EngineUsageError(MIXED_KINDS)
+            except Exception as error:  # raised after the window's statistics, on every rank
+                if not self.strategy.keep_failure(error):
+                    failure = error
+                return _zero_from(outputs_of_stage)
+            outputs[k] = (loss.detach(), count) if item_weighted else loss.detach()
             return loss * engine.micro_step_weight(sizes[k], item_weighted)
 
         rows = engine.window_split.schedule_rows()
@@ -95,10 +107,13 @@ class PipelineWindows(WindowRunner):
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
         with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
             self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
-        rows = records.shared(self.strategy)
-        self.strategy.raise_stage_failure()  # after the window's last collective: the tuner's vote follows
-        for output, samples in rows:
+        self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
+        # Every stage counts every micro-step; the last stage's losses reach the others in the
+        # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
+        for output, samples in zip(outputs, sizes):
             engine.record_micro_step(output, samples)
+        if failure is not None:
+            engine.fail_window(failure)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
@@ -119,7 +134,8 @@ class PipelineWindows(WindowRunner):
                     seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
                     loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
                 except Exception as error:  # raised once the schedule is through
-                    self._failed(records, error)
+                    if not self.strategy.keep_failure(error):
+                        records.fail(error)
                     return _zero_from(outputs)
                 records.put(k, loss, sizes[k], count, item_weighted)
             return _zero_from(outputs)
@@ -143,15 +159,11 @@ class PipelineWindows(WindowRunner):
         self.strategy.raise_stage_failure()  # after the last collective: the tuner's vote follows
         return float(total[0] / total[1])
 
-    def _failed(self, records: _Records, error: Exception) -> None:
-        """``loss_fn`` failed on this last stage: kept by the failure guard and raised here
-        alone (the tuner's vote tells the others), or raised on every rank after the schedule."""
-        if not self.strategy.keep_failure(error):
-            records.fail(error)
 
 
 class _Records:
-    """Each micro-batch's loss and counts on the last stage, shared with the other stages."""
+    """Each micro-batch's loss and counts of an evaluation on the last stage, shared with the
+    other stages."""
 
     def __init__(self, micro_batches: int):
         # rows: loss, samples, count; plus two flags: (sum, count) losses, loss_fn failed

@@ -3,8 +3,8 @@
 The plain runner below asks the engine to run the window itself. The automatic micro-batch
 size (``engine.autotune.tuner``) re-runs a window smaller after an out-of-memory every rank
 agreed on; a pipeline's schedule (``engine.window.pipeline``) runs the micro-steps itself and
-tells the engine with ``start_window`` / ``planned_window`` / ``record_micro_step``. A runner
-drives the engine through those public calls only.
+tells the engine with ``start_window`` / ``planned_window`` / ``record_micro_step`` /
+``fail_window``. A runner drives the engine through those public calls only.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ class Engine(Protocol):
         """What a micro-batch's loss is multiplied by before its backward."""
 
     def record_micro_step(self, output, samples: int) -> None:
-        """A micro-step ran (its loss as ``loss_fn`` returned it) and counts now."""
+        """A micro-step ran (its loss as ``loss_fn`` returned it, None where this rank holds no
+        loss of it) and counts now."""
+
+    def fail_window(self, error: Exception) -> None:
+        """This rank's loss failed in the window: every rank abandons it at its statistics."""
 
     def measured_forwards(self) -> ContextManager:
         """Forwards whose saved activations a recorded window counts."""

@@ -208,7 +208,7 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert "train_batch((inputs, labels), loss_fn)" in found["forward"]
         assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
         assert "a pair (inputs, labels)" in found["batch"]
-        assert "the loss must be a scalar" in found["bad loss"] or "failed on a last pipeline stage" in found["bad loss"]
+        assert "the loss must be a scalar" in found["bad loss"] or "failed on another rank" in found["bad loss"]
         assert found["eval"] < TOL
         assert found["loss on the model"] == found_on_rank_0["loss on the model"]
         assert ("under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the model is "
@@ -217,7 +217,33 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert ("gradient_accumulation_steps: 5 micro-batches per window cannot run as a pipeline.schedule interleaved "
                 "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
                 in found["accumulation"])
-    assert sum("failed on a last pipeline stage" in found["bad loss"] for found in results["misuse"]) == 1
+    assert sum("failed on another rank" in found["bad loss"] for found in results["misuse"]) == 1
+
+
+def a_loss_failing_on_one_replica(rank, world):
+    """Pipeline 2 × data 2, three windows; the second's loss_fn raises on one replica's last stage
+    only: every rank abandons that window (the failing rank with its own error), the others train
+    as the reference on the first and third batches."""
+    model, batches = mlp(), regression_batches(3, 8)
+    expected, _ = reference_run(model, [batches[0], batches[2]], reference_mse, 0.0)
+    eng = engine.initialize(copy.deepcopy(model), config(8, 1), optimizer=sgd)
+
+    def failing(outputs, labels):
+        if eng.plan.rank == 1:
+            raise ValueError("this replica's labels are unreadable")
+        return mse_outputs(outputs, labels)
+
+    raised = None
+    for index, batch in enumerate(batches):
+        try:
+            eng.train_batch(data_share(batch, eng), failing if index == 1 else mse_outputs)
+        except (ValueError, EngineUsageError) as error:
+            raised = f"{type(error).__name__}: {error}"
+    result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "raised": raised,
+              "counters": (eng.global_steps, eng.global_samples), "computes loss": eng.strategy.holds_last_stage,
+              "data rank": eng.plan.rank}
+    eng.close()
+    return result
 
 
 @pytest.mark.distributed
@@ -234,9 +260,16 @@ def test_pipeline_two_by_data_two_is_exact():
                  "gpipe ZeRO-2": functools.partial(train, schedule="gpipe", zero=2),
                  "zero_bubble ZeRO-2": functools.partial(train, schedule="zero_bubble", zero=2),
                  "pipeline 4, 1f1b tokens, clipped": functools.partial(train, loss="tokens", clip=0.05, stages=4),
-                 "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches)}
+                 "summed (DeepSpeed #7773)": functools.partial(train, breaks=summed_micro_batches),
+                 "a loss failing on one replica": a_loss_failing_on_one_replica}
     results = run_scenarios(scenarios, world_size=4, timeout=280)
     broken = results.pop("summed (DeepSpeed #7773)")
+    for found in results.pop("a loss failing on one replica"):
+        assert found["diff"] < TOL and found["counters"] == (2, 16), found
+        if found["computes loss"] and found["data rank"] == 1:
+            assert found["raised"] == "ValueError: this replica's labels are unreadable", found
+        else:
+            assert "failed on another rank" in found["raised"], found
     for name, per_rank in results.items():
         assert_exact(per_rank), name
     assert all(result["diff"] > MISSED for result in broken)

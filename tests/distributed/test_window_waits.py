@@ -24,8 +24,10 @@ F32 = torch.float32
 WINDOWS = 5  # DDP agrees on rebuilt buckets in the third window's first forward: the last two are steady
 
 
-def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, mesh=None):
-    """[(position checks, reductions on the training group)] of each train_batch window (2 micro-steps).
+def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, mesh=None, broadcasts=False):
+    """[(position checks, reductions on the training group)] of each train_batch window (2 micro-steps);
+    ``broadcasts``: broadcasts count among the reductions (not at ZeRO-1, which broadcasts its updated
+    parameters: training traffic).
     ``mesh``: a "pipeline" or "tensor" section over both ranks (one data rank: the whole batch)."""
     model = mlp(dtype=F32)
     if buffer:  # DDP broadcasts buffers in a window's first forward
@@ -50,7 +52,8 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, m
                 checks["n"] = 0
                 comm.reset()
                 eng.train_batch(share(batch, eng.plan.rank, data_ranks), loss_fn)
-                per_window.append((checks["n"], comm.calls["all_reduce"] + comm.calls["small all_gather"]))
+                per_window.append((checks["n"], comm.calls["all_reduce"] + comm.calls["small all_gather"]
+                                    + (comm.calls["broadcast"] if broadcasts else 0)))
     finally:
         positions.positions_of_ranks = original
     eng.close()
@@ -109,17 +112,18 @@ def test_the_half_precision_compute_copy_checks_once_per_window():
 def test_a_mesh_window_sums_its_statistics_norm_and_batch_check_in_one_reduction():
     """With ranks that must see the same batch (pipeline stages, tensor ranks), the window's
     statistics all-reduce spans the world and carries the batch fingerprint and the squared
-    gradient norm, which then needs no reduction of its own; a pipeline over the whole world
-    learns of a failed loss from the last stage's broadcast, with no further reduction."""
+    gradient norm, which then needs no reduction of its own; the other pipeline stages learn the
+    last stage's losses (and whether its loss_fn failed) there too, with no broadcast."""
     scenarios = {
-        "pipeline 2": functools.partial(waits_per_window, stage=0,
+        "pipeline 2": functools.partial(waits_per_window, stage=0, broadcasts=True,
                                         mesh={"pipeline": {"stages": 2, "schedule": "gpipe"}}),
-        "tensor 2": functools.partial(waits_per_window, stage=0,
+        "tensor 2": functools.partial(waits_per_window, stage=0, broadcasts=True,
                                       mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
         "tensor 2, stage 3": functools.partial(
-            waits_per_window, stage=3, mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
+            waits_per_window, stage=3, broadcasts=True,
+            mesh={"tensor_parallel": {"size": 2, "plan": {"0": "colwise", "2": "rowwise"}}}),
     }
-    expected = {"pipeline 2": (1, 1),  # the check before the schedule's first send; one reduction
+    expected = {"pipeline 2": (1, 1),  # the check before the schedule's first send; one reduction, no broadcast
                 "tensor 2": (1, 1),  # before the first forward's exchange (one data rank: no gradient reduction)
                 "tensor 2, stage 3": (1, 1)}  # nor a gather over one data rank before each forward
     for name, per_rank in run_scenarios(scenarios, world_size=2, timeout=130).items():
