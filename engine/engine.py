@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 
@@ -68,7 +69,7 @@ from engine.strategies.base import StepResult, Strategy
 from engine.batching.window_split import PlannedSplit, Split
 from engine.context.parallel import ContextParallel, WholeSequences
 from engine.window import non_finite
-from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, agree_on_position
+from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
 from engine.window.records import Window, WindowReport, window_totals
 
 log = logging.getLogger("engine")
@@ -207,10 +208,28 @@ class Engine:
         hooks, start measuring memory when it is recorded. (Called at the window's first
         forward; a window runner whose micro-steps do not go through ``eng(...)`` calls it itself.)"""
         self.windows_started += 1
-        if self.strategy.communicates_before_closing_backward or self.window_runner.chooses_micro_size:
-            # Before the window's first collective. Otherwise the check before the closing backward
-            # (which the automatic micro size replaces by its failure votes) comes first.
+        if self._checks_window_start():
             self._agree_on_position(WINDOW_START)
+        self._window_started()
+
+    def start_window_check_posted(self) -> Callable[[], None]:
+        """``start_window`` with the ranks' position check posted, not waited for; returns the call
+        that waits for it and raises as the check does. For a runner whose micro-steps exchange
+        nothing that could pair another window's collectives and be applied before that call (a
+        pipeline schedule's point-to-point messages: a window whose check fails is thrown away):
+        the check's wait then leaves the window's critical path. Call it after the micro-steps,
+        whatever they did."""
+        self.windows_started += 1
+        confirm = self._post_position(WINDOW_START) if self._checks_window_start() else _nothing_posted
+        self._window_started()
+        return confirm
+
+    def _checks_window_start(self) -> bool:
+        # Before the window's first collective. Otherwise the check before the closing backward
+        # (which the automatic micro size replaces by its failure votes) comes first.
+        return self.strategy.communicates_before_closing_backward or self.window_runner.chooses_micro_size
+
+    def _window_started(self) -> None:
         for hook in self.hooks:
             hook.on_window_start(self)
         self._recording = self._records(self.global_steps + 1)
@@ -626,15 +645,31 @@ class Engine:
     def _agree_on_position(self, point: int) -> None:
         """The ranks compare where they are (``engine.window.positions``); after a disagreement or a
         lost peer no further agreement could pair."""
+        self._post_position(point)()
+
+    def _post_position(self, point: int) -> Callable[[], None]:
+        """``_agree_on_position`` posted: the returned call waits for the comparison (once: later
+        calls return at once)."""
         if self.world_size == 1:
-            return
+            return _nothing_posted
         window = self._window
-        try:
-            agree_on_position(self.rank, point, self.global_steps, self.windows_started, window.micro_steps,
-                              window.training_forwards)
-        except (PeerLostError, RankDisagreementError):
-            self._agreeing = False
-            raise
+        posted = post_position(self.rank, point, self.global_steps, self.windows_started, window.micro_steps,
+                               window.training_forwards)
+
+        waited = False
+
+        def confirm() -> None:
+            nonlocal waited
+            if waited:
+                return
+            waited = True
+            try:
+                posted.confirm()
+            except (PeerLostError, RankDisagreementError):
+                self._agreeing = False
+                raise
+
+        return confirm
 
     def _records(self, step: int) -> bool:
         return any(hook.records(step) for hook in self.hooks)
@@ -672,6 +707,10 @@ class Engine:
             raise non_finite.non_finite_error(step)
         non_finite.warn_skipped(result.applied, result.non_finite, step)
         return result
+
+
+def _nothing_posted() -> None:
+    """The wait of a position check that was not needed."""
 
 
 def _share(samples: int, item_weighted: bool) -> int:

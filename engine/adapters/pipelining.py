@@ -2,7 +2,7 @@
 kept off this rank's own pair, and its backward of one micro-batch handed to a guard
 (``engine.strategies.stage_failures``). Imported only where a pipeline runs.
 
-Three methods are overridden, none documented as stable (docs/compatibility.md):
+Seven methods are overridden, none documented as stable (docs/compatibility.md):
 
 * ``_get_init_p2p_neighbors_ops()``: the messages torch 2.11's multi-stage schedules send each
   neighbouring stage before their first step, to open the connections (2.13 replaced it, for a
@@ -10,12 +10,15 @@ Three methods are overridden, none documented as stable (docs/compatibility.md):
 * ``backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)``: every schedule's
   backward of one micro-batch on a stage (torch 2.11 to 2.13; extra arguments passed on);
 * ``_compute_input_grads(outputs, inputs, grad_outputs)``: the backward that torch 2.13's
-  metadata inference runs at a schedule's first step (absent before: then never called).
+  metadata inference runs at a schedule's first step (absent before: then never called);
+* ``get_fwd_recv_ops`` / ``get_fwd_send_ops`` / ``get_bwd_recv_ops`` / ``get_bwd_send_ops``
+  (a micro-batch index): the point-to-point messages of one micro-batch, which every schedule
+  asks its stage for (2.11 to 2.13), here preceded by ``before_first_message``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from torch.distributed.pipelining import PipelineStage
 
@@ -32,8 +35,33 @@ class NeighbourStage(PipelineStage):
     has no connection from a rank to itself ("Pair is not connected"). The schedule passes
     activations and gradients between stages of one rank locally, so no connection is needed."""
 
+    # Set for one run of a schedule, called once before this stage's first message of it (the engine
+    # confirms the window's position check there: off the critical path, before any exchange).
+    before_first_message: Callable[[], None] | None = None
+
     def _get_init_p2p_neighbors_ops(self):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def get_fwd_recv_ops(self, *args, **kwargs):
+        self._first_message()
+        return super().get_fwd_recv_ops(*args, **kwargs)
+
+    def get_fwd_send_ops(self, *args, **kwargs):
+        self._first_message()
+        return super().get_fwd_send_ops(*args, **kwargs)
+
+    def get_bwd_recv_ops(self, *args, **kwargs):
+        self._first_message()
+        return super().get_bwd_recv_ops(*args, **kwargs)
+
+    def get_bwd_send_ops(self, *args, **kwargs):
+        self._first_message()
+        return super().get_bwd_send_ops(*args, **kwargs)
+
+    def _first_message(self) -> None:
+        call, self.before_first_message = self.before_first_message, None
+        if call is not None:
+            call()
 
 
 class GuardedPipelineStage(NeighbourStage):

@@ -6,8 +6,8 @@
   next collective, so no rank is left waiting for one that has given up;
 * ``agree``: the same for errors found while checkpointing, raised on every rank;
 * ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``;
-* ``positions_of_ranks``: where each rank is (its window and micro-step), for the engine's
-  per-window check that no collective pairs different windows;
+* ``positions_of_ranks`` / ``post_positions``: where each rank is (its window and micro-step),
+  for the engine's per-window check that no collective pairs different windows;
 * ``all_to_all``: the differentiable all-to-all (even or uneven) of context and expert parallelism.
 """
 
@@ -156,22 +156,41 @@ def agreed_max(values: list[int], stuck: str) -> list[int]:
         raise EngineUsageError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
 
 
-def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
-    """Every rank's ``position`` (a fixed number of integers), in rank order, on every rank: one
-    all-gather on the control group. A peer that never comes (gone, or absent past the agreement
-    timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
+class PostedPositions:
+    """Every rank's position, gathered in flight on the control group (``post_positions``)."""
+
+    def __init__(self, work, everyone: list[torch.Tensor], stuck: str):
+        self._work, self._everyone, self._stuck = work, everyone, stuck
+
+    def wait(self) -> list[list[int]]:
+        """Every rank's position, in rank order. A peer that never comes (gone, or absent past the
+        agreement timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            try:
+                work.wait()
+            except RuntimeError as error:
+                if isinstance(error, MicrostepError) or not is_peer_lost(error):
+                    raise
+                raise PeerLostError(self._stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+        return [t.tolist() for t in self._everyone]
+
+
+def post_positions(position: list[int], stuck: str) -> PostedPositions:
+    """Start gathering every rank's ``position`` (a fixed number of integers) on the control group,
+    without waiting: ``wait()`` on the result."""
+    mine = torch.tensor(position, dtype=torch.int64)
     group = control_group()
     if group is None:
-        return [list(position)]
-    mine = torch.tensor(position, dtype=torch.int64)
+        return PostedPositions(None, [mine], stuck)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(everyone, mine, group=group)
-    except RuntimeError as error:
-        if isinstance(error, MicrostepError) or not is_peer_lost(error):
-            raise
-        raise PeerLostError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
-    return [t.tolist() for t in everyone]
+    return PostedPositions(dist.all_gather(everyone, mine, group=group, async_op=True), everyone, stuck)
+
+
+def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
+    """Every rank's ``position``, in rank order, on every rank: one all-gather on the control group
+    (``PostedPositions.wait`` says how a peer that never comes is reported)."""
+    return post_positions(position, stuck).wait()
 
 
 # -- the all-to-all of context and expert parallelism ---------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -83,7 +84,7 @@ class PipelineParallel(TorchStrategy):
         self.last_stage_rank = dist.get_global_rank(self.pipeline_group, holder_of_last)
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: dict[tuple, _KeptSchedule] = {}
         self.schedules_built = 0  # each new shape and micro-batch count (or one dropped and met again)
         self._step_options = _step_options(self.schedule_class)
         self._loss: LossFn | None = None
@@ -241,17 +242,28 @@ class PipelineParallel(TorchStrategy):
             self._failures.raise_kept()
 
     # -- running a window --------------------------------------------------------------------
-    def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool) -> None:
+    def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool,
+                     before_first_message: Callable[[], None] | None = None) -> None:
         """Run ``micro_batches`` micro-batches through the stages: ``inputs`` (a tensor or a tuple
         of tensors, ``micro_batches`` equal chunks along dimension 0; used on the first stage only).
         On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
         index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
-        times the fp16 loss scale; evaluation: a zero computed from the outputs)."""
+        times the fp16 loss scale; evaluation: a zero computed from the outputs).
+        ``before_first_message``: called once before this rank's stages send or receive anything
+        (before the schedule where its first run in this mode exchanges the stages' shapes)."""
         self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
         if self.same_batch is not None:  # every rank is given its replica's inputs, whatever its stage
             self.same_batch.check(_as_tuple(inputs), {})
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
-        schedule = self._schedule((shapes, micro_batches, None if schedules_switch_modes() else train))
+        kept = self._schedule((shapes, micro_batches, None if schedules_switch_modes() else train))
+        schedule = kept.schedule
+        if before_first_message is not None:
+            if kept.last_mode == train:
+                for stage in kept.stages:
+                    stage.before_first_message = before_first_message
+            else:
+                before_first_message()
+        kept.last_mode = train
         self._loss = loss_fn
         if self._failures is not None:
             self._failures.clear()
@@ -271,24 +283,27 @@ class PipelineParallel(TorchStrategy):
                 schedule.eval(*args, target=target)
         finally:
             self._loss = None
+            for stage in kept.stages:
+                stage.before_first_message = None
 
     def _scaled_loss(self, output, target):
         return self.precision.scale_loss(self._loss(output, target), 1.0)
 
-    def _schedule(self, key):
-        schedule = self._schedules.pop(key, None)
-        if schedule is None:
+    def _schedule(self, key) -> _KeptSchedule:
+        kept = self._schedules.pop(key, None)
+        if kept is None:
             stages = [self._stage(module, index) for module, index in zip(self.stage_modules, self.stage_indices)]
             first = stages[0] if self.stages_per_rank == 1 else stages
             schedule = self.schedule_class(first, n_microbatches=key[1], loss_fn=self._scaled_loss, scale_grads=False)
+            kept = _KeptSchedule(schedule, stages)
             self.schedules_built += 1
             log.info("pipeline: schedule %d built, %d micro-batches of shape %s (the %d most recent are kept)",
                      self.schedules_built, key[1],
                      ", ".join(str([shape[0] // key[1], *shape[1:]]) for shape in key[0]), _KEPT_SCHEDULES)
             if len(self._schedules) >= _KEPT_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
-        self._schedules[key] = schedule  # most recently used last
-        return schedule
+        self._schedules[key] = kept  # most recently used last
+        return kept
 
     def model_outputs(self, outputs):
         """What ``loss_fn`` sees of the last stage's ``outputs`` (a Hugging Face model's own output
@@ -350,6 +365,17 @@ class PipelineParallel(TorchStrategy):
         dist.all_gather_object(pieces, cpu_state_dict(self._stage_state()), group=self.pipeline_group)
         whole = {key: value for piece in pieces for key, value in piece.items()}
         return {key: whole[key] for key in self._key_order if key in whole}
+
+
+@dataclass
+class _KeptSchedule:
+    """A schedule built for one shape, its stages on this rank, and whether it last ran a training
+    window (True), an evaluation (False) or nothing yet (None): its first run in a mode exchanges
+    the stages' shapes."""
+
+    schedule: object
+    stages: list[NeighbourStage]
+    last_mode: bool | None = None
 
 
 def _release_others(model: torch.nn.Module, mine: list[torch.nn.Module]) -> None:

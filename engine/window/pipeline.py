@@ -75,7 +75,9 @@ class PipelineWindows(WindowRunner):
         split = engine.window_split.split(batch, engine.plan)
         pieces = list(split.pieces)
         sizes = [n for _, n in pieces]
-        engine.start_window()
+        # The position check is waited for before this rank's first message of the schedule, not
+        # before the schedule: the first stage's first forward hides its wait.
+        confirm_start = engine.start_window_check_posted()
         engine.planned_window(split)
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
         failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
@@ -105,8 +107,12 @@ class PipelineWindows(WindowRunner):
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
-        with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
-            self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True)
+        try:
+            with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+                self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
+                                           before_first_message=confirm_start)
+        finally:  # (a schedule that failed before its first message)
+            confirm_start()
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.

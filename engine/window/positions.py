@@ -5,7 +5,7 @@ rank's position."""
 
 from __future__ import annotations
 
-from engine.distributed.collectives import positions_of_ranks
+from engine.distributed.collectives import PostedPositions, post_positions
 from engine.errors import RankDisagreementError
 
 WINDOW_START, FORWARD, CLOSING_MICRO_STEP, FLUSH, CLOSED = range(5)
@@ -22,22 +22,34 @@ def describe_position(position: list[int]) -> str:
             f"{micro_steps} micro-step(s) done in it ({forwards} training forward(s))")
 
 
-def agree_on_position(rank: int, point: int, global_steps: int, windows_started: int, micro_steps: int,
-                      training_forwards: int) -> None:
-    """Compare this rank's position with every rank's; raise ``RankDisagreementError`` (every rank
-    alike) when they differ, ``PeerLostError`` when a peer never came."""
+def post_position(rank: int, point: int, global_steps: int, windows_started: int, micro_steps: int,
+                  training_forwards: int) -> PostedPosition:
+    """Send this rank's position to every rank (one all-gather on the control group, in flight);
+    ``confirm()`` on the result compares them."""
     mine = [point, global_steps, windows_started, micro_steps, training_forwards]
-    everyone = positions_of_ranks(
+    return PostedPosition(post_positions(
         mine, f"rank {rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
               f"peers while {describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
-              "another collective); every rank must run the same windows and micro-steps")
-    if all(position == everyone[0] for position in everyone):
-        return
-    ranks = "; ".join(f"rank {r}: {describe_position(p)}" for r, p in enumerate(everyone))
-    held = sorted(p[3] for p in everyone)
-    flushing = f"flush(): the ranks hold between {held[0]} and {held[-1]} micro-steps in this window; " \
-        if all(p[0] == FLUSH for p in everyone) else ""
-    raise RankDisagreementError(
-        f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
-        "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank that "
-        "fails in a window stop the run rather than go on with its next batch")
+              "another collective); every rank must run the same windows and micro-steps"))
+
+
+class PostedPosition:
+    """This rank's position on its way to every rank (``post_position``)."""
+
+    def __init__(self, posted: PostedPositions):
+        self.posted = posted
+
+    def confirm(self) -> None:
+        """Wait for every rank's position; raise ``RankDisagreementError`` (every rank alike) when
+        they differ, ``PeerLostError`` when a peer never came."""
+        everyone = self.posted.wait()
+        if all(position == everyone[0] for position in everyone):
+            return
+        ranks = "; ".join(f"rank {r}: {describe_position(p)}" for r, p in enumerate(everyone))
+        held = sorted(p[3] for p in everyone)
+        flushing = f"flush(): the ranks hold between {held[0]} and {held[-1]} micro-steps in this window; " \
+            if all(p[0] == FLUSH for p in everyone) else ""
+        raise RankDisagreementError(
+            f"{flushing}the ranks are not at the same point of training ({ranks}): their collectives would pair "
+            "different windows. Give every rank the same number of batches (eng.batches() does), and let a rank "
+            "that fails in a window stop the run rather than go on with its next batch")

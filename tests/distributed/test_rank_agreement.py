@@ -1,7 +1,8 @@
 """Ranks that disagree on where they are in training (one rank's data ends sooner, a rank skips a
 window or a micro-step after catching its own error) stop within seconds, every one of them,
 with a RankDisagreementError naming each rank's position: never by pairing different windows,
-never after the collective timeout."""
+never after the collective timeout; under a pipeline too, where the window start's check is
+waited for only before a rank's first message of the schedule."""
 
 import functools
 import time
@@ -11,6 +12,7 @@ import torch
 
 import engine
 from tests.support.dist_utils import run_scenarios
+from tests.support.pipeline_helpers import mse_outputs
 from tests.support.reference import mlp, mse, regression_batches, sgd
 from tests.support.scenarios import share
 
@@ -109,3 +111,35 @@ def test_agreeing_ranks_train_and_close_as_before():
     results = run_scenarios({stage: functools.partial(agreeing, stage=stage) for stage in (0, 1, 2, 3)},
                             world_size=2, timeout=100)
     assert all(steps == [4, 4] for steps in results.values()), results
+
+
+def pipeline_short_data(rank, world, short_rank):
+    """Pipeline 2 (the stages on ranks 0 and 1): ``short_rank`` has two windows, the other three. The
+    window start's check is posted before the schedule and waited for before the rank's first
+    message of it."""
+    eng = engine.initialize(mlp(dtype=F32), {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
+                                             "pipeline": {"stages": 2, "schedule": "1f1b"}}, optimizer=sgd)
+    batches = regression_batches(3 if rank != short_rank else 2, 4, dtype=F32)
+    error, started = None, None
+    try:
+        for i, batch in enumerate(batches):
+            if i == 1:
+                started = time.monotonic()
+            eng.train_batch(batch, mse_outputs)
+        eng.close()
+    except engine.RankDisagreementError as caught:
+        error = str(caught)
+        eng.close()
+    return {"error": error, "seconds": time.monotonic() - started, "steps": eng.global_steps}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_pipeline_stages_whose_data_ends_apart_stop_within_seconds():
+    scenarios = {f"rank {short} short": functools.partial(pipeline_short_data, short_rank=short) for short in (0, 1)}
+    for case, per_rank in run_scenarios(scenarios, world_size=2, timeout=100).items():
+        for result in per_rank:
+            assert result["error"] is not None and result["seconds"] < SECONDS, (case, result)
+            assert "closing the engine after global step 2" in result["error"], (case, result)
+            assert result["steps"] == 2, (case, result)
+        assert per_rank[0]["error"] == per_rank[1]["error"], case

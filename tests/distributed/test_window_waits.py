@@ -38,14 +38,14 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, m
     loss_fn = mse_outputs if mesh and "pipeline" in mesh else mse
     data_ranks = eng.plan.world_size
     checks = {"n": 0}
-    original = positions.positions_of_ranks
+    original = positions.post_positions
 
     def counted(*args, **kwargs):
         checks["n"] += 1
         return original(*args, **kwargs)
 
     per_window = []
-    positions.positions_of_ranks = counted
+    positions.post_positions = counted
     try:
         with CommCounter() as comm:
             for batch in regression_batches(WINDOWS, 4 * data_ranks, dtype=F32):
@@ -55,7 +55,7 @@ def waits_per_window(rank, world, stage, defer=False, buffer=False, half=None, m
                 per_window.append((checks["n"], comm.calls["all_reduce"] + comm.calls["small all_gather"]
                                     + (comm.calls["broadcast"] if broadcasts else 0)))
     finally:
-        positions.positions_of_ranks = original
+        positions.post_positions = original
     eng.close()
     return per_window
 

@@ -100,9 +100,9 @@ def summed_micro_batches(eng):
     strategy = eng.strategy
     run_schedule = strategy.run_schedule
 
-    def summing(inputs, micro_batches, loss_fn, *, train):
+    def summing(inputs, micro_batches, loss_fn, **options):
         return run_schedule(inputs, micro_batches, lambda outputs, index: loss_fn(outputs, index) * micro_batches,
-                            train=train)
+                            **options)
 
     strategy.run_schedule = summing
     return eng
