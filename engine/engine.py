@@ -23,7 +23,9 @@ forward whose strategy gathers parameters in it (ZeRO-3), in ``flush()`` and in 
 the ranks compare where they are (global step, windows begun, micro-steps and forwards in the
 window: one small all-gather on the control group). A rank whose data ended, or that skipped a
 window or micro-step after catching its own error, is found there, before the windows'
-collectives pair up: every rank raises ``RankDisagreementError``. Each check is a point where
+collectives pair up: every rank raises ``RankDisagreementError``. (A pipeline's window posts its
+check and waits for it before the rank's first message of the schedule: the first stage's first
+forward hides the wait.) Each check is a point where
 every rank waits for the slowest, so the engine makes none that an earlier or later one covers:
 at ZeRO-0/1 the check before the closing backward is the window's only one.
 
@@ -37,7 +39,8 @@ Collaborators are handed in by ``engine.initialize``, never attached afterwards:
 automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
 ``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
 schedule, ``engine.window.pipeline``, which runs a window's micro-steps itself and tells the
-engine with ``start_window`` / ``record_micro_step``; under a pipeline the tuner retries the
+engine with ``start_window_check_posted`` / ``record_micro_step`` (``engine.window.runner``
+lists the calls a runner may make); under a pipeline the tuner retries the
 schedule's windows), the hooks
 (``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
 training window starts or closes, state is loaded and the engine closes) and the stateful parts
@@ -92,6 +95,7 @@ class Engine:
         mesh = strategy.settings.mesh  # ranks of a replica must see one batch: checked at every window
         self._same_batch = ReplicaBatchCheck(mesh, strategy.rank) if ReplicaBatchCheck.needed(mesh) else None
         self._batch_fingerprint = None  # this train_batch's, until its window statistics are reduced
+        self._batch_to_fingerprint = None  # this train_batch's batch, until fingerprint_window_batch()
         # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
         self.window_split = window_split
         self.window_runner = window_runner or WindowRunner()
@@ -206,7 +210,8 @@ class Engine:
     def start_window(self) -> None:
         """A training window starts: agree with the peers on where every rank is, tell the
         hooks, start measuring memory when it is recorded. (Called at the window's first
-        forward; a window runner whose micro-steps do not go through ``eng(...)`` calls it itself.)"""
+        forward; a window runner whose micro-steps do not go through ``eng(...)`` calls
+        ``start_window_check_posted``.)"""
         self.windows_started += 1
         if self._checks_window_start():
             self._agree_on_position(WINDOW_START)
@@ -254,6 +259,15 @@ class Engine:
         × context ranks, and the parts of one sequence add up (engine.context.parallel)."""
         ranks = self.plan.world_size * self.context.size
         return _share(samples, item_weighted) * ranks / self._weighting_batch()
+
+    def fingerprint_window_batch(self) -> None:
+        """Fingerprint this ``train_batch``'s batch for the window statistics' check that the ranks
+        of a replica saw the same one (``engine.distributed.batch_fingerprint``), once; the window's
+        end does it otherwise. A runner calls it where this rank would wait anyway (a pipeline stage
+        before its first gradient from the next stage)."""
+        if self._batch_to_fingerprint is not None:
+            self._batch_fingerprint = batch_fingerprint(self._batch_to_fingerprint, self.strategy.device)
+            self._batch_to_fingerprint = None
 
     def record_micro_step(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule, see
@@ -354,8 +368,8 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
-        if self._same_batch is not None:  # checked in the window statistics' all-reduce (issue 33)
-            self._batch_fingerprint = batch_fingerprint(batch, self.strategy.device)
+        if self._same_batch is not None:  # checked in the window statistics' reduction (issue 33)
+            self._batch_to_fingerprint = batch
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
@@ -402,6 +416,7 @@ class Engine:
 
     def discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
+        self._batch_fingerprint = self._batch_to_fingerprint = None
         self.strategy.discard_window()
         self.micro_steps -= self._window.micro_steps
         self._window = Window()
@@ -607,6 +622,7 @@ class Engine:
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
         recorded = self._records(step)
+        self.fingerprint_window_batch()
         fingerprint, self._batch_fingerprint = self._batch_fingerprint, None
         try:
             totals = window_totals(window, self.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,

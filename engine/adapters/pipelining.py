@@ -13,7 +13,8 @@ Seven methods are overridden, none documented as stable (docs/compatibility.md):
   metadata inference runs at a schedule's first step (absent before: then never called);
 * ``get_fwd_recv_ops`` / ``get_fwd_send_ops`` / ``get_bwd_recv_ops`` / ``get_bwd_send_ops``
   (a micro-batch index): the point-to-point messages of one micro-batch, which every schedule
-  asks its stage for (2.11 to 2.13), here preceded by ``before_first_message``.
+  asks its stage for (2.11 to 2.15), here preceded by ``before_first_message`` (and, for the
+  first gradient receive, by ``before_first_gradient_wait``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ class NeighbourStage(PipelineStage):
     has no connection from a rank to itself ("Pair is not connected"). The schedule passes
     activations and gradients between stages of one rank locally, so no connection is needed."""
 
-    # Set for one run of a schedule, called once before this stage's first message of it (the engine
-    # confirms the window's position check there: off the critical path, before any exchange).
+    # Set for one run of a schedule, each called once: before this stage's first message of it (the
+    # engine confirms the window's position check there: before any exchange, off the critical
+    # path), and before its first receive of a gradient from the next stage (where it would wait
+    # for that stage's first backward anyway).
     before_first_message: Callable[[], None] | None = None
+    before_first_gradient_wait: Callable[[], None] | None = None
 
     def _get_init_p2p_neighbors_ops(self):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
@@ -52,6 +56,10 @@ class NeighbourStage(PipelineStage):
 
     def get_bwd_recv_ops(self, *args, **kwargs):
         self._first_message()
+        if not self.is_last:
+            call, self.before_first_gradient_wait = self.before_first_gradient_wait, None
+            if call is not None:
+                call()
         return super().get_bwd_recv_ops(*args, **kwargs)
 
     def get_bwd_send_ops(self, *args, **kwargs):

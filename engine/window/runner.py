@@ -3,8 +3,9 @@
 The plain runner below asks the engine to run the window itself. The automatic micro-batch
 size (``engine.autotune.tuner``) re-runs a window smaller after an out-of-memory every rank
 agreed on; a pipeline's schedule (``engine.window.pipeline``) runs the micro-steps itself and
-tells the engine with ``start_window`` / ``planned_window`` / ``record_micro_step`` /
-``fail_window``. A runner drives the engine through those public calls only.
+tells the engine with ``start_window_check_posted`` / ``planned_window`` /
+``fingerprint_window_batch`` / ``record_micro_step`` / ``fail_window``. A runner drives the
+engine through those public calls only.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class Engine(Protocol):
     def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The loss over ``batch`` without gradients."""
 
-    def start_window(self) -> None:
-        """A window's micro-steps begin (a runner that runs them itself)."""
+    def start_window_check_posted(self) -> Callable[[], None]:
+        """A window's micro-steps begin (a runner that runs them itself); the ranks' position check
+        is waited for by the call it returns."""
 
     def planned_window(self, split) -> None:
         """The window is cut as ``split`` says."""
@@ -39,6 +41,9 @@ class Engine(Protocol):
     def record_micro_step(self, output, samples: int) -> None:
         """A micro-step ran (its loss as ``loss_fn`` returned it, None where this rank holds no
         loss of it) and counts now."""
+
+    def fingerprint_window_batch(self) -> None:
+        """Fingerprint the window's batch now, where this rank would wait anyway."""
 
     def fail_window(self, error: Exception) -> None:
         """This rank's loss failed in the window: every rank abandons it at its statistics."""
