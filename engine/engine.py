@@ -222,8 +222,8 @@ class Engine:
         that waits for it and raises as the check does. For a runner whose micro-steps exchange
         nothing that could pair another window's collectives and be applied before that call (a
         pipeline schedule's point-to-point messages: a window whose check fails is thrown away):
-        the check's wait then leaves the window's critical path. Call it after the micro-steps,
-        whatever they did."""
+        the check's wait then leaves the window's critical path. Call it before the micro-steps'
+        first exchange, and again after them whatever they did (a second call returns at once)."""
         self.windows_started += 1
         confirm = self._post_position(WINDOW_START) if self._checks_window_start() else _nothing_posted
         self._window_started()
@@ -368,12 +368,13 @@ class Engine:
                 f"({self._window.micro_steps} micro-steps done): finish it with step() first"
             )
         batch = self._on_device(batch)
-        if self._same_batch is not None:  # checked in the window statistics' reduction (issue 33)
-            self._batch_to_fingerprint = batch
+        # checked in the window statistics' reduction (issue 33); the same batch if the window is re-run
+        self._batch_fingerprint, self._batch_to_fingerprint = None, batch if self._same_batch is not None else None
         try:
             self.window_runner.run_window(self, batch, loss_fn)
         except BaseException:
             self.discard_window()  # a failed batch leaves no half window behind
+            self._batch_fingerprint = self._batch_to_fingerprint = None
             raise
         self._close_window()
         return float(self.last_window.loss)
@@ -416,7 +417,6 @@ class Engine:
 
     def discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
-        self._batch_fingerprint = self._batch_to_fingerprint = None
         self.strategy.discard_window()
         self.micro_steps -= self._window.micro_steps
         self._window = Window()

@@ -244,7 +244,7 @@ class PipelineParallel(TorchStrategy):
     # -- running a window --------------------------------------------------------------------
     def run_schedule(self, inputs, micro_batches: int, loss_fn: LossFn, *, train: bool,
                      before_first_message: Callable[[], None] | None = None,
-                     while_waiting: Callable[[], None] | None = None) -> None:
+                     before_first_gradient_wait: Callable[[], None] | None = None) -> None:
         """Run ``micro_batches`` micro-batches through the stages: ``inputs`` (a tensor or a tuple
         of tensors, ``micro_batches`` equal chunks along dimension 0; used on the first stage only).
         On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
@@ -252,8 +252,8 @@ class PipelineParallel(TorchStrategy):
         times the fp16 loss scale; evaluation: a zero computed from the outputs).
         ``before_first_message``: called once before this rank's stages send or receive anything
         (before the schedule where its first run in this mode exchanges the stages' shapes).
-        ``while_waiting``: called once where a stage waits for the next stage's first gradient (a
-        last stage waits for none: after the schedule)."""
+        ``before_first_gradient_wait``: called once before a stage receives the next stage's first
+        gradient, which it would wait for anyway (a last stage receives none)."""
         self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
         if self.same_batch is not None:  # every rank is given its replica's inputs, whatever its stage
             self.same_batch.check(_as_tuple(inputs), {})
@@ -268,7 +268,7 @@ class PipelineParallel(TorchStrategy):
                 before_first_message()
         kept.last_mode = train
         for stage in kept.stages:
-            stage.before_first_gradient_wait = while_waiting
+            stage.before_first_gradient_wait = before_first_gradient_wait
         self._loss = loss_fn
         if self._failures is not None:
             self._failures.clear()

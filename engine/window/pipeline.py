@@ -111,7 +111,7 @@ class PipelineWindows(WindowRunner):
             with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
-                                           while_waiting=engine.fingerprint_window_batch)
+                                           before_first_gradient_wait=engine.fingerprint_window_batch)
         finally:  # (a schedule that failed before its first message)
             confirm_start()
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows

@@ -49,7 +49,7 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
     global_batch = 8 * data_ranks
     model = tripped_mlp(stage, max_micro=2, ranks=trip_ranks, where=where, after_calls=after_calls)
     batches = regression_batches(3, global_batch)
-    expected, _ = reference_run(tripped_mlp(stage), batches, reference_mse, 0.0)  # the same weights, no trip
+    expected, reference_losses = reference_run(tripped_mlp(stage), batches, reference_mse, 0.0)  # no trip
     settings = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": "auto",
                 "pipeline": {"stages": 2, "schedule": schedule, "split": SPLITS.get(schedule, ["3"])},
                 "distributed": {"agreement_timeout_seconds": agreement_timeout, "timeout_seconds": timeout}}
@@ -59,9 +59,9 @@ def auto_pipeline(rank, world, *, stage, where="forward", schedule="1f1b", trip_
         result["eval_first"] = eng.eval_batch(data_share(batches[0], eng), mse_outputs)
         result["reference_eval_first"] = float(reference_mse(tripped_mlp(stage), batches[0]).detach())
         result["eval_size"] = eng.micro_batch_tuner.eval_micro_batch_size
-    for batch in batches:
-        eng.train_batch(data_share(batch, eng), loss_fn)
+    losses = [eng.train_batch(data_share(batch, eng), loss_fn) for batch in batches]
     result |= {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+              "loss_diff": max(abs(a - b) for a, b in zip(losses, reference_losses)),
               "plan": (eng.plan.train_micro_batch_size_per_gpu, eng.plan.gradient_accumulation_steps,
                        eng.plan.train_batch_size),
               "changes": [(c["old"], c["new"], c["ranks"]) for c in eng.micro_batch_tuner.changes],
@@ -121,7 +121,7 @@ def too_small(rank, world):
 
 def assert_exact(per_rank, changes):
     for result in per_rank:
-        assert result["diff"] < TOL, result
+        assert result["diff"] < TOL and result["loss_diff"] < TOL, result
         assert result["plan"][:2] == (2, 4) and result["changes"] == changes, result
         assert result["counters"] == (3, 12, 3 * result["plan"][2]), result
         if "eval" in result:
