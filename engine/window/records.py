@@ -29,7 +29,7 @@ class Window:
     exact_counts: bool = False  # units must be summed over ranks at the boundary
     planned_steps: int | None = None  # set by train_batch; the manual loop follows the plan
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
-    failure: Exception | None = None  # this rank's loss failed where the window ran on (a pipeline's last stage)
+    failure: Exception | None = None  # loss_fn failed on this rank in a window run to its end (a pipeline)
     backward_since_step: bool = False
     forwarded: bool = False
     training_forwards: int = 0  # forwards for a backward, failed ones included
