@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
 from engine.adapters.torch_internals import (drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors,
                                              schedules_switch_modes)
+from engine.distributed.collectives import small_sum
 from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
 from engine.strategies.model_transforms import transform_model
@@ -80,8 +81,6 @@ class PipelineParallel(TorchStrategy):
         self.position = mesh.pipeline_rank(self.rank)
         self.pipeline_group = self.groups.submesh(("pipeline",)).get_group()
         self.stage_indices = self._stage_indices()
-        holder_of_last = self._position_of(self.num_stages - 1)
-        self.last_stage_rank = dist.get_global_rank(self.pipeline_group, holder_of_last)
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
         self._schedules: dict[tuple, _KeptSchedule] = {}
@@ -97,12 +96,6 @@ class PipelineParallel(TorchStrategy):
         if self.schedule_class is ScheduleZBVZeroBubble:  # a V: down the ranks, then back up
             return [p, 2 * count - 1 - p]
         return [p, p + count]  # interleaved: loops over the ranks
-
-    def _position_of(self, stage: int) -> int:
-        count = self.mesh.pipeline
-        if self.stages_per_rank == 1 or stage < count:
-            return stage
-        return 2 * count - 1 - stage if self.schedule_class is ScheduleZBVZeroBubble else stage - count
 
     # -- the model -------------------------------------------------------------------------
     def setup(self, module, optimizer):
@@ -326,18 +319,9 @@ class PipelineParallel(TorchStrategy):
     def loss_copies(self) -> int:
         return self.mesh.pipeline if self.holds_last_stage else 0
 
-    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``tensor`` on every stage of this replica (in place)."""
-        dist.broadcast(tensor, src=self.last_stage_rank, group=self.pipeline_group)
-        return tensor
-
-    def failed_on_any_last_stage(self, flag: torch.Tensor) -> bool:
-        """Whether the last stage of any replica raised ``flag`` (this replica's, as
-        ``from_last_stage`` brought it): one all-reduce over the world, none where this replica's
-        stages are the whole world (the broadcast told every rank already)."""
-        if self.mesh.pipeline == self.world_size:
-            return bool(flag.item())
-        return bool(self.all_reduce_max(flag.clone()).item())
+    def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small tensor summed over every rank (an evaluation's totals, which only last stages hold)."""
+        return small_sum(tensor) if self.world_size > 1 else tensor
 
     # -- the boundary ------------------------------------------------------------------------------
     def reduce_gradients(self):

@@ -139,15 +139,21 @@ def loss_and_units(output, samples: int):
 
 
 def check_loss(loss) -> None:
+    """A loss to back-propagate: a scalar tensor that requires grad."""
+    check_scalar_loss(loss)
+    if not loss.requires_grad:
+        raise EngineUsageError(
+            "the loss does not require grad: it was computed without the model's parameters, or "
+            "under torch.no_grad()"
+        )
+
+
+def check_scalar_loss(loss) -> None:
+    """A loss to add up (an evaluation's too): a scalar tensor."""
     if not isinstance(loss, torch.Tensor):
         raise EngineUsageError(f"the loss must be a tensor; got {type(loss).__name__}")
     if loss.dim() != 0:
         raise EngineUsageError(
             f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
             f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
-        )
-    if not loss.requires_grad:
-        raise EngineUsageError(
-            "the loss does not require grad: it was computed without the model's parameters, or "
-            "under torch.no_grad()"
         )

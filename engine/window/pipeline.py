@@ -17,8 +17,8 @@ the world on a pipeline anyway (``Strategy.loss_copies``): no wait of its own af
 schedule. So the boundary's correction G / U (U: the real samples or items over every
 data-parallel rank) is the same on every stage, and so are the counters, the reported loss,
 the scheduler and the monitor; a failed ``loss_fn`` abandons the window on every rank there,
-its own rank raising its error. (Evaluation, which has no such reduction, broadcasts its loss
-table from the last stage.)
+its own rank raising its error. (Evaluation sums the last stages' totals in its one reduction
+over every rank the same way.)
 
 Shapes. The schedule needs micro-batches of one shape; when the plan's micro-batches differ
 in size (a balanced plan, a short window) each is padded to the largest with copies of its
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.window.loss_checks import check_loss, loss_and_units
+from engine.window.loss_checks import check_loss, check_scalar_loss, loss_and_units
 from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
@@ -132,19 +132,25 @@ class PipelineWindows(WindowRunner):
         # as many as the schedule runs: the last one repeated with 0 samples
         pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
-        records = _Records(len(pieces))
+        device = self.strategy.device
+        # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed
+        total = torch.zeros(3, dtype=torch.float64, device=device)
+        failure: Exception | None = None
 
         def loss_only(outputs, index):
+            nonlocal failure
             k = int(index[0])
-            if sizes[k] and not self.strategy.stage_failed:
+            if sizes[k] and not self.strategy.stage_failed and failure is None:
                 try:
                     seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
-                    loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
-                except Exception as error:  # raised once the schedule is through
+                    loss, units, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
+                    check_scalar_loss(loss)
+                except Exception as error:  # raised after the evaluation's one reduction, on every rank
                     if not self.strategy.keep_failure(error):
-                        records.fail(error)
+                        failure = error
                     return _zero_from(outputs)
-                records.put(k, loss, sizes[k], count, item_weighted)
+                total[0] += loss.detach().double() * (1 if item_weighted else sizes[k])
+                total[1] += torch.as_tensor(units, dtype=torch.float64, device=device)
             return _zero_from(outputs)
 
         module = engine.module
@@ -157,57 +163,17 @@ class PipelineWindows(WindowRunner):
                                            len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
-        total = torch.zeros(2, dtype=torch.float64)
-        for output, samples in records.shared(self.strategy):
-            loss, units, item_weighted = loss_and_units(output, samples)
-            total[0] += loss.double() * (1 if item_weighted else samples)
-            total[1] += float(units)
-        total = self.strategy.all_reduce_sum(total.to(self.strategy.device))
-        self.strategy.raise_stage_failure()  # after the last collective: the tuner's vote follows
+        total[2] = float(failure is not None)
+        # Summed over every rank: the last stages' totals (the other stages add zeros; a last
+        # stage's tensor ranks each add the same, which the quotient cancels).
+        total = self.strategy.sum_over_world(total).cpu()
+        if total[2] > 0:
+            raise failure or EngineUsageError(
+                "loss_fn(outputs, labels) failed on another rank, which raises its error itself; this evaluation is "
+                "abandoned on every rank")
+        self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         return float(total[0] / total[1])
 
-
-
-class _Records:
-    """Each micro-batch's loss and counts of an evaluation on the last stage, shared with the
-    other stages."""
-
-    def __init__(self, micro_batches: int):
-        # rows: loss, samples, count; plus two flags: (sum, count) losses, loss_fn failed
-        self.table = torch.zeros(3 * micro_batches + 2, dtype=torch.float64)
-        self.micro_batches = micro_batches
-        self.error: Exception | None = None
-
-    def fail(self, error: Exception) -> None:
-        """``loss_fn`` (or the loss it returned) failed on this last stage."""
-        self.error = self.error or error
-        self.table[-1] = 1.0
-
-    def put(self, k: int, loss: torch.Tensor, samples: int, count, item_weighted: bool) -> None:
-        n = self.micro_batches
-        self.table[k] = loss.detach().double().cpu()
-        self.table[n + k] = samples
-        self.table[2 * n + k] = float(count) if item_weighted else 0.0
-        self.table[3 * n] = float(item_weighted)
-
-    def shared(self, strategy: PipelineParallel) -> list[tuple[object, int]]:
-        """(loss as loss_fn returned it, samples) of every micro-batch, on every stage."""
-        table = strategy.from_last_stage(self.table.to(strategy.device))
-        # Every rank learns of a failed loss before the window's gradients are reduced: the
-        # other stages and replicas would otherwise wait for it in their collectives.
-        if strategy.failed_on_any_last_stage(table[-1:]):
-            if self.error is not None:
-                raise self.error
-            raise EngineUsageError("loss_fn(outputs, labels) failed on a last pipeline stage (its rank raises the "
-                                   "error itself); this window is abandoned on every rank")
-        table = table.cpu()
-        n = self.micro_batches
-        item_weighted = bool(table[3 * n])
-        rows = []
-        for k in range(n):
-            loss, samples = table[k], int(table[n + k])
-            rows.append(((loss, table[2 * n + k]) if item_weighted else loss, samples))
-        return rows
 
 
 def _inputs_and_labels(batch, method: str):

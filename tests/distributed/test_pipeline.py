@@ -186,6 +186,7 @@ def misuse(rank, world):
     for name, call in {"forward": lambda: eng(x), "backward": lambda: eng.backward(x.sum()),
                        "batch": lambda: eng.train_batch(x, mse_outputs),
                        "bad loss": lambda: eng.train_batch((x, y), unreduced),
+                       "bad evaluation loss": lambda: eng.eval_batch((x, y), unreduced),
                        "loss on the model": lambda: eng.train_batch((x, y), reference_mse)}.items():
         try:
             call()
@@ -209,6 +210,8 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert "train_batch((inputs, labels), loss_fn)" in found["backward"]
         assert "a pair (inputs, labels)" in found["batch"]
         assert "the loss must be a scalar" in found["bad loss"] or "failed on another rank" in found["bad loss"]
+        assert "the loss must be a scalar" in found["bad evaluation loss"] or (
+            "failed on another rank, which raises its error itself; this evaluation is abandoned" in found["bad evaluation loss"])
         assert found["eval"] < TOL
         assert found["loss on the model"] == found_on_rank_0["loss on the model"]
         assert ("under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the model is "
@@ -218,6 +221,7 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
                 "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
                 in found["accumulation"])
     assert sum("failed on another rank" in found["bad loss"] for found in results["misuse"]) == 1
+    assert sum("failed on another rank" in found["bad evaluation loss"] for found in results["misuse"]) == 1
 
 
 def a_loss_failing_on_one_replica(rank, world):
