@@ -59,7 +59,7 @@ import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
-from engine.window.loss_checks import check_loss, check_loss_signature, loss_and_units
+from engine.window.loss_checks import check_loss, check_loss_signature, failed_on_another_rank, loss_and_units
 from engine.window.runner import LossFn, WindowRunner
 from engine.batching.data import DistributedBatches
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
@@ -633,9 +633,7 @@ class Engine:
             raise
         if totals.failed:
             self.discard_window()
-            raise window.failure or EngineUsageError(
-                "loss_fn(outputs, labels) failed on another rank, which raises its error itself; this window is "
-                "abandoned on every rank")
+            raise window.failure or failed_on_another_rank("window")
         window.item_weighted = totals.item_weighted  # a rank that computes no loss learns its kind here
         samples = totals.samples
         lr = float(self.optimizer.param_groups[0]["lr"])  # the one this window's update uses
@@ -672,13 +670,7 @@ class Engine:
         posted = post_position(self.rank, point, self.global_steps, self.windows_started, window.micro_steps,
                                window.training_forwards)
 
-        waited = False
-
         def confirm() -> None:
-            nonlocal waited
-            if waited:
-                return
-            waited = True
             try:
                 posted.confirm()
             except (PeerLostError, RankDisagreementError):

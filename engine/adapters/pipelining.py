@@ -47,28 +47,27 @@ class NeighbourStage(PipelineStage):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     def get_fwd_recv_ops(self, *args, **kwargs):
-        self._first_message()
+        self._call_once("before_first_message")
         return super().get_fwd_recv_ops(*args, **kwargs)
 
     def get_fwd_send_ops(self, *args, **kwargs):
-        self._first_message()
+        self._call_once("before_first_message")
         return super().get_fwd_send_ops(*args, **kwargs)
 
     def get_bwd_recv_ops(self, *args, **kwargs):
-        self._first_message()
+        self._call_once("before_first_message")
         if not self.is_last:
-            call, self.before_first_gradient_wait = self.before_first_gradient_wait, None
-            if call is not None:
-                call()
+            self._call_once("before_first_gradient_wait")
         return super().get_bwd_recv_ops(*args, **kwargs)
 
     def get_bwd_send_ops(self, *args, **kwargs):
-        self._first_message()
+        self._call_once("before_first_message")
         return super().get_bwd_send_ops(*args, **kwargs)
 
-    def _first_message(self) -> None:
-        call, self.before_first_message = self.before_first_message, None
+    def _call_once(self, hook: str) -> None:
+        call = getattr(self, hook)
         if call is not None:
+            setattr(self, hook, None)
             call()
 
 

@@ -166,9 +166,8 @@ class PostedPositions:
         """Every rank's position, in rank order. A peer that never comes (gone, or absent past the
         agreement timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
         if self._work is not None:
-            work, self._work = self._work, None
             try:
-                work.wait()
+                self._work.wait()
             except RuntimeError as error:
                 if isinstance(error, MicrostepError) or not is_peer_lost(error):
                     raise

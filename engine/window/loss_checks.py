@@ -157,3 +157,10 @@ def check_scalar_loss(loss) -> None:
             f"the loss must be a scalar (0-dim) tensor, the mean over the micro-batch; got shape "
             f"{tuple(loss.shape)} — reduce it with .mean() (or return (loss.sum(), count))"
         )
+
+
+def failed_on_another_rank(what: str) -> EngineUsageError:
+    """The error of the ranks whose peer's ``loss_fn`` failed in ``what`` (a window, an evaluation)
+    that every rank ran to its end (a pipeline's last stage computes the losses)."""
+    return EngineUsageError(f"loss_fn(outputs, labels) failed on another rank, which raises its error itself; "
+                            f"this {what} is abandoned on every rank")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.window.loss_checks import check_loss, check_scalar_loss, loss_and_units
+from engine.window.loss_checks import check_loss, check_scalar_loss, failed_on_another_rank, loss_and_units
 from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
@@ -168,9 +168,7 @@ class PipelineWindows(WindowRunner):
         # stage's tensor ranks each add the same, which the quotient cancels).
         total = self.strategy.sum_over_world(total).cpu()
         if total[2] > 0:
-            raise failure or EngineUsageError(
-                "loss_fn(outputs, labels) failed on another rank, which raises its error itself; this evaluation is "
-                "abandoned on every rank")
+            raise failure or failed_on_another_rank("evaluation")
         self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         return float(total[0] / total[1])
 

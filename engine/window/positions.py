@@ -37,11 +37,14 @@ class PostedPosition:
     """This rank's position on its way to every rank (``post_position``)."""
 
     def __init__(self, posted: PostedPositions):
-        self.posted = posted
+        self.posted, self.confirmed = posted, False
 
     def confirm(self) -> None:
         """Wait for every rank's position; raise ``RankDisagreementError`` (every rank alike) when
-        they differ, ``PeerLostError`` when a peer never came."""
+        they differ, ``PeerLostError`` when a peer never came. Once: later calls return at once."""
+        if self.confirmed:
+            return
+        self.confirmed = True
         everyone = self.posted.wait()
         if all(position == everyone[0] for position in everyone):
             return
