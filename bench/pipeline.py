@@ -41,14 +41,17 @@ from engine.memory import held_bytes
 ACCUMULATION = 8
 SPLIT = 4  # the second stage starts at the model's part "4": two linear layers per stage
 BUSY = "stage alone"
+MAX_NORM = 1.0
+CLIPPED = f"clipped at norm {MAX_NORM:g}"
 
 
 def loss_fn(outputs, labels):
     return torch.nn.functional.mse_loss(outputs, labels)
 
 
-def hand(model, data, schedule_class, rank):
-    """The schedule driven by hand: this rank's stage of the model, torch's 1/A averaging."""
+def hand(model, data, schedule_class, rank, max_norm: float = 0.0):
+    """The schedule driven by hand: this rank's stage of the model, torch's 1/A averaging;
+    ``max_norm``: gradients clipped by their norm over every stage (``clip_over_stages``)."""
     part = model[:SPLIT] if rank == 0 else model[SPLIT:]
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     schedule = schedule_class(stage, n_microbatches=ACCUMULATION, loss_fn=loss_fn)
@@ -60,15 +63,27 @@ def hand(model, data, schedule_class, rank):
             schedule.step(x, target=y)
         else:
             schedule.step(target=y)
+        if max_norm:
+            clip_over_stages(part.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def engine_run(model, data, schedule):
+def clip_over_stages(parameters, max_norm: float) -> None:
+    """Clipping by the global gradient norm as a hand-written pipeline loop must do it (torchtitan's
+    way): each stage's squared norm, summed over the stages, before any stage steps."""
+    parameters = list(parameters)
+    squares = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]) ** 2
+    dist.all_reduce(squares)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, squares.sqrt())
+
+
+def engine_run(model, data, schedule, max_norm: float = 0.0):
     eng = engine.initialize(model, {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": ACCUMULATION,
-                                    "pipeline": {"stages": 2, "schedule": schedule, "split": [str(SPLIT)]}},
+                                    "pipeline": {"stages": 2, "schedule": schedule, "split": [str(SPLIT)]},
+                                    "gradient_clipping": max_norm},
                             optimizer=adamw)
 
     def step():
@@ -105,12 +120,17 @@ def main(argv=None):
     runs, engines = {}, {}
     rows = {  # name -> baseline
         "hand 1F1B": None, "hand 1F1B, second copy (noise floor)": "hand 1F1B", "engine 1F1B": "hand 1F1B",
-        "hand GPipe": None, "engine GPipe": "hand GPipe"}
+        "hand GPipe": None, "engine GPipe": "hand GPipe",
+        f"hand 1F1B, {CLIPPED}": None, f"engine 1F1B, {CLIPPED}": f"hand 1F1B, {CLIPPED}",
+        f"hand GPipe, {CLIPPED}": None, f"engine GPipe, {CLIPPED}": f"hand GPipe, {CLIPPED}"}
     runs["hand 1F1B"] = hand(copy.deepcopy(model), data, Schedule1F1B, rank)
     runs["hand 1F1B, second copy (noise floor)"] = hand(copy.deepcopy(model), data, Schedule1F1B, rank)
     runs["engine 1F1B"], engines["1f1b"] = engine_run(copy.deepcopy(model), data, "1f1b")
     runs["hand GPipe"] = hand(copy.deepcopy(model), data, ScheduleGPipe, rank)
     runs["engine GPipe"], engines["gpipe"] = engine_run(copy.deepcopy(model), data, "gpipe")
+    for name, schedule_class in (("1F1B", Schedule1F1B), ("GPipe", ScheduleGPipe)):
+        runs[f"hand {name}, {CLIPPED}"] = hand(copy.deepcopy(model), data, schedule_class, rank, MAX_NORM)
+        runs[f"engine {name}, {CLIPPED}"], _ = engine_run(copy.deepcopy(model), data, name.lower(), MAX_NORM)
     runs[BUSY] = stage_alone(copy.deepcopy(model), data, rank)  # timed among the others: the same noise
     times = interleaved(runs, args.rounds, args.steps, warmup=1, distributed=True)
     busy_seconds = times.pop(BUSY)
@@ -122,12 +142,12 @@ def main(argv=None):
     dist.all_gather_object(stages, per_stage)
     if rank != 0:
         return
-    print(f"{'variant':40s} {'ms/step':>8s} {'vs':>6s}  baseline")
+    print(f"{'variant':44s} {'ms/step':>8s} {'vs':>6s}  baseline")
     result = {}
     for name, baseline in rows.items():
         ratio = times[name] / times[baseline] if baseline else None
         result[name] = {"ms_per_step": times[name] * 1e3, "baseline": baseline, "ratio": ratio}
-        print(f"{name:40s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s}  {baseline or ''}")
+        print(f"{name:44s} {times[name] * 1e3:8.1f} {'' if ratio is None else f'{ratio:6.3f}':>6s}  {baseline or ''}")
     print(f"\nbusiest stage alone: {bubble['busiest_stage_ms']:.1f} ms; bubble 1F1B {bubble['1f1b']:.3f}, "
           f"GPipe {bubble['gpipe']:.3f} (theory (S - 1) / (A + S - 1) = {bubble['theory']:.3f})")
     print(f"{'stage':6s} {'sent MB':>8s} {'held MB':>8s}")
