@@ -7,9 +7,17 @@ Workload: the 4.2M-parameter MLP of bench/common.py cut in two stages of two lin
 each (ranks 0 and 1), global batch 64 in 8 micro-batches of 8, AdamW, fp32, gloo. The hand
 loop builds the two stages from the same model, runs ``Schedule1F1B`` / ``ScheduleGPipe``
 with torch's own averaging over micro-batches (``scale_grads``), steps the optimizer and
-zeroes the gradients; the engine adds its weighting by real samples, the loss broadcast to
-the first stage, the window statistics and the boundary (clipping off). Every variant trains
-its own copy; variants alternate round by round and the slowest rank's time counts.
+zeroes the gradients; the engine adds its weighting by real samples, the window statistics
+(which carry the last stage's losses and the gradient's squares over both stages) and the
+boundary (clipping off). Every variant trains its own copy; variants alternate round by round
+and the slowest rank's time counts.
+
+The hand loop above synchronises its stages nowhere; the engine's window cannot skip that once:
+no stage steps before every stage's gradient is known finite. A hand loop that clips by the
+global gradient norm, as pipeline training loops do (torchtitan's ``clip_grad_norm_``), makes
+that one synchronisation too: the rows "clipped at norm 1" compare the engine with
+``gradient_clipping: 1.0`` against the hand schedule + ``clip_over_stages`` (each stage's
+squared norm, one all-reduce over the stages, then ``clip_grads_with_norm_``).
 
 Also reported: the bubble fraction — the share of a step the busiest stage spends idle,
 measured as 1 - (that stage's own forward and backward of the 8 micro-batches and its
