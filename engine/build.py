@@ -108,10 +108,10 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1)
-    experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,  # [moe]
+    experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,
                              checkpointing=setup.checkpointing is not None, runner_runs_micro_steps=pipeline is not None,
                              all_reduce_sum=strategy.all_reduce_sum)
-    if experts is not None and context is not None:
+    if experts.routes and context is not None:
         raise ConfigError([
             f"context_parallel.size {setup.mesh.context}: not available yet with a mixture-of-experts model whose "
             "routers the engine balances or counts (at either moe.load_balance: the window's routing is counted on "
@@ -121,7 +121,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
-                 hooks=(experts,) if experts is not None else (),  # [moe] bias updates at the boundary
+                 hooks=(experts,),  # the routers' bias moves at the boundary
                  context=context)
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate

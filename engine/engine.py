@@ -64,7 +64,7 @@ from engine.window.runner import LossFn, WindowRunner
 from engine.batching.data import DistributedBatches
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
-from engine.window.experts import ExpertBalance
+from engine.window.experts import ExpertBalance, NoRouters
 from engine.window.hooks import EngineHook
 from engine.memory import PeakMeter
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
@@ -87,7 +87,7 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False, experts: ExpertBalance | None = None,
+                 grad_norm_every_step: bool = False, experts: ExpertBalance | NoRouters | None = None,
                  context: ContextParallel | None = None):
         self.config = config
         self.plan = plan
@@ -108,8 +108,9 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_fn = loss_fn
         self.grad_norm_every_step = grad_norm_every_step  # even without clipping or a monitor
-        # [moe] a mixture-of-experts model's load-balancing terms over the window (engine.window.experts)
-        self.experts = experts
+        # a mixture-of-experts model's load-balancing terms over the window (engine.window.experts);
+        # without routers, NoRouters runs the micro-steps one after another
+        self.experts = experts or NoRouters()
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
         # context ranks and weighs their losses by tokens; without it, whole sequences (no change).
         self.context = context if context is not None else WholeSequences()
@@ -198,9 +199,8 @@ class Engine:
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded = True
         window.training_forwards += 1
-        # [moe] a manual-loop forward cannot hold the window's load-balancing term
-        manual = self.experts.manual_forward() if self.experts is not None and not self._splitting \
-            else contextlib.nullcontext()
+        # a manual-loop forward cannot hold the window's load-balancing term
+        manual = self.experts.manual_forward() if not self._splitting else contextlib.nullcontext()
         with manual, self.measured_forwards(), self.context.running():
             output = self.strategy.forward(*args, **kwargs)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
@@ -561,13 +561,11 @@ class Engine:
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
         split = self.window_split.split(batch, self.plan)
         self.planned_window(split)
-        if self.experts is not None:  # [moe] the window's load-balancing terms are counted first
-            self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, micro_batch),
-                                    backward=lambda output, size: self._backward(output, size, exact_counts=True),
-                                    units=loss_and_units, before_counting=self._agree_before_counting)
-            return
-        for micro_batch, size in split.pieces:  # this rank's part of each sequence
-            self._backward(loss_fn(self, self.context.shard(micro_batch)), size, exact_counts=True)
+        # A model's load-balancing terms over the window are counted first (engine.window.experts);
+        # each micro-batch's loss_fn sees this rank's part of its sequences (engine.context).
+        self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, self.context.shard(micro_batch)),
+                                backward=lambda output, size: self._backward(output, size, exact_counts=True),
+                                units=loss_and_units, before_counting=self._agree_before_counting)
 
     def _agree_before_counting(self) -> None:
         """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before

@@ -417,7 +417,7 @@ class Monitor(EngineHook):
 # -- helpers ------------------------------------------------------------------------------
 def _expert_fields(eng) -> dict[str, Any]:
     """The window's router load (``engine.experts``), or None for a model without routers."""
-    load = eng.experts.last_load if getattr(eng, "experts", None) is not None else None
+    load = eng.experts.last_load
     if load is None:
         return {"expert_load": None, "expert_imbalance": None}
     return {"expert_load": [float(n) for n in load.per_expert()], "expert_imbalance": load.imbalance()}

@@ -107,6 +107,24 @@ class _HeldWindow:
         return self.factors[micro_step] * balance.gradient_coefficients(self.window[index], num_experts)
 
 
+class NoRouters(EngineHook):
+    """The window runner's part for a model without load-balancing terms or biased routers: its
+    micro-steps run one after another, and nothing is counted."""
+
+    routes = False
+    last_load: WindowLoad | None = None
+
+    @contextlib.contextmanager
+    def manual_forward(self) -> Any:
+        yield
+
+    def run_window(self, pieces: Sequence[tuple[Any, int]], *, forward: Callable[[Any], Any],
+                   backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple],
+                   before_counting: Callable[[], None] = lambda: None) -> None:
+        for micro_batch, samples in pieces:
+            backward(forward(micro_batch), samples)
+
+
 class ExpertBalance(EngineHook):
     """Runs the micro-steps of a ``train_batch`` window so that the model's load-balancing terms
     are the global batch's (``global``), or as the model computes them (``micro_batch``); counts the
@@ -315,16 +333,16 @@ class ExpertBalance(EngineHook):
 
 def expert_balance(model: torch.nn.Module, section, *, single_process: bool, checkpointing: bool,
                    runner_runs_micro_steps: bool,
-                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> ExpertBalance | None:
-    """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``; None
-    for a model without a load-balancing term (its windows run as any other's).
+                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> ExpertBalance | NoRouters:
+    """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``;
+    ``NoRouters`` for a model without a load-balancing term (its windows run as any other's).
     ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
     engine, so no counting forward or held forward can come first."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             single_process=single_process, checkpointing=checkpointing,
                             all_reduce_sum=all_reduce_sum, bias_update_speed=section.bias_update_speed)
     if not experts.routes:
-        return None
+        return NoRouters()
     if runner_runs_micro_steps and (experts.balances_globally or experts.bias_routers.updating):
         raise EngineUsageError(
             "moe.load_balance: global (or moe.bias_update_speed) under a pipeline: the stages' schedule runs the window's micro-batches "

@@ -169,7 +169,7 @@ def test_a_term_of_another_definition_is_refused_under_global():
     model = transformers.SwitchTransformersForConditionalGeneration(config)
     with pytest.raises(engine.EngineUsageError, match="switch_transformers.*load_balancing_loss_func.*micro_batch"):
         moe_engine(model)
-    assert moe_engine(model, moe={"load_balance": "micro_batch"}).experts is None
+    assert not moe_engine(model, moe={"load_balance": "micro_batch"}).experts.routes
 
 
 def test_a_pipeline_refuses_global_balance():
@@ -179,7 +179,7 @@ def test_a_pipeline_refuses_global_balance():
         expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, runner_runs_micro_steps=True,
                        all_reduce_sum=lambda tensor: tensor)
     assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), single_process=False,
-                          checkpointing=False, runner_runs_micro_steps=True, all_reduce_sum=lambda tensor: tensor) is not None
+                          checkpointing=False, runner_runs_micro_steps=True, all_reduce_sum=lambda tensor: tensor).routes
     with pytest.raises(engine.EngineUsageError, match="hold_forwards .* one process"):
         expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), single_process=False,
                        checkpointing=False, runner_runs_micro_steps=False, all_reduce_sum=lambda tensor: tensor)
@@ -188,7 +188,9 @@ def test_a_pipeline_refuses_global_balance():
 def test_a_model_without_routers_runs_its_windows_as_before():
     eng = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "gradient_accumulation_steps": 2},
                             optimizer=sgd)
-    assert eng.experts is None
+    assert not eng.experts.routes
+    eng.train_batch((torch.ones(4, 2), torch.zeros(4, 2)), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert (eng.global_steps, eng.last_window.micro_steps, eng.last_window.samples) == (1, 2, 4)
 
 
 def test_moe_config_keys():

@@ -14,12 +14,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden
               experts_implementation="eager", attn_implementation="sdpa")
 
 
-def hf_moe(kind: str = "mixtral", seed: int = 0, coef: float = 0.02, **overrides) -> torch.nn.Module:
+def hf_moe(kind: str = "mixtral", seed: int = 0, coef: float = 0.02, kv_heads: int = 1, **overrides) -> torch.nn.Module:
     """A two-layer Hugging Face MoE language model of 4 experts, top-2 (Qwen2-MoE: with its shared expert)."""
     import transformers
 
     torch.manual_seed(seed)
-    settings = dict(COMMON, router_aux_loss_coef=coef)
+    settings = dict(COMMON, router_aux_loss_coef=coef, num_key_value_heads=kv_heads)
     if kind == "mixtral":
         config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **settings)
         model = transformers.MixtralForCausalLM(config)
