@@ -563,12 +563,13 @@ class Engine:
         self.planned_window(split)
         # A model's load-balancing terms over the window are counted first (engine.window.experts);
         # each micro-batch's loss_fn sees this rank's part of its sequences (engine.context).
-        self.experts.run_window(split.pieces, forward=lambda micro_batch: loss_fn(self, self.context.shard(micro_batch)),
+        self.experts.run_window(split.pieces,
+                                forward=lambda micro_batch: loss_fn(self, self.context.shard(micro_batch)),
                                 backward=lambda output, size: self._backward(output, size, exact_counts=True),
                                 units=loss_and_units, before_counting=self._agree_before_counting)
 
     def _agree_before_counting(self) -> None:
-        """[moe] A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
+        """A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
         the window's first training forward: the ranks compare positions before them too."""
         if self.strategy.communicates_before_closing_backward:
             self._agree_on_position(WINDOW_START)
