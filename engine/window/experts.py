@@ -113,6 +113,7 @@ class NoRouters(EngineHook):
 
     routes = False
     last_load: WindowLoad | None = None
+    routing_differences = 0.0
 
     @contextlib.contextmanager
     def manual_forward(self) -> Any:

@@ -191,6 +191,7 @@ def test_a_model_without_routers_runs_its_windows_as_before():
     assert not eng.experts.routes
     eng.train_batch((torch.ones(4, 2), torch.zeros(4, 2)), lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
     assert (eng.global_steps, eng.last_window.micro_steps, eng.last_window.samples) == (1, 2, 4)
+    assert (eng.experts.last_load, eng.experts.routing_differences) == (None, 0)  # what docs/moe.md reads
 
 
 def test_moe_config_keys():
