@@ -107,6 +107,13 @@ class _HeldWindow:
         return self.factors[micro_step] * balance.gradient_coefficients(self.window[index], num_experts)
 
 
+def one_after_another(pieces: Sequence[tuple[Any, int]], forward: Callable[[Any], Any],
+                      backward: Callable[[Any, int], None]) -> None:
+    """Each ``(micro_batch, samples)`` piece's forward, then its backward: a window with no counts to learn first."""
+    for micro_batch, samples in pieces:
+        backward(forward(micro_batch), samples)
+
+
 class NoRouters(EngineHook):
     """The window runner's part for a model without load-balancing terms or biased routers: its
     micro-steps run one after another, and nothing is counted."""
@@ -122,8 +129,7 @@ class NoRouters(EngineHook):
     def run_window(self, pieces: Sequence[tuple[Any, int]], *, forward: Callable[[Any], Any],
                    backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple],
                    before_counting: Callable[[], None] = lambda: None) -> None:
-        for micro_batch, samples in pieces:
-            backward(forward(micro_batch), samples)
+        one_after_another(pieces, forward, backward)
 
 
 class ExpertBalance(EngineHook):
@@ -200,8 +206,7 @@ class ExpertBalance(EngineHook):
         forward = self.bias_routers.counting(forward)  # the training forwards' load, for the bias update
         self.bias_routers.start_window()
         if not self.hf_modules and not self.own_terms:
-            for micro_batch, samples in pieces:
-                backward(forward(micro_batch), samples)
+            one_after_another(pieces, forward, backward)
         else:
             self._run_terms(pieces, forward, backward, units, before_counting)
         bias_load = self.bias_routers.window_load(self._all_reduce_sum)
@@ -221,8 +226,7 @@ class ExpertBalance(EngineHook):
                        "false, so the engine did not count the window first: set model.config.output_router_logits "
                        "= True before engine.initialize (or moe.load_balance: micro_batch)")
                 with scoped(_Refused(why)):
-                    for micro_batch, samples in pieces:
-                        backward(forward(micro_batch), samples)
+                    one_after_another(pieces, forward, backward)
             elif self.global_counts == "hold_forwards":
                 self._held_window(pieces, forward, backward, units)
             else:
