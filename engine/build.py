@@ -17,6 +17,7 @@ from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
 from engine.window.experts import expert_balance
+from engine.window.model_loss import LossReading, model_loss
 from engine.monitor import Monitor
 from engine.window.pipeline import PipelineWindows
 from engine.precision.policy import check_autocast_computes
@@ -122,7 +123,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
                  hooks=(experts,),  # the routers' bias moves at the boundary
-                 context=context)
+                 context=context, losses=LossReading(model_loss(model), strict=config.strict))
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

@@ -73,6 +73,7 @@ from engine.batching.window_split import PlannedSplit, Split
 from engine.context.parallel import ContextParallel, WholeSequences
 from engine.window import non_finite
 from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
+from engine.window.model_loss import LossReading, NoModelLoss
 from engine.window.records import Window, WindowReport, window_totals
 
 log = logging.getLogger("engine")
@@ -88,7 +89,7 @@ class Engine:
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
                  grad_norm_every_step: bool = False, experts: ExpertBalance | NoRouters | None = None,
-                 context: ContextParallel | None = None):
+                 context: ContextParallel | None = None, losses: LossReading | None = None):
         self.config = config
         self.plan = plan
         self.strategy = strategy
@@ -114,6 +115,8 @@ class Engine:
         # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
         # context ranks and weighs their losses by tokens; without it, whole sequences (no change).
         self.context = context if context is not None else WholeSequences()
+        # the model's own loss read as (sum, count); means that cannot be read watched (engine.window.model_loss)
+        self.losses = losses or LossReading(NoModelLoss(), strict=False)
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -186,9 +189,12 @@ class Engine:
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
         if not self._splitting:  # train_batch / eval_batch moved their batch already
             args, kwargs = self.context.shard_call(self._on_device(args), self._on_device(kwargs))
+        kwargs = self.losses.call_arguments(kwargs)
         if not torch.is_grad_enabled():
             with self.context.running():
-                return self.strategy.forward(*args, **kwargs)
+                output = self.strategy.forward(*args, **kwargs)
+            self.losses.observe(kwargs, output)
+            return output
         window = self._window  # a forward for a backward: plan its gradient sync
         planned = window.planned_steps or self.plan.gradient_accumulation_steps
         if window.micro_steps == 0 and not window.forwarded:  # the window's first
@@ -203,6 +209,7 @@ class Engine:
         manual = self.experts.manual_forward() if not self._splitting else contextlib.nullcontext()
         with manual, self.measured_forwards(), self.context.running():
             output = self.strategy.forward(*args, **kwargs)
+        self.losses.observe(kwargs, output)
         if not self._splitting:  # the manual loop: what this forward tells about the micro-batch
             self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
         return output
@@ -579,6 +586,7 @@ class Engine:
         output = self.context.item_weighted(output)  # each rank's part of the sequences weighs by its tokens
         loss, units, item_weighted = loss_and_units(output, samples)
         check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
+        self.losses.backward_of(item_weighted)
         if self.world_size > 1 and not window.forwarded:
             raise EngineUsageError(
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
@@ -619,6 +627,7 @@ class Engine:
         """Reduce, weigh and apply the window's gradient, then count and report it."""
         window = self._window
         self.strategy.reduce_gradients()
+        self.losses.window_closed()
         step = self.global_steps + 1
         recorded = self._records(step)
         self.fingerprint_window_batch()

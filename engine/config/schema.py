@@ -380,6 +380,9 @@ class Config(BaseModel):
     bf16: BF16Config = Field(default_factory=BF16Config)  # after fp16: its check reads fp16
     seed: Optional[Annotated[int, Field(ge=0)]] = None
     batch_statistics: Literal["warn", "error", "ignore"] = "warn"
+    # A scalar loss the engine cannot read as (sum, count) while the batch carries labels or an
+    # attention mask: an error instead of a warning (engine.window.model_loss).
+    strict: bool = False
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

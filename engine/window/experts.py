@@ -42,6 +42,7 @@ from engine.experts.balance import RouterCounts, WindowLoad
 from engine.experts.bias import BiasRouters
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
 from engine.window.hooks import EngineHook
+from engine.window.model_loss import mean_items
 from engine.state.rng import restore_rng_state, rng_state
 
 log = logging.getLogger("engine")
@@ -287,9 +288,13 @@ class ExpertBalance(EngineHook):
 
     # -- counts ----------------------------------------------------------------------------
     @staticmethod
-    def _units(units, output, samples: int) -> tuple[float, int, bool]:
+    def _units(units, output, samples: int) -> tuple[float, int, bool, object]:
+        """(items, samples, item-weighted?, what a model's own mean loss was multiplied by to be read as
+        a sum, or 1)."""
         _, count, item_weighted = units(output, samples)
-        return torch.as_tensor(count, dtype=torch.float64).reshape(()), samples, item_weighted
+        read = mean_items(getattr(output, "loss", output))
+        multiplier = torch.as_tensor(read[0] if read is not None else 1.0, dtype=torch.float64).reshape(())
+        return torch.as_tensor(count, dtype=torch.float64).reshape(()), samples, item_weighted, multiplier
 
     def _window_counts(self, counted: list[list[RouterCounts]], extra: list[torch.Tensor]):
         """The terms' statistics summed over the micro-steps and the data ranks (one all-reduce,
@@ -312,17 +317,17 @@ class ExpertBalance(EngineHook):
 
     def _window_and_factors(self, counted, sizes):
         """The window's terms over every rank, and each micro-step's factor (N / n for a mean loss,
-        U for an item-weighted one)."""
-        item_weighted = {kind for _, _, kind in sizes}
+        U for an item-weighted one, U / c for a model's own mean over c items read as its sum)."""
+        item_weighted = {kind for _, _, kind, _ in sizes}
         if len(item_weighted) > 1:
             raise EngineUsageError("one window mixes mean losses and (sum, count) losses; use one kind per window")
-        items = sum(count for count, _, _ in sizes)
-        samples = torch.tensor(float(sum(n for _, n, _ in sizes)), dtype=torch.float64)
+        items = sum(count for count, _, _, _ in sizes)
+        samples = torch.tensor(float(sum(n for _, n, _, _ in sizes)), dtype=torch.float64)
         window, (total_items, total_samples) = self._window_counts(counted, [torch.as_tensor(items), samples])
         self._keep_load(window)
         if item_weighted == {True}:
-            return window, [total_items] * len(sizes)
-        return window, [total_samples / n if n else 0.0 for _, n, _ in sizes]
+            return window, [torch.where(c > 0, total_items / c.clamp(min=1), 0.0) for _, _, _, c in sizes]
+        return window, [total_samples / n if n else 0.0 for _, n, _, _ in sizes]
 
     def _keep_load(self, window: list[RouterCounts]) -> None:
         self.last_load = WindowLoad([term.assignments for term in window]) if window else None

@@ -1,0 +1,203 @@
+"""A model's own loss, read as ``(sum, count)``: what makes ``m(**batch).loss`` exact.
+
+A Hugging Face model called with ``labels`` returns ``.loss``, the mean over the items its loss
+type counts in that call. A window of micro-batches whose items differ (padding, ``-100``
+labels) is the mean over the window's items only if each micro-batch's mean is weighted by its
+items, not by its rows. The engine sees every forward it runs (``eng(**micro_batch)``, and
+``loss_fn``'s calls of the model in ``train_batch``), so it counts the items from the labels it
+handed in, by the model's loss type, and marks the returned ``.loss`` with that count;
+``engine.window.loss_checks.loss_and_units`` then reads that very tensor as ``(loss × count,
+count)``. A tensor derived from it (``loss * 2``, ``loss + other``) is not marked: it is taken as
+a mean over the micro-batch's samples, as any scalar loss.
+
+Items per loss type (transformers' ``loss_utils``):
+
+* ``ForCausalLM`` / ``ForConditionalGeneration``: the shifted targets that are not -100
+  (``labels[..., 1:]``, or ``shift_labels`` when the batch gives them);
+* ``ForMaskedLM`` / ``ForTokenClassification``: the labels that are not -100;
+* ``ForSequenceClassification`` (and image, audio, video classification): rows whose label is
+  not -100 for single-label classification; every label element for regression and multi-label.
+
+A batch giving ``num_items_in_batch`` makes those cross-entropy losses ``sum / num_items_in_batch``:
+the sum is then ``loss × num_items_in_batch``. Other loss types, a model whose ``loss_function``
+was replaced, and models that are not Hugging Face's are not read (:class:`UnreadLosses` warns
+when that leaves a window's micro-batches weighted by rows while their items differ).
+
+A mixture of experts' ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
+is multiplied by the micro-batch's count too, which ``engine.window.experts`` divides out
+(:func:`mean_items`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Callable
+
+import torch
+
+from engine.errors import EngineUsageError
+
+log = logging.getLogger("engine")
+
+IGNORED = -100  # transformers' ignore_index
+_MARK = "_microstep_mean_items"  # the attribute that marks a model's own loss: (multiplier, items)
+
+
+def _causal_targets(labels: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
+    shifted = kwargs.get("shift_labels")
+    targets = shifted if isinstance(shifted, torch.Tensor) else labels[..., 1:]
+    return (targets != IGNORED).sum()
+
+
+def _labelled(labels: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
+    return (labels != IGNORED).sum()
+
+
+def _classified_rows(labels: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
+    if getattr(config, "problem_type", None) == "single_label_classification":
+        return (labels != IGNORED).sum()
+    return torch.tensor(labels.numel(), device=labels.device)  # MSE / BCE: a mean over every element
+
+
+# loss type -> (items of one call, whether it honours num_items_in_batch)
+ITEMS: dict[str, tuple[Callable, bool]] = {
+    "ForCausalLM": (_causal_targets, True),
+    "ForConditionalGeneration": (_causal_targets, True),
+    "ForMaskedLM": (_labelled, True),
+    "ForTokenClassification": (_labelled, True),
+    "ForSequenceClassification": (_classified_rows, False),
+    "ForImageClassification": (_classified_rows, False),
+    "ForAudioClassification": (_classified_rows, False),
+    "ForVideoClassification": (_classified_rows, False),
+}
+
+
+def mean_items(loss) -> tuple[object, object] | None:
+    """``(multiplier, items)`` when ``loss`` is a model's own mean loss as the engine marked it
+    (``loss × multiplier`` is its sum over ``items``), else None."""
+    return getattr(loss, _MARK, None) if isinstance(loss, torch.Tensor) else None
+
+
+def as_sum(loss: torch.Tensor, multiplier) -> torch.Tensor:
+    """``loss × multiplier``; a micro-batch without an item (its mean 0/0) adds 0, not NaN."""
+    multiplier = torch.as_tensor(multiplier, device=loss.device)
+    return torch.where(multiplier > 0, loss, torch.zeros_like(loss)) * multiplier
+
+
+class ModelLoss:
+    """Marks the ``.loss`` of a Hugging Face model's forwards with the items it averages, and keeps
+    a packed row's documents apart (no key/value cache when ``position_ids`` are given)."""
+
+    def __init__(self, model: torch.nn.Module, count: Callable, honours_num_items: bool, takes_cache: bool):
+        self.config = getattr(model, "config", None)
+        self.loss_type = getattr(model, "loss_type", None)
+        self._count, self._honours_num_items, self._takes_cache = count, honours_num_items, takes_cache
+
+    def call_arguments(self, kwargs: dict) -> dict:
+        """``kwargs`` for the model: rows carrying ``position_ids`` (packed documents) run without the
+        cache, with which transformers skips the per-document mask and attention crosses documents."""
+        if self._takes_cache and "position_ids" in kwargs and kwargs.get("use_cache") is None:
+            return {**kwargs, "use_cache": False}
+        return kwargs
+
+    def observe(self, kwargs: dict, output) -> None:
+        """Mark ``output.loss`` when it was computed from ``kwargs['labels']``."""
+        loss, labels = getattr(output, "loss", None), kwargs.get("labels")
+        if not isinstance(loss, torch.Tensor) or not isinstance(labels, torch.Tensor) or loss.dim() != 0:
+            return
+        items = self._count(labels, kwargs, self.config)
+        given = kwargs.get("num_items_in_batch")
+        multiplier = given if self._honours_num_items and given is not None else items
+        setattr(loss, _MARK, (multiplier, items))
+
+
+class NoModelLoss:
+    """A model whose loss the engine does not read (not Hugging Face's, another loss type, or a
+    ``loss_function`` of the user's): calls pass unchanged."""
+
+    loss_type = None
+
+    def call_arguments(self, kwargs: dict) -> dict:
+        return kwargs
+
+    def observe(self, kwargs: dict, output) -> None:
+        pass
+
+
+def model_loss(model: torch.nn.Module) -> ModelLoss | NoModelLoss:
+    """What the engine reads from ``model``'s own loss (see the module's docstring)."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in ITEMS or "_loss_function" in vars(model) or not hasattr(model, "config"):
+        return NoModelLoss()
+    try:
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_cache = False
+    count, honours = ITEMS[loss_type]
+    return ModelLoss(model, count, honours, takes_cache)
+
+
+class LossReading:
+    """The engine's side of its forwards' losses: the model's own loss marked (``ModelLoss``), and
+    mean losses it could not read watched in windows whose micro-batches hold different numbers of
+    items (labels that are not -100, or attention-mask tokens): weighted by rows, those are not the
+    window's mean over items. One warning per run; ``strict: true`` refuses such a loss at its
+    backward whenever the batch carries labels or a mask (on every rank alike: the batches'
+    structure is the same on each)."""
+
+    def __init__(self, model: ModelLoss | NoModelLoss, strict: bool):
+        self.model, self.strict = model, strict
+        self._last_items = None  # of the last forward's arguments
+        self._unread: list = []  # items of the window's micro-batches whose mean loss went unread
+        self._told = False
+
+    def call_arguments(self, kwargs: dict) -> dict:
+        return self.model.call_arguments(kwargs)
+
+    def observe(self, kwargs: dict, output) -> None:
+        """A forward through the engine returned ``output`` for ``kwargs``."""
+        self.model.observe(kwargs, output)
+        self._last_items = _batch_items(kwargs)
+
+    def backward_of(self, item_weighted: bool) -> None:
+        """The micro-step's loss reaches its backward, read as a sum (``item_weighted``) or not."""
+        items, self._last_items = self._last_items, None
+        if item_weighted or items is None:
+            return
+        if self.strict:
+            raise EngineUsageError(
+                "strict: the loss is a scalar the engine cannot read as (sum, count), while the batch carries "
+                f"labels or an attention mask. {_FIX}")
+        if not self._told:
+            self._unread.append(items)
+
+    def window_closed(self) -> None:
+        """Compare the window's unread micro-batches' items (one host read, only when a loss went unread)."""
+        items, self._unread = self._unread, []
+        if len(items) < 2 or self._told:
+            return
+        counts = torch.stack([torch.as_tensor(n).reshape(()).double().cpu() for n in items])
+        low, high = float(counts.min()), float(counts.max())
+        if low != high:
+            self._told = True
+            log.warning("the loss is a scalar the engine cannot read as (sum, count), and this window's micro-batches "
+                        "hold between %g and %g items (labels that are not -100, or attention-mask tokens): each "
+                        "micro-batch's mean is weighted by its rows, which is not the mean over the window's items. "
+                        "%s (shown once; strict: true makes it an error)", low, high, _FIX)
+
+
+_FIX = ("Return the model's own output loss unchanged (m(**batch).loss, which the engine reads by its labels), or "
+        "(loss_sum, num_items) from loss_fn; `python -m engine verify` compares a config with one process on the "
+        "whole batch")
+
+
+def _batch_items(kwargs: dict):
+    """The items a forward's arguments hold: labels that are not -100, else attention-mask tokens
+    (None: neither)."""
+    labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+        return (labels != IGNORED).sum()
+    if isinstance(mask, torch.Tensor):
+        return mask.sum()
+    return None
