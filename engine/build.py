@@ -97,12 +97,14 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     context = strategy.context  # context_parallel: installed by the strategy's parallelize
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
+    own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
     pipeline = schedule_steps = None
     if setup.mesh.pipeline > 1:
         # a token budget (micro-batches of one shape, as many as the schedule runs) or the
         # automatic micro size chooses A per window
         chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
-        pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps)
+        pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
+                                   own_loss)
         schedule_steps = strategy.fitting_micro_batches
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
@@ -123,7 +125,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
                  hooks=(experts,),  # the routers' bias moves at the boundary
-                 context=context, losses=LossReading(model_loss(model), strict=config.strict))
+                 context=context, losses=LossReading(own_loss, strict=config.strict))
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

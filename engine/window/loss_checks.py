@@ -73,11 +73,6 @@ def _check_signature(loss_fn, on_outputs: bool) -> None:
         raise EngineUsageError(f"loss_fn: the engine calls {call} (two arguments); yours takes "
                                f"{_written(parameters)}")
     first = positional[0].name.lower() if positional else ""
-    if on_outputs and first in MODEL_NAMES:
-        raise EngineUsageError(
-            f"loss_fn: under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the "
-            f"model is spread over the stages: none can call it); yours takes {_written(parameters)}. To train "
-            f"with and without a pipeline, {ON_OUTPUTS_FIX}")
     if not on_outputs and first in OUTPUT_NAMES:
         raise EngineUsageError(
             f"loss_fn: without a pipeline the engine calls loss_fn(model, micro_batch); yours takes "
@@ -87,6 +82,25 @@ def _check_signature(loss_fn, on_outputs: bool) -> None:
 
 
 _check_signature_once = functools.lru_cache(maxsize=32)(_check_signature)
+
+
+def written_for_model(loss_fn) -> bool:
+    """Whether ``loss_fn`` was written as ``loss_fn(model, micro_batch)`` (its first parameter names a
+    model; not ``@engine.loss_on_outputs``)."""
+    if hasattr(loss_fn, "on_outputs"):
+        return False
+    parameters = _parameters(loss_fn)
+    positional = [p for p in parameters or () if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return bool(positional) and positional[0].name.lower() in MODEL_NAMES
+
+
+def model_call_refused(loss_fn) -> EngineUsageError:
+    """The error of a ``loss_fn(model, micro_batch)`` under a pipeline with batches ``(inputs, labels)``."""
+    return EngineUsageError(
+        f"loss_fn: under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the "
+        f"model is spread over the stages: none can call it); yours takes {_written(_parameters(loss_fn) or [])}. "
+        "Give a mapping batch with 'input_ids' and 'labels' and the last stage applies a Hugging Face causal "
+        f"language model's own loss (m(**batch).loss); or, to train with and without a pipeline, {ON_OUTPUTS_FIX}")
 
 
 def _describe(value) -> str:

@@ -93,6 +93,7 @@ class ModelLoss:
         self.config = getattr(model, "config", None)
         self.loss_type = getattr(model, "loss_type", None)
         self._count, self._honours_num_items, self._takes_cache = count, honours_num_items, takes_cache
+        self._loss_function = model.loss_function  # transformers' function of this loss type
 
     def call_arguments(self, kwargs: dict) -> dict:
         """``kwargs`` for the model: rows carrying ``position_ids`` (packed documents) run without the
@@ -112,6 +113,24 @@ class ModelLoss:
         setattr(loss, _MARK, (multiplier, items))
 
 
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Under a pipeline: the model's own loss of the last stage's ``logits`` and ``kwargs``'
+        labels, as the whole model's forward computes it (causal language models: no other loss
+        type's head runs on the last stage alone)."""
+        if self._count is not _causal_targets:
+            raise EngineUsageError(
+                f"under a pipeline the last stage applies the model's own loss for causal language models; "
+                f"{type(self.config).__name__}'s loss type is {self.loss_type}: write loss_fn(outputs, labels) "
+                "returning (loss_sum, num_items), and give batches (inputs, labels)")
+        if getattr(self.config, "output_router_logits", False):
+            raise EngineUsageError(
+                "under a pipeline the last stage holds the logits only, not the routers' load-balancing term that "
+                "the model's own .loss adds (output_router_logits is true): write loss_fn(outputs, labels) for the "
+                "language-model part as (loss_sum, num_items), or train without pipeline.stages")
+        extra = {key: kwargs[key] for key in ("shift_labels", "num_items_in_batch") if key in kwargs}
+        return self._loss_function(logits, kwargs["labels"], vocab_size=self.config.vocab_size, **extra)
+
+
 class NoModelLoss:
     """A model whose loss the engine does not read (not Hugging Face's, another loss type, or a
     ``loss_function`` of the user's): calls pass unchanged."""
@@ -123,6 +142,36 @@ class NoModelLoss:
 
     def observe(self, kwargs: dict, output) -> None:
         pass
+
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        raise EngineUsageError(NO_LAST_STAGE_LOSS)
+
+
+NO_LAST_STAGE_LOSS = (
+    "loss_fn(model, micro_batch) under a pipeline: the last stage can apply a model's own loss only for a Hugging "
+    "Face causal language model; write loss_fn(outputs, labels) (a mean, or (loss_sum, num_items)) and give batches "
+    "(inputs, labels)")
+
+
+class LastStageModel:
+    """What ``loss_fn(model, micro_batch)`` is handed on a pipeline's last stage, where no rank holds
+    the whole model: called with the micro-batch (``m(**micro_batch)``), it returns the last stage's
+    outputs, with the model's own ``.loss`` of their logits and the labels given (marked with its
+    items, as a whole model's forward through the engine would be)."""
+
+    def __init__(self, outputs, model: ModelLoss | NoModelLoss):
+        self._outputs, self._model = outputs, model
+
+    def __call__(self, *args, **kwargs):
+        outputs = self._outputs
+        if not isinstance(kwargs.get("labels"), torch.Tensor):
+            return outputs
+        if not isinstance(getattr(outputs, "logits", None), torch.Tensor):
+            raise EngineUsageError(NO_LAST_STAGE_LOSS)
+        loss = self._model.last_stage_loss(outputs.logits, kwargs)
+        outputs = type(outputs)(loss=loss, logits=outputs.logits)
+        self._model.observe(kwargs, outputs)
+        return outputs
 
 
 def model_loss(model: torch.nn.Module) -> ModelLoss | NoModelLoss:

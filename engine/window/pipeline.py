@@ -38,12 +38,15 @@ step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.window.loss_checks import check_loss, check_scalar_loss, failed_on_another_rank, loss_and_units
+from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, loss_and_units,
+                                       model_call_refused, written_for_model)
+from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss
 from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
@@ -58,20 +61,48 @@ class PipelineWindows(WindowRunner):
 
     calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
 
-    def __init__(self, strategy: PipelineParallel, accumulation: int | None):
+    def __init__(self, strategy: PipelineParallel, accumulation: int | None,
+                 model_loss: ModelLoss | NoModelLoss | None = None):
         """``accumulation``: the plan's, checked against the schedule; None when a token budget
         chooses it per window (as many as the schedule runs) or the automatic micro size does
-        (``runs_plan``)."""
+        (``runs_plan``). ``model_loss``: the model's own loss, which the last stage applies for a
+        ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``)."""
         if accumulation is not None:
             strategy.check_accumulation(accumulation)
         self.strategy = strategy
+        self.model_loss = model_loss or NoModelLoss()
+
+    def _schedule_form(self, batch, loss_fn: LossFn, method: str):
+        """``(batch as (inputs, labels), loss_fn(outputs, labels))``. A ``loss_fn(model, micro_batch)`` on a
+        mapping batch (``m(**batch).loss``): the first stage is called with its ``input_ids``, the last
+        stage hands ``loss_fn`` the micro-batch and a stand-in model whose call returns the last stage's
+        outputs with the model's own loss (``LastStageModel``)."""
+        if not written_for_model(loss_fn):
+            _inputs_and_labels(batch, method)
+            return batch, outputs_loss_of(loss_fn)
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise model_call_refused(loss_fn)
+        unused = sorted(key for key in batch if key not in _LAST_STAGE_KEYS + ("input_ids",))
+        if unused:
+            raise EngineUsageError(
+                f"{method}(): under a pipeline the first stage is called with the batch's input_ids alone (attention "
+                f"runs causal over the whole row: pad on the right, labels -100 there) and the last stage reads its "
+                f"labels; the batch also holds {', '.join(unused)}, which no stage would see: drop "
+                f"{'it' if len(unused) == 1 else 'them'} from the batch")
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise EngineUsageError(
+                f"{method}(): the attention_mask has padding before real tokens (left padding, or rows packed with "
+                "gaps); under a pipeline attention runs causal over the whole row without a mask: pad on the right")
+        model = self.model_loss
+        return (batch["input_ids"], batch), lambda outputs, micro_batch: loss_fn(LastStageModel(outputs, model), micro_batch)
 
     def runs_plan(self, plan) -> bool:
         return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
-        inputs, _ = _inputs_and_labels(batch, "train_batch")
-        loss_fn = outputs_loss_of(loss_fn)
+        batch, loss_fn = self._schedule_form(batch, loss_fn, "train_batch")
+        inputs = batch[0]
         split = engine.window_split.split(batch, engine.plan)
         pieces = list(split.pieces)
         sizes = [n for _, n in pieces]
@@ -125,8 +156,7 @@ class PipelineWindows(WindowRunner):
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
         samples (default: the plan's)."""
-        _inputs_and_labels(batch, "eval_batch")
-        loss_fn = outputs_loss_of(loss_fn)
+        batch, loss_fn = self._schedule_form(batch, loss_fn, "eval_batch")
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
         pieces = list(engine.window_split.eval_pieces(batch, engine.plan, size))
         # as many as the schedule runs: the last one repeated with 0 samples
@@ -172,6 +202,11 @@ class PipelineWindows(WindowRunner):
         self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         return float(total[0] / total[1])
 
+
+
+# what the last stage's loss reads of a mapping batch (transformers' loss keywords); attention_mask: the
+# rows are padded on the right and attention is causal, so it changes no real token's output
+_LAST_STAGE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
 
 
 def _inputs_and_labels(batch, method: str):

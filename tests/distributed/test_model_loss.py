@@ -1,6 +1,7 @@
 """The model's own loss (``m(**batch).loss``) on two ranks against the float64 full-batch reference:
-data 2 at ZeRO 0 (train_batch) and ZeRO 3 (the manual loop), token budgets, tensor 2, the DeepSpeed
-backend and its facade; the per-micro-batch mean (the loss left unread) misses."""
+data 2 at ZeRO 0 (train_batch) and ZeRO 3 (the manual loop), token budgets, tensor 2, pipeline 2 (the
+last stage applies the model's own loss), the DeepSpeed backend and its facade; the per-micro-batch
+mean (the loss left unread) misses."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ def data_parallel(rank, world, *, stage=0, manual=False, breaking=None,
     eng = engine.initialize(o.model(kind), cfg, optimizer=sgd)
     if breaking is not None:
         breaking(eng)
-    return o.compare(eng, kind, o.batches(kind, 2), manual=manual)
+    data = o.batches(kind, 2)
+    result = o.compare(eng, kind, data, manual=manual)
+    trained = reference_train(o.model(kind), data, o.own_loss, sgd)
+    with torch.no_grad():
+        expected = o.own_loss(trained, data[0]).item()
+    return {**result, "eval": eng.eval_batch(rank_slice(data[0], eng.plan), o.own_loss), "expected_eval": expected}
 
 
 def token_budget(rank, world):
@@ -76,6 +82,8 @@ SCENARIOS = {
     "zero 2, token classification": functools.partial(data_parallel, stage=2, kind="tokens"),
     "token budget": token_budget,
     "tensor 2": functools.partial(data_parallel, extra={"tensor_parallel": {"size": 2}}),
+    "pipeline 2": functools.partial(data_parallel, extra={"pipeline": {"stages": 2}}),
+    "pipeline 2, unread": functools.partial(data_parallel, extra={"pipeline": {"stages": 2}}, breaking=o.unread_on_pipeline),
     "deepspeed backend": functools.partial(float32_run, facade=False),
     "deepspeed facade": functools.partial(float32_run, facade=True),
 }
@@ -93,4 +101,6 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
             assert result["diff"] < (F32_TOL if "deepspeed" in name else o.TOL), (name, result["diff"])
             if "loss0" in result:  # the window's loss is the global batch's mean over its items
                 assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6), name
+            if "eval" in result:
+                assert result["eval"] == pytest.approx(result["expected_eval"], rel=1e-6), name
     assert results["token budget"][0]["micro_steps"] > 1

@@ -215,8 +215,10 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert found["eval"] < TOL
         assert found["loss on the model"] == found_on_rank_0["loss on the model"]
         assert ("under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the model is "
-                "spread over the stages: none can call it); yours takes (model, batch). To train with and without a "
-                "pipeline, write it on the outputs and decorate it with @engine.loss_on_outputs" in found["loss on the model"])
+                "spread over the stages: none can call it); yours takes (model, batch). Give a mapping batch with "
+                "'input_ids' and 'labels'" in found["loss on the model"])
+        assert "to train with and without a pipeline, write it on the outputs and decorate it with " \
+               "@engine.loss_on_outputs" in found["loss on the model"]
         assert ("gradient_accumulation_steps: 5 micro-batches per window cannot run as a pipeline.schedule interleaved "
                 "over 2 pipeline ranks (a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋); nearest: 4 or 6"
                 in found["accumulation"])

@@ -85,6 +85,12 @@ def unread(eng):
     return eng
 
 
+def unread_on_pipeline(eng):
+    """The broken variant under a pipeline: the last stage's own loss taken as a mean over rows."""
+    eng.window_runner.model_loss.observe = lambda kwargs, output: None
+    return eng
+
+
 def train(eng, data, *, manual: bool) -> list[float]:
     """``eng`` on this rank's share of each global batch of ``data``, by ``train_batch`` or by the
     manual loop (``eng(**micro_batch).loss``); the windows' losses."""

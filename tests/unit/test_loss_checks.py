@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import engine
 from engine.errors import EngineUsageError
-from engine.window.loss_checks import check_loss_signature, checked_count, unrecognised_loss
+from engine.window.loss_checks import (check_loss_signature, checked_count, model_call_refused, unrecognised_loss,
+                                       written_for_model)
 from tests.support.reference import mlp, mse, regression_batches
 
 
@@ -22,8 +23,6 @@ def outputs_loss(outputs, labels):
                           r"\(outputs, labels\)"),
     (torch.nn.MSELoss(), False, r"yours takes \(input, target\), a model's outputs"),  # torch's own losses
     (F.cross_entropy, False, r"yours takes \(input, target, weight, "),
-    (mse, True, r"under a pipeline the last stage calls loss_fn\(outputs, labels\).*yours takes \(model, batch\).*"
-                r"@engine.loss_on_outputs"),
     (lambda batch: batch, False, r"the engine calls loss_fn\(model, micro_batch\) \(two arguments\); yours takes "
                                  r"\(batch\)"),
     (lambda a, b, c: a, True, r"the engine calls loss_fn\(outputs, labels\) \(two arguments\); yours takes \(a, b, c\)"),
@@ -37,9 +36,18 @@ def test_a_loss_fn_written_for_the_other_call_is_named_with_its_fix(loss_fn, on_
     (mse, False), (outputs_loss, True), (engine.loss_on_outputs(outputs_loss), False),
     (engine.loss_on_outputs(outputs_loss), True), (torch.nn.MSELoss(), True), (F.cross_entropy, True),
     (lambda *args: args[0], False),
+    (mse, True),  # under a pipeline: the last stage applies the model's own loss for mapping batches
 ])
 def test_what_fits_its_call_passes(loss_fn, on_outputs):
     check_loss_signature(loss_fn, on_outputs)
+
+
+def test_a_model_call_under_a_pipeline_with_pair_batches_is_named_with_its_fixes():
+    assert written_for_model(mse) and not written_for_model(outputs_loss)
+    assert not written_for_model(engine.loss_on_outputs(outputs_loss))
+    message = str(model_call_refused(mse))
+    assert "under a pipeline the last stage calls loss_fn(outputs, labels)" in message and "(model, batch)" in message
+    assert "mapping batch with 'input_ids' and 'labels'" in message and "@engine.loss_on_outputs" in message
 
 
 def test_returns_that_are_not_a_loss_say_what_came_back():
