@@ -329,9 +329,15 @@ class Engine:
             return self.flush()
         window = self._window
         if not window.backward_since_step:
+            plain = (" A plain loss.backward() is not one: the engine weights each micro-batch by its share of the "
+                     "global batch and plans its gradient synchronisation in its own backward, so it cannot count a "
+                     "backward it does not run (DeepSpeed 0.18's loss.backward() on engine outputs is not supported); "
+                     "the gradients it left are discarded" if window.forwarded else "")
+            if window.forwarded:
+                self.discard_window()
             raise EngineUsageError(
                 "step() called without a backward() since the last step(): each micro-step is "
-                "forward, eng.backward(loss), eng.step()"
+                f"forward, eng.backward(loss), eng.step().{plain}"
             )
         window.backward_since_step = False
         if window.micro_steps < self.plan.gradient_accumulation_steps:

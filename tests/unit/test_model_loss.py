@@ -141,3 +141,18 @@ def test_packed_rows_keep_their_documents_apart_without_the_cache():
     assert max_param_diff(eng.full_state_dict(), state(reference)) < o.TOL
     crossing = reference_train(o.model("causal"), data, o.own_loss, sgd)  # the cache on: attention crosses
     assert max_param_diff(state(crossing), state(reference)) > o.MISSED
+
+
+def test_a_plain_loss_backward_is_refused_at_step_and_leaves_nothing_behind():
+    """``loss.backward()`` on the engine's output (DeepSpeed 0.18 accepts it) runs outside the engine's
+    weighting: refused at the step with the reason, its gradients discarded, and training goes on exact."""
+    data = o.batches("causal", 2)
+    reference = reference_train(o.model("causal"), data, o.own_loss, sgd)
+    eng = initialize(o.model("causal"))
+    eng(**{k: v[:2] for k, v in data[0].items()}).loss.backward()
+    with pytest.raises(engine.EngineUsageError, match=r"A plain loss.backward\(\) is not one: .* discarded"):
+        eng.step()
+    assert eng.micro_steps == 0 and all(p.grad is None or not p.grad.any() for p in eng.module.parameters())
+    for batch in data:
+        eng.train_batch(batch, o.own_loss)
+    assert max_param_diff(eng.full_state_dict(), state(reference)) < o.TOL
