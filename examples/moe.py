@@ -1,14 +1,14 @@
 """A Hugging Face mixture-of-experts model trained with its own ``.loss``, load-balancing term
 included, as one step on the whole global batch.
 
-    python examples/moe.py                                   # accumulation 4, one process
-    python -m launch --nproc-per-node 2 examples/moe.py      # data 2 x accumulation 2
+    python examples/moe.py                                   # accumulation 8, one process
+    python -m launch --nproc-per-node 2 examples/moe.py      # data 2 x accumulation 4
     python -m launch --nproc-per-node 2 examples/moe.py --set expert_parallel.size=2   # 4 experts per rank
     python examples/moe.py --set moe.load_balance=micro_batch
 
 A tiny Mixtral (random init, float64, output_router_logits, router_aux_loss_coef 0.02) and
 random token rows with uneven padding. The script is what a Hugging Face user writes:
-``eng.train_batch(batch, lambda m, b: m(**b).loss)``. Each step prints the loss, the load of the
+``eng.train_batch(batch, lambda m, b: m(**b).loss)`` (``own_loss`` below). Each step prints the loss, the load of the
 8 experts over the whole window (every micro-batch and rank) and its imbalance; at the end the
 weights are compared with one plain PyTorch step per global batch in one process (``.loss`` of
 the whole batch), to transformers' float32 rounding of the router under ``global`` (1e-9), about 1e-4
@@ -54,15 +54,10 @@ def global_batches() -> list[dict]:
     return batches
 
 
-def lm_loss(coef: float):
-    """The (sum, count) form: the language-model sum over real tokens (padding varies between
-    micro-batches), plus the coefficient times the model's load-balancing term."""
-    def loss_fn(model, batch):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        labels = batch["labels"][:, 1:]
-        lm_sum = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), reduction="sum")
-        return lm_sum + coef * out.aux_loss, (labels != -100).sum()
-    return loss_fn
+def own_loss(model, batch):
+    """What a Hugging Face user writes: the model's own loss, load-balancing term included (the engine
+    reads it as a sum over the micro-batch's real tokens and keeps the global batch's term once)."""
+    return model(**batch).loss
 
 
 def full_batch_reference(model, batches, lr: float):
@@ -91,12 +86,11 @@ def main(argv=None) -> dict:
               "optimizer": {"type": "SGD", "params": {"lr": lr}},
               "monitor": {"enabled": True, "progress": False}}
     eng = engine.initialize(copy.deepcopy(model), config, overrides=args.overrides)
-    loss_fn = lm_loss(model.config.router_aux_loss_coef)
     plan = eng.plan
     start = sum(plan.per_device_batch_sizes[:plan.rank])
     for batch in batches:
         mine = {key: value[start:start + plan.per_device_batch_size] for key, value in batch.items()}
-        eng.train_batch(mine, loss_fn)
+        eng.train_batch(mine, own_loss)
         if eng.rank == 0:
             record = eng.monitor.history[-1]
             load = " ".join(f"{n:.0f}" for n in record["expert_load"])

@@ -220,9 +220,8 @@ def resume_without_context(rank, world, directory):
     split.save_checkpoint(directory)
     plain = engine.initialize(copy.deepcopy(model), config(1), optimizer=sgd)
     plain.load_checkpoint(directory)
-    # without context parallelism the model's .loss is a mean per micro-batch: exact with
-    # (sum, count) over the same tokens (labels shifted by the model)
-    plain.train_batch(rank_slice(batches[1], plain.plan), llama_token_sum)
+    # the same script: the model's own .loss is read as (sum, count) without context parallelism too
+    plain.train_batch(rank_slice(batches[1], plain.plan), model_loss)
     return {"diff": max_param_diff(plain.full_state_dict(), state(expected)), "steps": plain.global_steps}
 
 
