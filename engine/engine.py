@@ -1,12 +1,10 @@
 """The engine: counts micro-steps, weights losses, and updates only at window boundaries.
 
-Weighting. The strategies leave the mean over ranks of each rank's accumulated gradient,
-so a micro-batch loss is multiplied by ``units · W / G`` before its backward, where
-``units`` is its number of samples (a mean loss) or 1 (a ``(sum, count)`` loss), W the
-world size and G the planned global batch. At the boundary the gradient is multiplied by
-``G / U``, U being the window's real total of units over every rank. For a full window of
-mean losses U = G and nothing is done; a short window, unequal batches or token counts get
-one in-place multiply of the gradient, once per optimizer step.
+Weighting. Every weight, count and divisor of a window is computed by ``engine.window.accounting``
+(what a loss stands for, a micro-step's weight ``share · W / G``, the boundary multiplier ``G / U``,
+the window's totals over the ranks, evaluation's totals); the engine and every window runner ask
+it. A model's own ``.loss`` is read as its sum over the items its labels hold
+(``engine.window.model_loss``).
 
 Micro-batches and what they count for. How ``train_batch`` / ``eval_batch`` cut a batch and
 what a manual-loop micro-batch counts for depend on the kind of plan — planned sizes, sizes
@@ -59,7 +57,8 @@ import torch
 
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
-from engine.window.loss_checks import check_loss, check_loss_signature, failed_on_another_rank, loss_and_units
+from engine.window.accounting import Accounting, evaluation_terms, loss_and_units, share, window_totals
+from engine.window.loss_checks import check_loss, check_loss_signature, failed_on_another_rank
 from engine.window.runner import LossFn, WindowRunner
 from engine.batching.data import DistributedBatches
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
@@ -74,7 +73,7 @@ from engine.context.parallel import ContextParallel, WholeSequences
 from engine.window import non_finite
 from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
 from engine.window.model_loss import LossReading, NoModelLoss
-from engine.window.records import Window, WindowReport, window_totals
+from engine.window.records import Window, WindowReport
 
 log = logging.getLogger("engine")
 
@@ -117,6 +116,9 @@ class Engine:
         self.context = context if context is not None else WholeSequences()
         # the model's own loss read as (sum, count); means that cannot be read watched (engine.window.model_loss)
         self.losses = losses or LossReading(NoModelLoss(), strict=False)
+        # every weight, count and divisor of a window (engine.window.accounting); G is the window split's
+        self.accounting = Accounting(ranks=plan.world_size * self.context.size,
+                                     weighting_batch=lambda: self.window_split.weighting_batch(self.plan))
         # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
         # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
         # last so that its hooks see the whole restored state.
@@ -259,13 +261,9 @@ class Engine:
         return self._peak.forward() if self._recording else contextlib.nullcontext()
 
     def micro_step_weight(self, samples: int, item_weighted: bool) -> float:
-        """What a micro-batch's loss is multiplied by before its backward, in every window runner:
-        its share (samples for a mean, 1 for a sum, 0 for a zero-weight step) × W / G, W the ranks
-        the gradients are averaged over and G the planned (or nominal) global batch. W is the data
-        ranks, times the context ranks under context parallelism: gradients are averaged over data
-        × context ranks, and the parts of one sequence add up (engine.context.parallel)."""
-        ranks = self.plan.world_size * self.context.size
-        return _share(samples, item_weighted) * ranks / self._weighting_batch()
+        """What a micro-batch's loss is multiplied by before its backward, in every window runner
+        (``engine.window.accounting``)."""
+        return self.accounting.micro_step_weight(samples, item_weighted)
 
     def fingerprint_window_batch(self) -> None:
         """Fingerprint this ``train_batch``'s batch for the window statistics' check that the ranks
@@ -287,7 +285,7 @@ class Engine:
             return
         loss, units, item_weighted = loss_and_units(output, samples)
         self._window.check_same_kind(item_weighted)
-        self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted, exact_counts=True)
+        self._count_micro_step(loss, units, samples, share(samples, item_weighted), item_weighted, exact_counts=True)
 
     def fail_window(self, error: Exception) -> None:
         """This rank's loss failed in a window whose micro-steps ran on (a pipeline's last stage
@@ -456,17 +454,14 @@ class Engine:
     @torch.no_grad()
     def _evaluate(self, pieces, loss_fn: LossFn) -> float:
         """Forwards of ``(micro_batch, samples)`` pieces (0 samples: weight 0)."""
-        total = torch.zeros(2, dtype=torch.float64)  # Σ loss × units, Σ units
+        total = torch.zeros(2, dtype=torch.float64, device=self.strategy.device)  # Σ loss × share, Σ units
 
         def forwards():
             total.zero_()
             for micro_batch, n in pieces:
                 # this rank's part of each sequence, weighed by its tokens
                 output = self.context.item_weighted(loss_fn(self, self.context.shard(micro_batch)))
-                loss, count, item_weighted = loss_and_units(output, n)
-                if n:
-                    total[0] += loss.double().cpu() * (1 if item_weighted else n)
-                    total[1] += torch.as_tensor(count, dtype=torch.float64).cpu()
+                total.add_(torch.stack(evaluation_terms(output, n)).to(total.device))
 
         was_training = self.module.training
         self.module.eval()
@@ -477,7 +472,7 @@ class Engine:
             self._splitting = False
             self.module.train(was_training)
             self.strategy.release_gathered_parameters()
-        stats = self.strategy.all_reduce_sum(total.to(self.strategy.device))
+        stats = self.strategy.all_reduce_sum(total)
         return float(stats[0] / stats[1])
 
     # -- state ----------------------------------------------------------------------------
@@ -609,7 +604,7 @@ class Engine:
         # Before backward: a failing backward must leave the window as it was.
         with self.context.running():
             self.strategy.backward(loss, self.micro_step_weight(samples, item_weighted))
-        self._count_micro_step(loss, units, samples, _share(samples, item_weighted), item_weighted,
+        self._count_micro_step(loss, units, samples, share(samples, item_weighted), item_weighted,
                                exact_counts=exact_counts)
 
     def _count_micro_step(self, loss, units, samples: int, share: int, item_weighted: bool | None, *,
@@ -699,26 +694,17 @@ class Engine:
     def _needs_grad_norm(self, step: int) -> bool:
         return any(hook.needs_grad_norm(step) for hook in self.hooks)
 
-    def _weighting_batch(self) -> int:
-        """The G of the weights: the planned global batch, or a data-defined plan's nominal one."""
-        return self.window_split.weighting_batch(self.plan)
-
     def _apply_update(self, window: Window, units, samples: int, squares: float | None, *,
                       want_norm: bool) -> StepResult:
         """Multiply the reduced gradient to the global mean, clip, step — or skip the window
         when it holds nothing to average or overflowed. ``squares``: the reduced gradient's sum
         of squares over ranks, when the window's statistics brought it."""
-        if window.item_weighted and float(units) == 0:
-            # Nothing to average (every label ignored): a step would divide by zero.
+        multiplier = self.accounting.boundary_multiplier(window.item_weighted, units, samples)
+        if multiplier is None:  # nothing to average (every label ignored): a step would divide by zero
             self.strategy.discard_window()
             log.warning("the window of global step %d holds no items (e.g. every label is -100): skipped",
                         self.global_steps + 1)
             return StepResult(applied=False)
-        target = self._weighting_batch()
-        if window.item_weighted:
-            multiplier = target / units
-        else:
-            multiplier = 1.0 if samples == target else target / samples
         result = self.strategy.step(multiplier, self.config.gradient_clipping, want_norm=want_norm,
                                     grad_squares=squares)
         self.strategy.zero_grad()
@@ -734,8 +720,3 @@ class Engine:
 def _nothing_posted() -> None:
     """The wait of a position check that was not needed."""
 
-
-def _share(samples: int, item_weighted: bool) -> int:
-    """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
-    1 (a sum), 0 (a zero-weight step)."""
-    return (1 if item_weighted else samples) if samples else 0

@@ -42,6 +42,7 @@ from engine.experts.balance import RouterCounts, WindowLoad
 from engine.experts.bias import BiasRouters
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
 from engine.window.hooks import EngineHook
+from engine.window.accounting import term_factors
 from engine.window.model_loss import mean_items
 from engine.state.rng import restore_rng_state, rng_state
 
@@ -325,9 +326,7 @@ class ExpertBalance(EngineHook):
         samples = torch.tensor(float(sum(n for _, n, _, _ in sizes)), dtype=torch.float64)
         window, (total_items, total_samples) = self._window_counts(counted, [torch.as_tensor(items), samples])
         self._keep_load(window)
-        if item_weighted == {True}:
-            return window, [torch.where(c > 0, total_items / c.clamp(min=1), 0.0) for _, _, _, c in sizes]
-        return window, [total_samples / n if n else 0.0 for _, n, _, _ in sizes]
+        return window, term_factors(item_weighted == {True}, total_items, total_samples, [(n, c) for _, n, _, c in sizes])
 
     def _keep_load(self, window: list[RouterCounts]) -> None:
         self.last_load = WindowLoad([term.assignments for term in window]) if window else None

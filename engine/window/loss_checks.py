@@ -20,7 +20,6 @@ import inspect
 import torch
 
 from engine.errors import EngineUsageError
-from engine.window.model_loss import as_sum, mean_items
 
 # First parameters that say which call a plain function was written for.
 MODEL_NAMES = frozenset({"model", "module", "engine", "eng", "net", "network", "m"})
@@ -137,25 +136,6 @@ def unrecognised_loss(output) -> EngineUsageError:
     elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         hint = "; return the loss alone, or (loss_sum, num_items)"
     return EngineUsageError(f"{EXPECTED}; got {_describe(output)}{hint}")
-
-
-def loss_and_units(output, samples: int):
-    """(loss, the units the window's mean divides by, item-weighted?): a mean loss
-    stands for its samples, a ``(sum, count)`` pair for its count, and a model's own loss (its
-    ``.loss``, as the engine's forward returned it) for the sum over the items its labels hold."""
-    if isinstance(getattr(output, "loss", None), torch.Tensor):  # e.g. a Hugging Face ModelOutput
-        output = output.loss
-    if isinstance(output, torch.Tensor):
-        read = mean_items(output)  # a model's own loss, marked with its items (engine.window.model_loss)
-        if read is not None:
-            multiplier, items = read
-            return as_sum(output, multiplier), items, True
-        return output, samples, False
-    if isinstance(output, (tuple, list)) and len(output) == 2:
-        loss_sum, count = output
-        if isinstance(loss_sum, torch.Tensor):
-            return loss_sum, checked_count(output, count), True
-    raise unrecognised_loss(output)
 
 
 def check_loss(loss) -> None:

@@ -6,7 +6,7 @@ labels) is the mean over the window's items only if each micro-batch's mean is w
 items, not by its rows. The engine sees every forward it runs (``eng(**micro_batch)``, and
 ``loss_fn``'s calls of the model in ``train_batch``), so it counts the items from the labels it
 handed in, by the model's loss type, and marks the returned ``.loss`` with that count;
-``engine.window.loss_checks.loss_and_units`` then reads that very tensor as ``(loss × count,
+``engine.window.accounting.loss_and_units`` then reads that very tensor as ``(loss × count,
 count)``. A tensor derived from it (``loss * 2``, ``loss + other``) is not marked: it is taken as
 a mean over the micro-batch's samples, as any scalar loss.
 

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, loss_and_units,
-                                       model_call_refused, written_for_model)
+from engine.window.accounting import evaluation_terms, loss_and_units
+from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, model_call_refused,
+                                       written_for_model)
 from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss
 from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
@@ -173,14 +174,13 @@ class PipelineWindows(WindowRunner):
             if sizes[k] and not self.strategy.stage_failed and failure is None:
                 try:
                     seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
-                    loss, units, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
-                    check_scalar_loss(loss)
+                    output = loss_fn(seen, pieces[k][0][1])
+                    check_scalar_loss(loss_and_units(output, sizes[k])[0])
                 except Exception as error:  # raised after the evaluation's one reduction, on every rank
                     if not self.strategy.keep_failure(error):
                         failure = error
                     return _zero_from(outputs)
-                total[0] += loss.detach().double() * (1 if item_weighted else sizes[k])
-                total[1] += torch.as_tensor(units, dtype=torch.float64, device=device)
+                total[:2] += torch.stack(evaluation_terms(output, sizes[k]))
             return _zero_from(outputs)
 
         module = engine.module

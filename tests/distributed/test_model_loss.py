@@ -1,7 +1,8 @@
 """The model's own loss (``m(**batch).loss``) on two ranks against the float64 full-batch reference:
 data 2 at ZeRO 0 (train_batch) and ZeRO 3 (the manual loop), token budgets, tensor 2, pipeline 2 (the
 last stage applies the model's own loss), the DeepSpeed backend and its facade; the per-micro-batch
-mean (the loss left unread) misses."""
+mean (the loss left unread) misses, and so does every mesh with the one accounting broken
+(engine.window.accounting without its boundary multiplier)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import engine
-from tests.support import own_loss as o
+from tests.support import broken, own_loss as o
 from tests.support.dist_utils import run_scenarios
 from tests.support.reference import max_param_diff, rank_slice, reference_train, sgd, state
 
@@ -45,7 +46,7 @@ def token_budget(rank, world):
     return {**result, "micro_steps": eng.last_window.micro_steps}
 
 
-def float32_run(rank, world, *, facade: bool):
+def float32_run(rank, world, *, facade: bool, breaking=None):
     """The DeepSpeed backend through ``engine.initialize`` (train_batch), or the DeepSpeed facade's
     manual loop (``model_engine(**batch).loss``), in float32."""
     data = [{k: v.float() if v.is_floating_point() else v for k, v in b.items()} for b in o.batches("causal", 2)]
@@ -68,11 +69,21 @@ def float32_run(rank, world, *, facade: bool):
         trained = model_engine.engine.full_state_dict()
     else:
         eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
+        if breaking is not None:
+            breaking(eng)
         for batch in data:
             eng.train_batch(rank_slice(batch, eng.plan), o.own_loss)
         trained = eng.full_state_dict()
     return {"diff": max_param_diff(trained, state(expected))}
 
+
+MESHES = {"zero 0": {}, "zero 3": {"zero_optimization": {"stage": 3}}, "tensor 2": {"tensor_parallel": {"size": 2}},
+          "pipeline 2": {"pipeline": {"stages": 2}}}
+# The one accounting broken (G / U left out): every mesh and backend that asks it misses.
+BROKEN_ACCOUNTING = {f"{mesh}, broken accounting": functools.partial(
+    data_parallel, extra=extra, breaking=broken.accounting_without_window_total) for mesh, extra in MESHES.items()}
+BROKEN_ACCOUNTING["deepspeed backend, broken accounting"] = functools.partial(
+    float32_run, facade=False, breaking=broken.accounting_without_window_total)
 
 SCENARIOS = {
     "zero 0, train_batch": data_parallel,
@@ -86,6 +97,7 @@ SCENARIOS = {
     "pipeline 2, unread": functools.partial(data_parallel, extra={"pipeline": {"stages": 2}}, breaking=o.unread_on_pipeline),
     "deepspeed backend": functools.partial(float32_run, facade=False),
     "deepspeed facade": functools.partial(float32_run, facade=True),
+    **BROKEN_ACCOUNTING,
 }
 
 
@@ -95,7 +107,7 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
     results = run_scenarios(SCENARIOS, world_size=2, timeout=380)
     for name, per_rank in results.items():
         for result in per_rank:
-            if "unread" in name:
+            if "unread" in name or "broken" in name:
                 assert result["diff"] > o.MISSED, (name, result["diff"])
                 continue
             assert result["diff"] < (F32_TOL if "deepspeed" in name else o.TOL), (name, result["diff"])

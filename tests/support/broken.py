@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.strategies.model_transforms import CheckpointSwitch
+from engine.window.model_loss import NoModelLoss
 
 
 def intact(eng):
@@ -27,6 +28,14 @@ def weighted_one_over_a(eng):
     strategy.backward = lambda loss, weight: backward(loss, 1.0 / eng.plan.gradient_accumulation_steps)
     strategy.step = lambda multiplier, max_norm, want_norm=False, grad_squares=None: \
         step(1.0, max_norm, want_norm, grad_squares)
+    return eng
+
+
+def accounting_without_window_total(eng):
+    """The one accounting (engine.window.accounting) broken: the boundary multiplier G / U left out,
+    so a window of (sum, count) losses — the model's own loss read as one — is divided by the planned
+    samples instead of its items, on whatever mesh and backend asks it."""
+    eng.accounting.boundary_multiplier = lambda item_weighted, units, samples: 1.0
     return eng
 
 
@@ -140,8 +149,10 @@ def unreduced_replicated_gradients(plan: dict) -> dict:
 def context_shard_means(eng):
     """Context parallelism with each rank's loss taken as the mean over its part of the
     sequences, weighted like any mean (by samples): parts holding few real tokens count as
-    much as full ones (the mean-per-shard mistake)."""
+    much as full ones (the mean-per-shard mistake): neither the context's reading nor the model's
+    own loss's (engine.window.model_loss) turns it back into a sum."""
     eng.context.item_weighted = lambda output: output
+    eng.losses.model = NoModelLoss()
     return eng
 
 
