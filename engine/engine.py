@@ -43,7 +43,7 @@ from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.batching.window_split import PlannedSplit
 from engine.context.parallel import ContextParallel, WholeSequences
-from engine.errors import EngineUsageError, PeerLostError
+from engine.errors import EngineUsageError
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.state.engine_state import EngineState
 from engine.strategies.base import Strategy
@@ -54,7 +54,6 @@ from engine.window.hooks import EngineHook
 from engine.window.loss_checks import check_loss, check_loss_signature
 from engine.window.machine import WindowMachine
 from engine.window.model_loss import LossReading, NoModelLoss
-from engine.window.positions import CLOSED, FLUSH, WINDOW_START
 from engine.window.runner import LossFn, WindowRunner
 
 log = logging.getLogger("engine")
@@ -85,37 +84,30 @@ class Engine:
                  grad_norm_every_step: bool = False, experts: ExpertBalance | NoRouters | None = None,
                  context: ContextParallel | None = None, losses: LossReading | None = None):
         self.config, self.plan, self.strategy = config, plan, strategy
-        # How windows are cut and what a micro-batch counts for (engine.batching.window_split).
-        self.window_split = window_split
-        self.window_runner = window_runner or WindowRunner()
-        # Hooks, called in this order at every point. The monitor (engine.monitor) and the automatic
-        # checkpoints (engine.autosave) are kept by name too: scripts read eng.monitor
-        # (history, log_eval) and eng.autosave (resumed_from); the checkpoints go last, since a
-        # stop signal ends the run there.
+        # how windows are cut and what a micro-batch counts for (engine.batching.window_split)
+        self.window_split, self.window_runner = window_split, window_runner or WindowRunner()
+        # Hooks, called in this order at every point; the monitor and the automatic checkpoints are kept
+        # by name too (scripts read eng.monitor, eng.autosave); the checkpoints go last: a stop signal ends
+        # the run there.
         self._monitor, self.autosave = monitor, autosave
         self.hooks = tuple(hook for hook in (monitor, *hooks, autosave) if hook is not None)
-        self.lr_scheduler = lr_scheduler
-        self.loss_fn = loss_fn
-        # a mixture-of-experts model's load-balancing terms over the window (engine.window.experts);
-        # without routers, NoRouters runs the micro-steps one after another
+        self.lr_scheduler, self.loss_fn = lr_scheduler, loss_fn
+        # Null objects where a dimension is absent: a model without routers (engine.window.experts), whole
+        # sequences without context_parallel (engine.context.parallel), a model whose loss is not read
+        # as (sum, count) (engine.window.model_loss).
         self.experts = experts or NoRouters()
-        # context_parallel (engine.context.parallel): splits each micro-batch's sequences over the
-        # context ranks and weighs their losses by tokens; without it, whole sequences (no change).
         self.context = context if context is not None else WholeSequences()
-        # the model's own loss read as (sum, count); means that cannot be read watched (engine.window.model_loss)
         self.losses = losses or LossReading(NoModelLoss(), strict=False)
         # every weight, count and divisor of a window (engine.window.accounting); G is the window split's
         self.accounting = Accounting(ranks=plan.world_size * self.context.size,
                                      weighting_batch=lambda: self.window_split.weighting_batch(self.plan))
-        self.windows = WindowMachine(self, strategy=strategy, accounting=self.accounting, window_split=window_split,
-                                     context=self.context, losses=self.losses,
-                                     chooses_micro_size=self.window_runner.chooses_micro_size,
-                                     clipping=config.gradient_clipping,
-                                     non_finite_policy=config.faults.non_finite_gradient,
-                                     grad_norm_every_step=grad_norm_every_step)
-        # What a checkpoint holds: the strategy's model and optimizer, the parts handed in
-        # (scheduler, loss scaler, micro-size tuner), and this engine's counters and plan, loaded
-        # last so that its hooks see the whole restored state.
+        self.windows = WindowMachine(
+            self, strategy=strategy, accounting=self.accounting, window_split=window_split, context=self.context,
+            losses=self.losses, chooses_micro_size=self.window_runner.chooses_micro_size,
+            clipping=config.gradient_clipping, non_finite_policy=config.faults.non_finite_gradient,
+            grad_norm_every_step=grad_norm_every_step)
+        # A checkpoint holds the strategy's model and optimizer, the parts handed in, and this engine's
+        # counters and plan, loaded last so that its hooks see the whole restored state.
         self.checkpoints = CheckpointManager(
             {"lr_scheduler": lr_scheduler, "loss_scaler": strategy.loss_scaler, **(checkpoint_states or {}),
              "engine": EngineState(self)},
@@ -196,13 +188,9 @@ class Engine:
         return output
 
     def backward(self, loss) -> None:
-        """Backward of one micro-batch loss, weighted by its share of the global batch.
-
-        ``loss`` is the mean over the micro-batch's samples, a pair ``(loss_sum, num_items)`` for
-        item-weighted losses, or the model's own ``.loss`` (read as its sum over the items its labels
-        hold). In this manual loop the k-th micro-step of a window is taken to hold
-        ``plan.micro_batch_sizes[k]`` samples, or, when sizes are read from the inputs, the batch size
-        of what was passed to ``eng(...)``."""
+        """Backward of one micro-batch loss (a mean over its samples, ``(loss_sum, num_items)``, or the
+        model's own ``.loss``), weighted by its share of the global batch: the k-th micro-step of a window
+        holds ``plan.micro_batch_sizes[k]`` samples, or what ``eng(...)`` was given when sizes are read."""
         self.strategy.check_manual_loop()
         window = self.windows.current
         k = window.micro_steps
@@ -219,50 +207,21 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the micro-step in progress (or just back-propagated) is the last of its window."""
-        window = self.windows.current
-        done = window.micro_steps if window.backward_since_step else window.micro_steps + 1
-        return done >= self.plan.gradient_accumulation_steps
+        return self.windows.is_boundary(self.plan.gradient_accumulation_steps)
 
     def step(self, flush: bool = False) -> bool:
         """Close the window if this micro-step is its last; otherwise change nothing.
         Returns True when a window was closed (``skipped_steps`` tells whether a non-finite
         gradient, e.g. an fp16 overflow, discarded it). ``step(flush=True)`` is :meth:`flush`."""
-        if flush:
-            return self.flush()
-        window = self.windows.current
-        if not window.backward_since_step:
-            plain = (" A plain loss.backward() is not one: the engine weights each micro-batch by its share of the "
-                     "global batch and plans its gradient synchronisation in its own backward, so it cannot count a "
-                     "backward it does not run (DeepSpeed 0.18's loss.backward() on engine outputs is not supported); "
-                     "the gradients it left are discarded" if window.forwarded else "")
-            if window.forwarded:
-                self.discard_window()
-            raise EngineUsageError("step() called without a backward() since the last step(): each micro-step is "
-                                   f"forward, eng.backward(loss), eng.step().{plain}")
-        window.backward_since_step = False
-        if window.micro_steps < self.plan.gradient_accumulation_steps:
-            return False
-        self.windows.close()
-        return True
+        return self.flush() if flush else self.windows.step(self.plan.gradient_accumulation_steps)
 
     def flush(self) -> bool:
-        """Close a window that holds fewer micro-steps than planned (the end of the data in a
-        manual loop), weighted by the samples it really holds. Every rank must call it,
-        holding the same number of micro-steps (sharded models reduce collectively). Returns
-        False when there was nothing to close."""
-        window = self.windows.current
-        # On the control group: a peer still inside a micro-step's collective times out clearly.
-        self.windows.agree(FLUSH)
-        if window.micro_steps == 0:
-            return False
-        window.backward_since_step = False
-        window.exact_counts = True  # weighted by what every rank really ran
-        self.windows.close()
-        return True
+        """Close a window holding fewer micro-steps than planned (the end of the data), weighted by what
+        it holds; on every rank, with the same micro-steps. False when there was nothing to close."""
+        return self.windows.flush()
 
     def zero_grad(self) -> None:
-        """For Colossal-style loops: gradients are cleared at every boundary already, so this
-        never wipes a window in progress."""
+        """For Colossal-style loops: never wipes a window in progress (boundaries clear gradients)."""
         if self.windows.current.micro_steps == 0:
             self.strategy.zero_grad()
 
@@ -297,16 +256,14 @@ class Engine:
         return self.window_runner.run_eval(self, self._on_device(batch), self._loss_fn(loss_fn))
 
     def _on_device(self, batch):
-        """A host batch (a DataLoader's) copied to where this rank computes (tensors already there
-        are not copied): the loss function then meets outputs and labels on one device."""
+        """A host batch copied to where this rank computes: the loss meets outputs and labels on one device."""
         return batch if self.device.type == "cpu" else to_device(batch, self.device)
 
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:
-        """This rank's per-device batches of a map-style ``dataset`` for ``eng.plan``, one per
-        optimizer step (``engine.batching.data.DistributedBatches``). Automatic checkpoints save its
-        position, and after a resume it starts where the saved run was. Called again with the
-        same arguments it returns the same object, which goes on with the next epoch."""
+        """This rank's per-device batches of a map-style ``dataset``, one per optimizer step
+        (``engine.batching.data.DistributedBatches``; automatic checkpoints save its position). Called
+        again with the same arguments it returns the same object, which goes on with the next epoch."""
         options = (shuffle, seed, drop_last, collate_fn)
         if self._batches is not None and self._batches[0] is dataset and self._batches[1] == options:
             return self._batches[2]
@@ -319,8 +276,7 @@ class Engine:
 
     # -- for window runners (engine.window.runner) ------------------------------------------
     def run_window(self, batch, loss_fn: LossFn) -> None:
-        """Forward and backward of every micro-batch of one window as the plan splits
-        ``batch`` (no optimizer step), guarded by the window runner."""
+        """Forward and backward of every micro-batch of one window (no step), guarded by the runner."""
         with self._own_micro_batches():
             self.window_runner.guard(lambda: self._micro_steps(batch, loss_fn))
 
@@ -341,10 +297,8 @@ class Engine:
         self.plan = plan
 
     def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
-        """Evaluate ``batch`` in the window split's micro-batches — of at most ``size`` samples,
-        or padded tokens when split by tokens (default: the plan's) — the same number on every
-        rank, forwards guarded by the window runner; the mean loss over every rank, per sample or
-        per item."""
+        """The mean loss over every rank's ``batch`` (per sample or per item), in the window split's
+        micro-batches of at most ``size`` samples or padded tokens (default: the plan's)."""
         pieces = self.window_split.eval_pieces(batch, self.plan, size)
         with self._own_micro_batches():  # on the device (and split over the context ranks) already
             return evaluate_pieces(self, pieces, loss_fn)
@@ -355,10 +309,9 @@ class Engine:
         return self.strategy.full_state_dict()
 
     def gathered_parameters(self, modifier_rank: int | None = None):
-        """A context manager: inside it every rank's ``eng.module`` holds whole parameters (at
-        ZeRO-3 they are gathered; collective: enter it on every rank). With ``modifier_rank``,
-        that rank's parameter values at the end of the block become every rank's (DeepSpeed's
-        ``zero.GatheredParameters``); changes made elsewhere are dropped. Between windows only."""
+        """A context manager (collective, between windows): inside it every rank's ``eng.module`` holds
+        whole parameters; with ``modifier_rank``, that rank's values at the end of the block become every
+        rank's (DeepSpeed's ``zero.GatheredParameters``)."""
         if self.windows.current.micro_steps:
             raise EngineUsageError("gathered_parameters() inside an accumulation window: use it between windows "
                                    "(after the step that closes one)")
@@ -382,12 +335,8 @@ class Engine:
         """Release the engine. Collective: a peer still training (its data lasted longer) learns
         here that this rank has stopped, and both raise RankDisagreementError."""
         try:
-            if self.windows.agreeing:  # not after a disagreement, which the ranks raised together, nor twice
-                self.windows.agree(CLOSED)
-        except PeerLostError as error:  # gone or stuck: nothing to tell it any more
-            log.warning("close(): %s", error)
+            self.windows.leave()
         finally:
-            self.windows.agreeing = False
             for hook in self.hooks:
                 hook.on_close(self)
             self.strategy.close()
@@ -420,10 +369,4 @@ class Engine:
                                 forward=lambda micro_batch: loss_fn(self, self.context.shard(micro_batch)),
                                 backward=lambda output, size: self.windows.backward(output, size, planned,
                                                                                     exact_counts=True),
-                                units=loss_and_units, before_counting=self._agree_before_counting)
-
-    def _agree_before_counting(self) -> None:
-        """A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before
-        the window's first training forward: the ranks compare positions before them too."""
-        if self.strategy.communicates_before_closing_backward:
-            self.windows.agree(WINDOW_START)
+                                units=loss_and_units, before_counting=self.windows.agree_before_counting)

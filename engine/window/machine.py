@@ -36,7 +36,7 @@ from engine.strategies.base import StepResult
 from engine.window import non_finite
 from engine.window.accounting import Accounting, loss_and_units, share, window_totals
 from engine.window.loss_checks import check_loss, failed_on_another_rank
-from engine.window.positions import CLOSING_MICRO_STEP, FORWARD, WINDOW_START, post_position
+from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
 from engine.window.records import Window, WindowReport
 
 log = logging.getLogger("engine")
@@ -90,6 +90,23 @@ class WindowMachine:
                 raise
 
         return confirm
+
+    def agree_before_counting(self) -> None:
+        """A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before the
+        window's first training forward: the ranks compare positions before them too."""
+        if self.strategy.communicates_before_closing_backward:
+            self.agree(WINDOW_START)
+
+    def leave(self) -> None:
+        """The engine closes: a peer still training (its data lasted longer) learns here that this rank
+        has stopped, and both raise RankDisagreementError; not after a disagreement, nor twice."""
+        try:
+            if self.agreeing:
+                self.agree(CLOSED)
+        except PeerLostError as error:  # gone or stuck: nothing to tell it any more
+            log.warning("close(): %s", error)
+        finally:
+            self.agreeing = False
 
     # -- a window starts ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,6 +236,41 @@ class WindowMachine:
         self.current.failure = self.current.failure or error
 
     # -- a window ends ------------------------------------------------------------------------------
+    def is_boundary(self, planned: int) -> bool:
+        """Whether the micro-step in progress (or just back-propagated) is the last of its window."""
+        window = self.current
+        return (window.micro_steps if window.backward_since_step else window.micro_steps + 1) >= planned
+
+    def step(self, planned: int) -> bool:
+        """The manual loop's step: close the window if its ``planned`` micro-steps are done."""
+        window = self.current
+        if not window.backward_since_step:
+            plain = (" A plain loss.backward() is not one: the engine weights each micro-batch by its share of the "
+                     "global batch and plans its gradient synchronisation in its own backward, so it cannot count a "
+                     "backward it does not run (DeepSpeed 0.18's loss.backward() on engine outputs is not supported); "
+                     "the gradients it left are discarded" if window.forwarded else "")
+            if window.forwarded:
+                self.discard()
+            raise EngineUsageError("step() called without a backward() since the last step(): each micro-step is "
+                                   f"forward, eng.backward(loss), eng.step().{plain}")
+        window.backward_since_step = False
+        if window.micro_steps < planned:
+            return False
+        self.close()
+        return True
+
+    def flush(self) -> bool:
+        """Close a short window (the end of the data), weighted by what it really holds."""
+        window = self.current
+        # On the control group: a peer still inside a micro-step's collective times out clearly.
+        self.agree(FLUSH)
+        if window.micro_steps == 0:
+            return False
+        window.backward_since_step = False
+        window.exact_counts = True  # weighted by what every rank really ran
+        self.close()
+        return True
+
     def discard(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.strategy.discard_window()
