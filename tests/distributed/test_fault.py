@@ -710,7 +710,7 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
     # without dir nothing saves, so a stop signal would stop nothing: said, not ignored
     for key, value in (("stop_signals", ["SIGUSR1"]), ("stop_exit_code", 3)):
         with pytest.raises(engine.ConfigError, match=f"checkpoint: {key} needs dir"):
-            engine.load_config({"checkpoint": {key: value, "resume": "elsewhere"}})
+            engine.load_config({"checkpoint": {key: value, "resume": "runs/elsewhere"}})
 
 
 def test_deepspeeds_checkpoint_writer_is_refused():
