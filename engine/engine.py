@@ -125,7 +125,7 @@ class Engine:
              "engine": self},
             training_state=strategy, position=self._checkpoint_position, rank=strategy.rank,
             world_size=strategy.world_size, seed=config.seed, config_record=config.to_dict())
-        self._batches = None  # (dataset, options, DistributedBatches) of batches()
+        self._batches = None  # (dataset, (length, shuffle, seed, drop_last), DistributedBatches) of batches()
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -400,14 +400,26 @@ class Engine:
                 collate_fn=None) -> DistributedBatches:
         """This rank's per-device batches of a map-style ``dataset`` for ``eng.plan``, one per
         optimizer step (``engine.batching.data.DistributedBatches``). Automatic checkpoints save its
-        position, and after a resume it starts where the saved run was. Called again with the
-        same arguments it returns the same object, which goes on with the next epoch."""
-        options = (shuffle, seed, drop_last, collate_fn)
-        if self._batches is not None and self._batches[0] is dataset and self._batches[1] == options:
-            return self._batches[2]
+        position, and after a resume it starts where the saved run was. Called again for the same
+        data it returns the same object, which goes on with the next epoch: the data is known by its
+        length and order options (``shuffle``, ``seed``, ``drop_last``), not by the Python object, so a
+        dataset (or ``collate_fn``) made anew each epoch continues too; other data starts at epoch 0,
+        with a warning when the previous data was under way."""
+        key = (len(dataset), shuffle, seed, drop_last)
+        if self._batches is not None and self._batches[1] == key:
+            data = self._batches[2]
+            data.use(dataset, collate_fn)  # the same data order: new objects, the position kept
+            self._batches = (dataset, key, data)
+            return data
+        if self._batches is not None and (self._batches[2].epoch, self._batches[2].step) != (0, 0):
+            was, now = self._batches[1], key
+            log.warning("eng.batches(): other data (length %d, shuffle %s, seed %s, drop_last %s; was %d, %s, %s, "
+                        "%s): it starts at epoch 0, batch 0, and automatic checkpoints save its position from now on "
+                        "(the previous data stopped at epoch %d, batch %d). Pass the same data and options to go on "
+                        "where it was", *now, *was, self._batches[2].epoch, self._batches[2].step)
         data = DistributedBatches(dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                   collate_fn=collate_fn)
-        self._batches = (dataset, options, data)
+        self._batches = (dataset, key, data)
         for hook in self.hooks:
             hook.on_batches(self, data)
         return data

@@ -156,6 +156,14 @@ class DistributedBatches:
         if epoch != self._epoch:
             self._epoch, self._step = epoch, 0
 
+    def use(self, dataset, collate_fn: Callable[[list], Any] | None = None) -> None:
+        """Read ``dataset`` with ``collate_fn`` from now on, keeping the position: a new object for
+        the same data (``eng.batches`` given a dataset made anew each epoch)."""
+        if len(dataset) != self.dataset_size:
+            raise ValueError(f"use(): the dataset holds {len(dataset)} samples, this position counts "
+                             f"{self.dataset_size}; make new DistributedBatches for other data")
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+
     _MUST_MATCH = ("dataset_size", "train_batch_size", "shuffle", "drop_last")
 
     def state_dict(self) -> dict[str, Any]:
