@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from engine.batching.data import DistributedBatches
+from engine.batching.data import DistributedBatches, batches_for
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.batching.window_split import PlannedSplit
@@ -113,7 +113,7 @@ class Engine:
              "engine": EngineState(self)},
             training_state=strategy, position=self._checkpoint_position, rank=strategy.rank,
             world_size=strategy.world_size, seed=config.seed, config_record=config.to_dict())
-        self._batches = None  # (dataset, options, DistributedBatches) of batches()
+        self._batches: DistributedBatches | None = None  # of batches()
         self._splitting = False  # inside run_window / evaluate: micro-batch sizes are the engine's own
 
     # -- what the model is ------------------------------------------------------------
@@ -262,16 +262,14 @@ class Engine:
     def batches(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                 collate_fn=None) -> DistributedBatches:
         """This rank's per-device batches of a map-style ``dataset``, one per optimizer step
-        (``engine.batching.data.DistributedBatches``; automatic checkpoints save its position). Called
-        again with the same arguments it returns the same object, which goes on with the next epoch."""
-        options = (shuffle, seed, drop_last, collate_fn)
-        if self._batches is not None and self._batches[0] is dataset and self._batches[1] == options:
-            return self._batches[2]
-        data = DistributedBatches(dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                  collate_fn=collate_fn)
-        self._batches = (dataset, options, data)
-        for hook in self.hooks:
-            hook.on_batches(self, data)
+        (``engine.batching.data.DistributedBatches``; automatic checkpoints save its position). Called again
+        for the same data (``batches_for``: its length and order options) it goes on where it was."""
+        data = batches_for(self._batches, dataset, self.plan, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                           collate_fn=collate_fn)
+        if data is not self._batches:
+            self._batches = data
+            for hook in self.hooks:
+                hook.on_batches(self, data)
         return data
 
     # -- for window runners (engine.window.runner) ------------------------------------------

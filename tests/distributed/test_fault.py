@@ -493,6 +493,56 @@ def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
         eng.close()
 
 
+def train_on_a_new_dataset_object_each_epoch(eng, steps: int):
+    """The documented loop, but with the dataset made anew for every epoch (issue 45's probe)."""
+    loss_fn, batches = job.FaultyLoss(), None
+    while eng.global_steps < steps:
+        batches = eng.batches(job.dataset(), shuffle=True, seed=job.DATA_SEED)
+        for batch in batches:
+            if eng.global_steps >= steps:
+                break
+            eng.train_batch(batch, loss_fn)
+    return batches
+
+
+def test_batches_of_a_new_object_for_the_same_data_continue_uninterrupted_and_resumed(tmp_path, straight):
+    """Issue 45: eng.batches(dataset) given a new dataset object each epoch restarted at epoch 0
+    silently (and a resumed run went 9.8e-3 off the uninterrupted one). The data is known by its
+    length and order options, so both runs equal the documented loop's."""
+    eng = one_process(tmp_path / "uninterrupted")
+    try:
+        assert_same_run(job.snapshot(eng, train_on_a_new_dataset_object_each_epoch(eng, job.STEPS)), straight)
+    finally:
+        eng.close()
+    eng = one_process(tmp_path / "resumed")
+    try:
+        train_on_a_new_dataset_object_each_epoch(eng, 4)  # saves step 2 and 4 (mid-epoch 1)
+    finally:
+        eng.close()
+    eng = one_process(tmp_path / "resumed")
+    try:
+        assert eng.global_steps == 4
+        assert_same_run(job.snapshot(eng, train_on_a_new_dataset_object_each_epoch(eng, job.STEPS)), straight)
+    finally:
+        eng.close()
+
+
+def test_batches_of_other_data_say_they_start_at_epoch_0(tmp_path, caplog):
+    eng = one_process(tmp_path)
+    try:
+        data = job.dataset()
+        batches = eng.batches(data, seed=3)
+        next(iter(batches))
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            other = eng.batches(torch.utils.data.Subset(data, range(24)), seed=3)
+        assert other is not batches and (other.epoch, other.step) == (0, 0)
+        assert (f"eng.batches(): other data (length 24, shuffle True, seed 3, drop_last True; was {len(data)}, "
+                "True, 3, True): it starts at epoch 0, batch 0, and automatic checkpoints save its position from "
+                "now on (the previous data stopped at epoch 0, batch 1)") in caplog.text
+    finally:
+        eng.close()
+
+
 def test_an_explicit_load_after_the_automatic_resume_replaces_it(tmp_path, straight, caplog):
     """The automatic resume (step 4) applies its data position and random generators only when
     training starts; a load_checkpoint in between (step 2) must not be overridden by them."""
@@ -710,7 +760,7 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
     # without dir nothing saves, so a stop signal would stop nothing: said, not ignored
     for key, value in (("stop_signals", ["SIGUSR1"]), ("stop_exit_code", 3)):
         with pytest.raises(engine.ConfigError, match=f"checkpoint: {key} needs dir"):
-            engine.load_config({"checkpoint": {key: value, "resume": "elsewhere"}})
+            engine.load_config({"checkpoint": {key: value, "resume": "runs/elsewhere"}})
 
 
 def test_deepspeeds_checkpoint_writer_is_refused():

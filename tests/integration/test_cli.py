@@ -309,3 +309,24 @@ def test_shipped_configs_pass_the_model_free_checks(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert check_without_model(load_config(CONFIGS / name)) == []
+
+
+@pytest.mark.parametrize("value, hint", [("autoo", "; did you mean auto?"), ("Auto", "; did you mean auto?"),
+                                         ("nevr", "; did you mean never?"), ("latest", "")])
+def test_validate_refuses_a_resume_word_that_is_no_path_as_initialize_does(tmp_path, capsys, value, hint):
+    """Issue 45: ``resume: autoo`` passed validate; initialize then refused it (or, with checkpoints in
+    checkpoint.dir, resumed from the newest as for any path)."""
+    problem = f"checkpoint.resume: '{value}' is neither auto, never nor an existing path{hint} (auto:"
+    status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 2\ncheckpoint: {{resume: {value}}}\n", "c.yaml")
+    assert status == 2 and problem in captured.err, captured.err
+    with pytest.raises(engine.ConfigError, match=re.escape(problem)):
+        engine.initialize(torch.nn.Linear(2, 2), str(tmp_path / "c.yaml"),
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_validate_accepts_resume_words_and_paths(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "step_4").mkdir()
+    for value in ("auto", "never", "step_4", "runs/step_8", str(tmp_path / "step_4")):
+        status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 2\ncheckpoint: {{resume: {value}}}\n")
+        assert status == 0, (value, captured.err)
