@@ -28,8 +28,9 @@ Mixture of experts. For a model with routers (``engine.experts``) a record carri
 router load over every micro-batch and data rank: ``expert_load``, top-k assignments per expert
 (every layer summed; padding excluded), and ``expert_imbalance``, max / mean load of the most
 imbalanced layer (1 = even). TensorBoard gets ``train/expert_imbalance`` and
-``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file
-(``python -m engine plot metrics.jsonl``).
+``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file, and
+``python -m engine plot metrics.jsonl`` (``engine.monitor.plot``) draws them next to the loss,
+learning rate, gradient norm, tokens/s and MFU of any metrics file.
 
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
@@ -426,7 +427,8 @@ def _expert_fields(eng) -> dict[str, Any]:
 def plot_expert_load(jsonl_path, out_path) -> str | None:
     """Per-expert load (stacked shares) and the imbalance against the step, from a monitor's JSON-lines
     file; returns the image's path (None without matplotlib or without expert records)."""
-    records = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    with open(jsonl_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
     records = [r for r in records if r.get("kind") == "train" and r.get("expert_load")]
     if not records:
         log.warning("%s holds no expert_load record (a model without routers?): no plot", jsonl_path)
