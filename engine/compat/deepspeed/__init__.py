@@ -187,6 +187,10 @@ class DeepSpeedEngine:
         """Call after every ``backward``: updates the parameters at the window's boundary only."""
         if lr_kwargs:
             raise EngineUsageError("step(lr_kwargs=...) is not supported: the scheduler steps once per optimizer step")
+        window = getattr(self.engine, "_window", None)
+        if window is not None and not window.backward_since_step:  # the engine's words, with the facade's names
+            raise EngineUsageError("step() called without a backward() since the last step(): each micro-step is "
+                                   "model_engine(batch), model_engine.backward(loss), model_engine.step()")
         closed = self.engine.step()
         self._step_applied = closed and self.engine.last_window.step.applied
 
