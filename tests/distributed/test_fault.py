@@ -353,6 +353,57 @@ def test_sigusr1_to_the_launcher_saves_on_every_worker_and_exits_with_their_code
     assert verify_checkpoint(out / "checkpoints" / saved)["world_size"] == 2
 
 
+def _ctrl_c_under_the_launcher(out, *job_args) -> subprocess.CompletedProcess:
+    """`python -m launch --nproc-per-node 2` of the job until stopped, in a process group of its own
+    (a terminal's foreground job), given SIGINT on that whole group once both workers train."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
+    env.update(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60")
+    command = [sys.executable, "-m", "launch", "--nproc-per-node", "2", JOB, str(out), "--until-stopped", *job_args]
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    lines, err = queue.Queue(), []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True),
+               threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        ready, deadline = 0, time.monotonic() + 120
+        while ready < 2:
+            ready += len(re.findall(r"ready \d+", lines.get(timeout=max(deadline - time.monotonic(), 0.01))))
+        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal sends a Ctrl-C: to the foreground group
+        launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            for pid in reversed(_process_tree(launcher.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    return subprocess.CompletedProcess(command, launcher.returncode, "", "".join(err))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saving", [True, False], ids=["checkpoint.dir", "no checkpoint.dir"])
+def test_ctrl_c_under_the_launcher_prints_no_traceback_and_says_what_happened_last(tmp_path, saving):
+    out = tmp_path / "run"
+    stopped = _ctrl_c_under_the_launcher(out, *([] if saving else ["--no-checkpoint"]))
+    err = stopped.stderr
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "SignalException" not in err, err[-4000:]
+    assert "death signal" not in err and "closing signal" not in err, err[-4000:]
+    last = err.rstrip().splitlines()[-1]
+    if saving:
+        assert stopped.returncode == 75, err[-4000:]
+        assert last.startswith("[launch] SIGINT: the 2 worker(s) saved and stopped with exit code 75"), last
+        assert len(listing(out / "checkpoints")) == 1
+    else:
+        assert stopped.returncode == 128 + signal.SIGINT, err[-4000:]
+        assert last.startswith("[launch] Ctrl-C (SIGINT): the workers stopped without saving"), last
+        assert "With checkpoint.dir set in the config, a Ctrl-C saves at the next window boundary" in last
+        assert not (out / "checkpoints").exists()
+
+
 # -- one process, in this one: damaged checkpoints, keep_last, resume rules ------------------------
 def one_process(directory, **checkpoint):
     return engine.initialize(mlp(0), job.config(0, directory, stop_signals=[], **checkpoint))
