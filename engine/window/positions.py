@@ -1,5 +1,5 @@
 """Where a rank is in training, compared across ranks before a collective that must pair the same
-window on every rank (``Engine._agree_on_position`` says when): one all-gather of a few integers on
+window on every rank (``engine.window.machine.WindowMachine.agree`` says when): one all-gather of a few integers on
 the control group; any difference raises ``RankDisagreementError`` on every rank, naming each
 rank's position."""
 
