@@ -375,8 +375,8 @@ def hf_causal_lm():
 
 
 def causal_lm_output(model, tokens):
-    """The model's own ModelOutput; the engine trains on its ``.loss`` (mean over the
-    micro-batch's tokens: every sample has the same number, so it is a per-sample mean)."""
+    """The model's own ModelOutput; the engine trains on its ``.loss``, read as the sum over the
+    micro-batch's shifted targets (engine.window.model_loss)."""
     return model(input_ids=tokens, labels=tokens)
 
 
@@ -399,8 +399,10 @@ def test_hugging_face_model_on_two_ranks_through_its_model_output():
                             world_size=2, timeout=200)
     for stage, per_rank in results.items():
         for result in per_rank:
-            assert result["diff"] < TOL, (stage, result["diff"])
-            # transformers computes the loss in float32 (logits.float()): the value matches to float32 rounding
+            # transformers computes the loss in float32 (logits.float()); the engine reads .loss as its sum
+            # over the micro-batch's tokens and divides by the window's at the boundary, the full batch
+            # divides at once: the roundings differ (measured 2.8e-9), the value matches to float32 rounding
+            assert result["diff"] < 1e-8, (stage, result["diff"])
             assert result["losses"][0] == pytest.approx(result["expected_loss0"], rel=1e-6)
     assert results[3][0]["sharded"] == "FSDPLlamaForCausalLM"
 

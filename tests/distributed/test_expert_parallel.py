@@ -22,9 +22,12 @@ from tests.support.reference import max_param_diff, rank_slice, reference_train,
 
 pytest.importorskip("transformers")
 
-TOL = 1e-10
+# Hugging Face's .loss is read as its sum over the micro-batch's tokens (engine.window.model_loss):
+# transformers' float32 cross entropy is then scaled by the count and by 1 / U where the full batch
+# divides by U at once (measured 3.3e-9 after two steps); a broken variant misses by 1e-4 and more.
+TOL = 1e-8
 TOL_FLOAT32_ROUTER = 1e-8  # padded rows: Hugging Face's float32 router probabilities (tests/test_experts.py)
-MISSES = 1e3 * TOL
+MISSES = 1e-7
 STACKED = {"modules": ["blocks.*.experts"]}
 
 
