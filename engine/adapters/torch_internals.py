@@ -56,7 +56,7 @@ def schedules_switch_modes() -> bool:
 # collective (``dist.all_to_all_single`` into a new tensor) with a zero incoming gradient: a
 # compiled block then back-propagates zeros through it, silently (found on 2.11.0 by
 # tests/distributed/test_context_parallel.py's compiled scenario; 2.13 traces it right). Used on
-# ``engine.distributed.collectives.all_to_all`` (context and expert parallelism).
+# ``engine.distributed.collectives.all_to_all`` (context parallelism, token dispatch).
 COMPILED_COLLECTIVE_BACKWARD_FROM = (2, 13)
 
 

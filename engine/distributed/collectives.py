@@ -8,7 +8,8 @@
 * ``peer_lost_as_error``: an agreement whose peer never came becomes a ``PeerLostError``;
 * ``positions_of_ranks`` / ``post_positions``: where each rank is (its window and micro-step),
   for the engine's per-window check that no collective pairs different windows;
-* ``all_to_all``: the differentiable all-to-all (even or uneven) of context and expert parallelism.
+* ``all_to_all``: the differentiable all-to-all (even or uneven) of context parallelism and of the
+  tokens dispatched to the rank holding their layer's slice.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def positions_of_ranks(position: list[int], stuck: str) -> list[list[int]]:
     return post_positions(position, stuck).wait()
 
 
-# -- the all-to-all of context and expert parallelism ---------------------------------------------
+# -- the all-to-all of context parallelism and token dispatch -------------------------------------
 class _AllToAll(torch.autograd.Function):
     """All-to-all over ``group``; its gradient is the reverse all-to-all (the counts swapped)."""
 

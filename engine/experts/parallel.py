@@ -33,13 +33,13 @@ called where the dense parameters are averaged over data × context.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from engine.distributed.collectives import all_reduce_mean_, all_to_all, exchange_counts
+from engine.distributed.group_held import GroupHeldParameters, HeldParameter
 from engine.errors import ConfigError
 
 EP_DISPATCH = "ep_dispatch_experts"  # transformers' base_model_ep_plan style of a module of experts
@@ -161,28 +161,20 @@ class ExpertDispatch:
         return (per_assignment * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
 
 
-@dataclass
-class ExpertParameter:
-    """One parameter of a module of experts, as this rank holds it."""
+class ExpertShards(GroupHeldParameters):
+    """The experts of one model split over the expert groups of a mesh (``engine.distributed.mesh``):
+    parameters held apart (``engine.distributed.group_held``) whose forwards dispatch tokens."""
 
-    name: str  # in the model given to ``apply``
-    param: torch.nn.Parameter  # this rank's experts: dim 0 is ``full_shape[0] / size``
-    full_shape: torch.Size
-
-
-class ExpertShards:
-    """The experts of one model split over the expert groups of a mesh (``engine.distributed.mesh``)."""
+    exchanges_in_forward = True  # tokens dispatched to their expert's rank in every forward
 
     def __init__(self, groups, mesh_layout, rank: int):
+        super().__init__()
         self.size = mesh_layout.expert
         self.index = mesh_layout.expert_index(rank)
         self.group, self.replicas_group = groups.experts, groups.expert_replicas
         self.replicas = mesh_layout.expert_replicas
         self.divisor = mesh_layout.data * mesh_layout.context  # the dense gradients' 1/W
         self.mesh = groups.expert_mesh
-        self.parameters: list[ExpertParameter] = []
-        self._by_name: dict[str, ExpertParameter] = {}  # the same, by name (checkpoints look them up per key)
-        self._held: set[int] = set()  # ids of their parameters
 
     # -- splitting ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -196,16 +188,9 @@ class ExpertShards:
                 piece = torch.nn.Parameter(param.detach()[self.index * local:(self.index + 1) * local].clone(),
                                            requires_grad=param.requires_grad)
                 setattr(module, param_name, piece)
-                entry = ExpertParameter(f"{name}.{param_name}", piece, param.shape)
-                self.parameters.append(entry)
-                self._by_name[entry.name] = entry
-                self._held.add(id(piece))
+                self.hold(HeldParameter(f"{name}.{param_name}", piece, param.shape))
             module.num_experts = local
             module.forward = ExpertDispatch(module.forward, self.group, self.size, local)
-
-    def holds(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is one of the split experts' parameters."""
-        return id(param) in self._held
 
     # -- gradients ----------------------------------------------------------------------------
     def reduce_gradients_(self, bucket_bytes: int | None = None) -> None:
@@ -238,13 +223,10 @@ class ExpertShards:
                 state[key] = torch.cat(pieces)
         return state
 
-    def placed(self, tensor: torch.Tensor, entry: ExpertParameter) -> DTensor:
+    def placed(self, tensor: torch.Tensor, entry: HeldParameter) -> DTensor:
         """This rank's piece of an expert tensor (shaped like ``entry``'s parameter) as a DTensor
         sharded over the expert group and replicated over its replicas: what a checkpoint stores,
         so that it loads onto another expert size."""
         shape = (entry.full_shape[0], *tensor.shape[1:])
         return DTensor.from_local(tensor, self.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
-
-    def entry(self, name: str) -> ExpertParameter | None:
-        return self._by_name.get(name)

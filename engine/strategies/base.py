@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from engine.adapters import torch_internals
 from engine.distributed.collectives import (average_used_gradients_, broadcast_, check_peers, failure_vote, small_max,
                                            small_sum, sum_of_squares)
+from engine.distributed.group_held import NO_GROUP_HELD
 from engine.distributed.mesh import GRADIENT_REDUCTION, STAGE_HOLDERS, WINDOW_STATISTICS, MeshGroups
 from engine.distributed.process_group import DistInfo
 from engine.errors import EngineUsageError
@@ -79,8 +80,9 @@ class Strategy(ABC):
     # context_parallel: the context dimension's batch split and attention exchange
     # (engine.context.parallel), which the engine drives; None without a context dimension
     context = None
-    # expert_parallel: the experts split over the expert groups (engine.experts.parallel); None without
-    expert_shards = None
+    # Parameters held apart, split within a subgroup and reduced over their replicas
+    # (engine.distributed.group_held); NO_GROUP_HELD answers "none"
+    group_held = NO_GROUP_HELD
     # Whether a window may issue collectives before the backward that closes it (a reduction in
     # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
     # positions at the window's start too, not only before that backward.
@@ -292,23 +294,22 @@ class TorchStrategy(Strategy):
         if transform:
             self.checkpoint_switch = done.checkpoint_switch
         self.context = done.context
-        self.expert_shards = done.experts
+        self.group_held = done.group_held
 
     @property
     def forward_communicates(self) -> bool:
-        # Expert parallelism dispatches tokens in every forward: the ranks compare positions first.
-        return self.expert_shards is not None
+        # Parameters held apart may exchange in every forward: the ranks compare positions first.
+        return self.group_held.exchanges_in_forward
 
     @property
     def split_model_exchanges(self) -> bool:
-        """Whether the model's split layers (tensor) or experts exchange in every forward: a window
-        then communicates before its closing backward, whatever the holder does."""
-        return self.mesh.tensor > 1 or self.expert_shards is not None
+        """Whether the model's split layers (tensor, parameters held apart) exchange in every forward:
+        a window then communicates before its closing backward, whatever the holder does."""
+        return self.mesh.tensor > 1 or self.group_held.exchanges_in_forward
 
     def dense_parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters every rank of the gradient-reduction group holds alike (all but split experts)."""
-        params = list(self.module.parameters())
-        return params if self.expert_shards is None else [p for p in params if not self.expert_shards.holds(p)]
+        """The parameters every rank of the gradient-reduction group holds alike (all but those held apart)."""
+        return [p for p in self.module.parameters() if not self.group_held.holds(p)]
 
     # -- a micro-step ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -332,14 +333,13 @@ class TorchStrategy(Strategy):
         users = average_used_gradients_(self.dense_parameters(), ranks, self.device,
                                         group=self.group_of(GRADIENT_REDUCTION),
                                         bucket_bytes=self.settings.overlap.reduce_bucket_bytes)
-        self.reduce_expert_gradients()
+        self.reduce_group_held_gradients()
         return users
 
-    def reduce_expert_gradients(self) -> None:
-        """Split experts: each gradient summed over the ranks holding the same experts, divided by
-        data × context as the dense ones (``engine.experts.parallel``)."""
-        if self.expert_shards is not None:
-            self.expert_shards.reduce_gradients_(self.settings.overlap.reduce_bucket_bytes)
+    def reduce_group_held_gradients(self) -> None:
+        """Parameters held apart: their gradients reduced over their own replicas, divided as the
+        dense ones (``engine.distributed.group_held``)."""
+        self.group_held.reduce_gradients_(self.settings.overlap.reduce_bucket_bytes)
 
     def local_gradients(self) -> list[torch.Tensor]:
         """This rank's pieces of the reduced gradient (shards and tensor pieces of DTensors)."""
@@ -349,21 +349,16 @@ class TorchStrategy(Strategy):
         """This rank's share of the squared norm of the whole reduced gradient (summed over the world:
         the squared norm; ``engine.strategies.gradients``)."""
         return squares_share(self.module.parameters(), self.mesh.size(STAGE_HOLDERS), self.device,
-                             self._expert_slices(), self.norm_split)
-
-    def _expert_slices(self):
-        """For the norm: into how many slices a parameter is cut over ranks (an expert's: the expert size)."""
-        shards = self.expert_shards
-        return None if shards is None else lambda p: shards.size if shards.holds(p) else 1
+                             self.group_held.slices, self.norm_split)
 
     def global_grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole gradient, identical on every rank (one small reduction of one
         number, none where every rank holds the whole gradient)."""
         params = list(self.module.parameters())
         holders = self.mesh.size(STAGE_HOLDERS)
-        if self.expert_shards is None and whole_on_every_rank(params, holders, self.world_size):
+        if not self.group_held.holds_any and whole_on_every_rank(params, holders, self.world_size):
             return sum_of_squares(self.local_gradients(), self.device).sqrt()
-        return small_sum(squares_share(params, holders, self.device, self._expert_slices(), self.norm_split)).sqrt()
+        return small_sum(squares_share(params, holders, self.device, self.group_held.slices, self.norm_split)).sqrt()
 
     def grad_squares_share(self):
         # The loss scaler checks overflow on the unscaled gradient, in step.
@@ -410,16 +405,12 @@ class TorchStrategy(Strategy):
     # -- state ---------------------------------------------------------------------------------
     def full_state_dict(self):
         self.check_replicas("full_state_dict()")
-        return self.whole_experts(cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
-                                                  for name, value in self.module.state_dict().items()}))
-
-    def whole_experts(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``state`` with split experts gathered whole (collective over each expert group)."""
-        return state if self.expert_shards is None else self.expert_shards.whole(state)
+        return self.group_held.whole(cpu_state_dict({name: value.full_tensor() if isinstance(value, DTensor) else value
+                                                     for name, value in self.module.state_dict().items()}))
 
     def save_training_state(self, directory):
         self.check_replicas("saving a checkpoint")
-        save_training_state(self.module, self.optimizer, directory, self.expert_shards)
+        save_training_state(self.module, self.optimizer, directory, self.group_held)
 
     def check_replicas(self, what: str) -> None:
         """The parameters a tensor group replicates are equal on its ranks, before ``what`` keeps one
@@ -428,4 +419,4 @@ class TorchStrategy(Strategy):
             check_replicas_equal(self.module, self.groups.group(("tensor",)), what)
 
     def load_training_state(self, directory):
-        load_training_state(self.module, self.optimizer, directory, experts=self.expert_shards)
+        load_training_state(self.module, self.optimizer, directory, group_held=self.group_held)

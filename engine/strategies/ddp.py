@@ -14,8 +14,8 @@ rebuilt to find unused parameters in each backward (an extra traversal of the au
 which models without unused parameters never pay). A parameter unused on every rank keeps no
 gradient, so the optimizer leaves it alone, as in one process.
 
-Split experts (``expert_parallel``) differ between ranks: DDP ignores them (neither broadcast nor
-reduced); their gradients are summed over their replicas at the boundary (``engine.experts.parallel``).
+Parameters held apart (``engine.distributed.group_held``) differ between ranks: DDP ignores them
+(neither broadcast nor reduced); their gradients are reduced over their own replicas at the boundary.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class DataParallel(TorchStrategy):
         self.module = module.to(self.device)
         names = {id(p): name for name, p in self.module.named_parameters()}
         self.parallelize(self.module)
-        if self.expert_shards is not None:  # split experts: reduced over their replicas, not by DDP
-            ddp_ignore(self.module, [entry.name for entry in self.expert_shards.parameters])
+        if self.group_held.holds_any:  # reduced over their own replicas, not by DDP
+            ddp_ignore(self.module, self.group_held.names())
             repoint_optimizer(optimizer, names, self.module)
         self._has_buffers = any(True for _ in self.module.buffers())
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
@@ -89,7 +89,7 @@ class DataParallel(TorchStrategy):
 
     def reduce_gradients(self):
         if self._backward_syncs:  # DDP reduced the rest in the closing backward
-            self.reduce_expert_gradients()
+            self.reduce_group_held_gradients()
             return
         users = self.average_gradients()
         if self._probing_usage:

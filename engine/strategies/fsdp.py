@@ -126,8 +126,9 @@ class FullyShardedDataParallel(TorchStrategy):
         self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
             if offload.to_host else OffloadPolicy()
         inner, root = self.precision.fsdp_policies()
-        # Split experts stay whole on their ranks: their gradients are reduced over the expert replicas.
-        ignored = {"ignored_params": {e.param for e in self.expert_shards.parameters}} if self.expert_shards else {}
+        # Parameters held apart stay whole on their ranks: their gradients are reduced over their own replicas.
+        held = self.group_held
+        ignored = {"ignored_params": {e.param for e in held.parameters}} if held.holds_any else {}
         self.inner_units, unit_sizes = [], []
         for group in shard_units(module, self.settings.shard_unit_size):
             unit_sizes.append(sum(map(_parameter_count, group)))
@@ -169,8 +170,8 @@ class FullyShardedDataParallel(TorchStrategy):
     @property
     def forward_communicates(self) -> bool:
         # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers, or
-        # one data rank holds every shard: a tensor mesh with data 1), and split experts dispatch
-        # tokens in every forward.
+        # one data rank holds every shard: a tensor mesh with data 1), and parameters held apart may
+        # exchange in every forward.
         return (self.stage == 3 and not self._window_defers and self.reduces_gradients_over_ranks
                 or super().forward_communicates)
 
@@ -216,7 +217,7 @@ class FullyShardedDataParallel(TorchStrategy):
             self._flags = None
         elif not after_backward:  # parameters still gathered: the step updates the shards
             self._reshard()
-        self.reduce_expert_gradients()
+        self.reduce_group_held_gradients()
 
     def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
         result = super().step(multiplier, max_norm, want_norm, grad_squares)
@@ -317,10 +318,10 @@ class FullyShardedDataParallel(TorchStrategy):
             return super().full_state_dict()
         # The fp32 master weights: gathered parameters are half-precision copies under the precision policy.
         masters_gathered = self.rests_gathered and self._is_gathered() and not self.precision.converts_parameters
-        if masters_gathered:  # every rank holds the whole model, split experts aside: only those gathered
-            return self.whole_experts(cpu_state_dict(self.module.state_dict()))
+        if masters_gathered:  # every rank holds the whole model, parameters held apart aside: only those gathered
+            return self.group_held.whole(cpu_state_dict(self.module.state_dict()))
         with self._sharded():
-            return self.whole_experts(cpu_state_dict(
+            return self.group_held.whole(cpu_state_dict(
                 get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))))
 
     def save_training_state(self, directory):

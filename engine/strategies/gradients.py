@@ -8,8 +8,8 @@ of ranks that hold the same piece (a gradient every rank of the module holds is 
 between the ranks that all-reduced it, each squaring its part); that count is the ranks holding
 the module the piece belongs to (the world over the pipeline: every rank of a pipeline index
 holds its stages) over the number of distinct pieces its placements cut it into — or, for a
-plain tensor that is one slice of a whole (split experts, ``engine.experts.parallel``), over the
-number of slices. So one reduction of one float64 number over the world gives the norm,
+plain tensor that is one slice of a whole (parameters held apart, ``engine.distributed.group_held``),
+over the number of slices. So one reduction of one float64 number over the world gives the norm,
 identical on every rank, whatever the mesh.
 """
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from engine.context.parallel import ContextParallel
+from engine.distributed.group_held import NO_GROUP_HELD, GroupHeldParameters
 from engine.experts.parallel import ExpertShards
 from engine.strategies.model_transforms import CheckpointSwitch, transform_model
 from engine.config.setup import Setup
@@ -33,7 +34,7 @@ class Parallelized(NamedTuple):
 
     checkpoint_switch: CheckpointSwitch | None  # activation_checkpointing: auto's switch
     context: ContextParallel | None  # the context dimension's batch split and attention exchange
-    experts: ExpertShards | None  # the experts split over the expert groups (their gradients, checkpoints)
+    group_held: GroupHeldParameters  # parameters held apart (split experts), NO_GROUP_HELD without
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
@@ -42,7 +43,8 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
     and compile, to ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
     stage's), else the setup's, resolved on ``module``. Returns the switch of
-    ``activation_checkpointing: auto`` (else None) and the context dimension's split (else None)."""
+    ``activation_checkpointing: auto`` (else None), the context dimension's split (else None) and
+    the parameters held apart (the split experts, else ``NO_GROUP_HELD``)."""
     mesh = setup.mesh
     if mesh.tensor > 1:
         if tensor_plan is not None:  # a pipeline stage's layers: the probe needs the whole model's input
@@ -51,10 +53,10 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
-    experts = apply_expert_parallel(module, setup, groups) if mesh.expert > 1 else None
+    group_held = apply_expert_parallel(module, setup, groups) if mesh.expert > 1 else NO_GROUP_HELD
     if not transform:
-        return Parallelized(None, context, experts)
-    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context, experts)
+        return Parallelized(None, context, group_held)
+    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context, group_held)
 
 
 def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> ContextParallel:

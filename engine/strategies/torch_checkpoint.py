@@ -2,9 +2,9 @@
 (DCP) directory keyed by parameter names: loadable by every torch strategy on any world size
 (single process, DDP, ZeRO-1, FSDP2). engine.state.checkpoint saves everything else.
 
-Split experts (``engine.experts.parallel``) are plain tensors holding a slice of the experts: they
-are stored as DTensors sharded over the expert group (``ExpertShards.placed``), model and optimizer
-state alike, so that DCP reshards them onto another expert size (1 included) at a load."""
+Parameters held apart (``engine.distributed.group_held``) are plain tensors holding one slice of a
+whole: they are stored as DTensors sharded over their group (``GroupHeldParameters.placed``), model
+and optimizer state alike, so that DCP reshards them onto another split (1 included) at a load."""
 
 from __future__ import annotations
 
@@ -20,36 +20,35 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 
 from engine.distributed.collectives import agree, describe
+from engine.distributed.group_held import NO_GROUP_HELD, GroupHeldParameters
 from engine.distributed.process_group import control_group
 from engine.errors import CheckpointError
 from engine.state.async_save import defer
 
 
-def _placed(value, param: torch.Tensor, name: str, experts):
-    """``value`` (``param``'s, or its optimizer state's) as a checkpoint stores it: a split expert's
-    tensor of the parameter's shape (not, e.g., a step count) as a DTensor over its expert group."""
-    entry = experts.entry(name) if experts is not None else None
+def _placed(value, param: torch.Tensor, name: str, group_held: GroupHeldParameters):
+    """``value`` (``param``'s, or its optimizer state's) as a checkpoint stores it: a held-apart
+    parameter's tensor of the parameter's shape (not, e.g., a step count) as a DTensor over its group."""
+    entry = group_held.entry(name)
     if entry is None or not torch.is_tensor(value) or value.shape != param.shape:
         return value
-    return experts.placed(value, entry)
+    return group_held.placed(value, entry)
 
 
-def _model_state_placed(module: torch.nn.Module, experts) -> dict:
+def _model_state_placed(module: torch.nn.Module, group_held: GroupHeldParameters) -> dict:
     params = dict(module.named_parameters())
-    return {key: _placed(value, params[key], key, experts) if key in params else value
+    return {key: _placed(value, params[key], key, group_held) if key in params else value
             for key, value in _model_state(module).items()}
 
 
-def _as_local(state: dict, experts) -> dict:
-    """A loaded state's split experts (DTensors over the expert group) as this rank's slices."""
-    if experts is None:
-        return state
-    return {key: value.to_local() if experts.entry(key) is not None and isinstance(value, DTensor) else value
+def _as_local(state: dict, group_held: GroupHeldParameters) -> dict:
+    """A loaded state's parameters held apart (DTensors over their group) as this rank's slices."""
+    return {key: value.to_local() if group_held.entry(key) is not None and isinstance(value, DTensor) else value
             for key, value in state.items()}
 
 
 def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
-                        experts=None) -> None:
+                        group_held: GroupHeldParameters = NO_GROUP_HELD) -> None:
     """DCP checkpoint of ``module`` (DTensor shards or plain tensors) and ``optimizer``.
 
     The optimizer state is one flat entry per tensor, keyed by the parameter's name
@@ -57,7 +56,7 @@ def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
     under ZeRO-1 only this rank's own, so DCP stores the union of the ranks' disjoint
     pieces; under FSDP the entries are DTensors and DCP stores their shards. Non-tensor
     values are stored pickled. Group hyperparameters (lr, betas, ...) are stored once.
-    ``experts``: the model's split experts (``engine.experts.parallel``), stored resharded."""
+    ``group_held``: the model's parameters held apart (``engine.distributed.group_held``), stored resharded."""
     payload, problem, cause = None, None, None
     try:
         names = _param_names(module)
@@ -66,9 +65,9 @@ def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
             for p in group["params"]:
                 for key, value in optimizer.state.get(p, {}).items():
                     # a tuple is stored whole (pickled); a tensor as its own entry
-                    value = _placed(value, p, names[id(p)], experts)
+                    value = _placed(value, p, names[id(p)], group_held)
                     state.setdefault(names[id(p)], {})[key] = value if torch.is_tensor(value) else (value,)
-        payload = {"model": _model_state_placed(module, experts),
+        payload = {"model": _model_state_placed(module, group_held),
                    "optimizer": {"type": _type_name(optimizer), "param_groups": (_hyperparameters(optimizer),),
                                  "state": state}}
     except Exception as error:  # noqa: BLE001 - agreed on before DCP's own collectives
@@ -80,19 +79,19 @@ def save_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str,
-                        model_keys=None, experts=None) -> None:
+                        model_keys=None, group_held: GroupHeldParameters = NO_GROUP_HELD) -> None:
     """Inverse of :func:`save_training_state`, resharding to this run's layout: each
     rank reads the entries of the parameters its optimizer holds (its own shards under
     FSDP, its own parameters under ZeRO-1). Checks the model's names and shapes and the
     optimizer's type and groups on every rank before anything is changed. ``model_keys``:
     the whole model's state keys when ``module`` is a part of it (a pipeline stage), which
-    reads only its own; default: ``module``'s. ``experts``: the model's split experts, whose slices
-    are read from whatever expert size saved them."""
+    reads only its own; default: ``module``'s. ``group_held``: the model's parameters held apart,
+    whose slices are read from whatever split saved them."""
     names = _param_names(module)
     problem, cause, model_state, templates, saved_groups = None, None, None, {}, None
     try:
         saved = FileSystemReader(directory).read_metadata().state_dict_metadata
-        model_state = _model_state_placed(module, experts)
+        model_state = _model_state_placed(module, group_held)
         problem = _model_mismatch(model_state, saved, directory, model_keys)
         small = {"optimizer": {"type": None, "param_groups": None}}
         _dcp(dcp.load, small, directory, local=True)
@@ -104,11 +103,11 @@ def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
                 name = names[id(p)]
                 for key in by_param.get(name, ()):
                     meta = saved[f"optimizer.state.{name}.{key}"]
-                    entry = experts.entry(name) if experts is not None else None
+                    entry = group_held.entry(name)
                     if not isinstance(meta, TensorStorageMetadata):
                         template = None
                     elif entry is not None and tuple(meta.size) == tuple(entry.full_shape):  # a slice of it
-                        template = experts.placed(torch.empty_like(p, dtype=meta.properties.dtype), entry)
+                        template = group_held.placed(torch.empty_like(p, dtype=meta.properties.dtype), entry)
                     elif tuple(meta.size) == tuple(p.shape) and p.dim() > 0:  # sharded like p
                         template = torch.empty_like(p, dtype=meta.properties.dtype)
                     else:  # e.g. Adam's step: torch's load_state_dict moves it where it belongs
@@ -127,11 +126,9 @@ def load_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
         raise CheckpointError(f"reading the model/optimizer state in {directory} failed (the model "
                               f"may be partly loaded: re-create the engine): {describe(error)}") from error
     if payload["model"]:
-        set_model_state_dict(module, _as_local(payload["model"], experts))
-    loaded = payload["optimizer"]["state"]
-    if experts is not None:
-        loaded = {name: {key: value.to_local() if isinstance(value, DTensor) and experts.entry(name) else value
-                         for key, value in entries.items()} for name, entries in loaded.items()}
+        set_model_state_dict(module, _as_local(payload["model"], group_held))
+    loaded = {name: {key: value.to_local() if isinstance(value, DTensor) and group_held.entry(name) else value
+                     for key, value in entries.items()} for name, entries in payload["optimizer"]["state"].items()}
     index, torch_state, torch_groups = 0, {}, []
     for group, hyper in zip(optimizer.param_groups, saved_groups):
         ids = []

@@ -37,15 +37,15 @@ class OwnedOptimizerState:
         self.group = strategy.group_of(GRADIENT_REDUCTION)
         self.bucket_bytes = strategy.settings.overlap.allgather_bucket_bytes
         ranks = strategy.mesh.group_ranks(GRADIENT_REDUCTION, strategy.rank)  # global ranks, in group order
-        # Split experts (engine.experts.parallel) differ between the group's ranks: each keeps its own.
-        experts = strategy.expert_shards
-        params = [p for p in module.parameters() if p.requires_grad and not (experts is not None and experts.holds(p))]
+        # Parameters held apart (engine.distributed.group_held) differ between the group's ranks: each keeps its own.
+        held_apart = strategy.group_held.holds
+        params = [p for p in module.parameters() if p.requires_grad and not held_apart(p)]
         owners = partition(params, len(ranks))
         mine = ranks.index(strategy.rank)
         owner_of = {id(p): owner for p, owner in zip(params, owners)}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"]
-                               if owner_of.get(id(p)) == mine or experts is not None and experts.holds(p)]
+                               if owner_of.get(id(p)) == mine or held_apart(p)]
         self.params_by_owner = [(ranks[owner], [p for p, o in zip(params, owners) if o == owner])
                                 for owner in range(len(ranks))]
 

@@ -236,7 +236,7 @@ def moe_bias_from_this_rank(eng):
 def experts_averaged_over_the_expert_group(eng):
     """Expert parallelism: each expert gradient averaged over its expert group (as if it were a dense
     gradient the group's ranks each computed) instead of summed: N times too small."""
-    shards = eng.strategy.expert_shards
+    shards = eng.strategy.group_held
     reduce = shards.reduce_gradients_
 
     def averaged(bucket_bytes=None):
@@ -251,7 +251,7 @@ def experts_averaged_over_the_expert_group(eng):
 def experts_not_reduced_over_replicas(eng):
     """Expert parallelism: each expert gradient divided by W but never summed over the ranks holding
     the same experts (each replica steps on its own expert group's tokens alone)."""
-    shards = eng.strategy.expert_shards
+    shards = eng.strategy.group_held
 
     def divided(bucket_bytes=None):
         for entry in shards.parameters:
@@ -266,5 +266,5 @@ def experts_not_reduced_over_replicas(eng):
 def experts_norm_counted_on_every_rank(eng):
     """Expert parallelism: the gradient norm counts each rank's expert slice as if every rank held it
     (the slices' squares divided by the world instead of by their replicas): clipping sees too small a norm."""
-    eng.strategy._expert_slices = lambda: None
+    eng.strategy.group_held.slices = lambda param: 1
     return eng
