@@ -2,7 +2,7 @@
 ranks, replicas across them (FSDP2 over a (replicate, shard) mesh), on four gloo ranks against the
 float64 full-batch reference with clipping; gradients averaged over the shard group only miss it;
 each rank holds 1/2 of the model's parameters (1/4 without); checkpoints move between hybrid and
-plain ZeRO 3 and onto two ranks."""
+plain ZeRO 3 and onto two ranks; and on eight ranks under a tensor and a pipeline dimension."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ import torch
 import engine
 from engine.distributed.mesh import DATA_SHARDING
 from engine.strategies.fsdp import FullyShardedDataParallel
+from tests.distributed.test_mesh3d import batches, reference_token_mean, token_mean
 from tests.support.dist_utils import run_distributed, run_scenarios
+from tests.support.pipeline_helpers import data_share, reference_run
 from tests.support.reference import max_param_diff, mlp, mse, rank_slice, regression_batches, sgd, state
 from tests.support.scenarios import clipped_reference, halving_schedule
+from tests.support.tp_models import PLAN, TinyTransformer
 
 TOL = 1e-10
 MISSED = 1e-4
@@ -85,6 +88,28 @@ def manual_with_flush(rank, world, stage):
     eng.step()
     eng.step(flush=True)
     eng.train_batch(tuple(t[3 * rank:3 * rank + 3] for t in short), mse)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected))}
+
+
+def modified_on_one_rank(rank, world, stage):
+    """gathered_parameters(modifier_rank=1): rank 1's change reaches every rank's shard (each shard
+    group's and each replica's), then training goes on exactly."""
+    model, batches = mlp(), regression_batches(2, 16)
+    eng = engine.initialize(copy.deepcopy(model), hybrid_config(stage), optimizer=sgd)
+    with eng.gathered_parameters(modifier_rank=1):
+        if rank == 1:
+            with torch.no_grad():
+                eng.module[0].weight.mul_(0.5)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    expected = copy.deepcopy(model)
+    optimizer = sgd(expected.parameters())
+    for batch in batches:
+        optimizer.zero_grad()
+        mse(expected, batch).backward()
+        optimizer.step()
+    for batch in batches:
+        eng.train_batch(rank_slice(batch, eng.plan), mse)
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected))}
 
 
@@ -163,6 +188,7 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
         ("clipped", "broken"): functools.partial(clipped, stage=3, broken=True),
         ("flush", 3): functools.partial(manual_with_flush, stage=3),
         ("flush", 2): functools.partial(manual_with_flush, stage=2),
+        ("modified", 3): functools.partial(modified_on_one_rank, stage=3),
         ("held", 3, 2): functools.partial(held_per_rank, stage=3, shard_size=2),
         ("held", 3, None): functools.partial(held_per_rank, stage=3, shard_size=None),
         ("held", 2, 2): functools.partial(held_per_rank, stage=2, shard_size=2),
@@ -178,7 +204,7 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
             assert found["norms"] == pytest.approx(found["expected_norms"], rel=1e-10), key
             assert all(norm > CLIP for norm in found["norms"])  # clipping acts
     assert all(found["diff"] > MISSED for found in results[("clipped", "broken")])
-    assert all(found["diff"] < TOL for key in [("flush", 3), ("flush", 2)] for found in results[key])
+    assert all(found["diff"] < TOL for key in [("flush", 3), ("flush", 2), ("modified", 3)] for found in results[key])
     # each rank holds 1/2 of the parameters and of AdamW's moments with shard groups of 2, 1/4 without
     for rank in range(4):
         assert results[("held", 3, 2)][rank]["params"] == MODEL_BYTES // 2
@@ -190,3 +216,32 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
         assert all(per_rank[key] < TOL for per_rank in results["checkpoints"]), (key, diffs)
     two = run_distributed(resume_on_two, world_size=2, args=(str(tmp_path),), timeout=120)
     assert all(diff < TOL for diff in two), two
+
+
+# -- with the other dimensions (eight ranks) ----------------------------------------------------------
+def composed(rank, world, dims):
+    """A Llama-shaped model (tests/support/tp_models.py) on data 4 = replicate 2 × shard 2 under a
+    tensor or a pipeline dimension of 2, ZeRO 3, clipped: the full-batch reference's parameters."""
+    model = TinyTransformer()
+    windows = batches(2, 8, dense=True)
+    expected, _ = reference_run(model, windows, reference_token_mean, CLIP)
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": CLIP,
+           "zero_optimization": {"stage": 3, "shard_size": 2}, **dims}
+    eng = engine.initialize(copy.deepcopy(model), cfg, optimizer=sgd)
+    loss_fn = token_mean if "pipeline" in dims else lambda m, batch: token_mean(m(batch[0]), batch[1])
+    for window in windows:
+        eng.train_batch(data_share(window, eng), loss_fn)
+    mesh = eng.strategy.mesh
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+            "mesh": (mesh.data_replicate, mesh.data_shard)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_under_tensor_and_pipeline_on_eight_ranks():
+    results = run_scenarios({"tensor": functools.partial(composed, dims={"tensor_parallel": {"size": 2, "plan": PLAN}}),
+                             "pipeline": functools.partial(composed, dims={"pipeline": {"stages": 2,
+                                                                                        "split": ["layers.1"]}})},
+                            world_size=8, timeout=240)
+    for key, per_rank in results.items():
+        assert all(found["diff"] < TOL and found["mesh"] == (2, 2) for found in per_rank), (key, per_rank)
