@@ -2,7 +2,7 @@
 ranks, replicas across them (FSDP2 over a (replicate, shard) mesh), on four gloo ranks against the
 float64 full-batch reference with clipping; gradients averaged over the shard group only miss it;
 each rank holds 1/2 of the model's parameters (1/4 without); checkpoints move between hybrid and
-plain ZeRO 3 and onto two ranks; and on eight ranks under a tensor and a pipeline dimension."""
+plain ZeRO 3 and onto two ranks; and on eight ranks under a tensor, a pipeline and a context dimension."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import engine
 from engine.distributed.mesh import DATA_SHARDING
 from engine.strategies.fsdp import FullyShardedDataParallel
+from tests.distributed.test_context_parallel import GPT_TOL, gpt_script
 from tests.distributed.test_mesh3d import batches, reference_token_mean, token_mean
 from tests.support.dist_utils import run_distributed, run_scenarios
 from tests.support.pipeline_helpers import data_share, reference_run
@@ -238,10 +239,14 @@ def composed(rank, world, dims):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_hybrid_sharding_under_tensor_and_pipeline_on_eight_ranks():
+def test_hybrid_sharding_under_tensor_pipeline_and_context_on_eight_ranks():
     results = run_scenarios({"tensor": functools.partial(composed, dims={"tensor_parallel": {"size": 2, "plan": PLAN}}),
                              "pipeline": functools.partial(composed, dims={"pipeline": {"stages": 2,
                                                                                         "split": ["layers.1"]}})},
                             world_size=8, timeout=240)
     for key, per_rank in results.items():
         assert all(found["diff"] < TOL and found["mesh"] == (2, 2) for found in per_rank), (key, per_rank)
+    # context 2 × data 4 (replicate 2 × shard 2): each shard group holds 2 data × 2 context ranks
+    context = run_scenarios({"gpt": functools.partial(gpt_script, stage=3, extra={
+        "zero_optimization": {"stage": 3, "shard_size": 2}})}, world_size=8, timeout=240)["gpt"]
+    assert all(found["diff"] < GPT_TOL for found in context), context
