@@ -38,21 +38,22 @@ def third_round_checks(eng):
     """The engine with its checks where the third round put them: the position check at every
     window's start and the gradient norm computed by the step, not carried in the window's
     statistics. Benchmark only."""
-    start_window = eng.start_window
+    windows = eng.windows
+    start_window = windows.start
 
     def checked_start():
         if not eng.strategy.communicates_before_closing_backward:  # where the engine skips it now
-            eng._agree_on_position(WINDOW_START)
+            windows.agree(WINDOW_START)
         start_window()
 
-    eng.start_window = checked_start
+    windows.start = checked_start
     eng.strategy.grad_squares_share = lambda: None
     return eng
 
 
 def unchecked(eng):
     """The engine with no position check at all (what the checks cost in all; unsafe). Benchmark only."""
-    eng._agree_on_position = lambda point: None
+    eng.windows.agree = lambda point: None
     return eng
 
 

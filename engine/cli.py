@@ -15,7 +15,7 @@ from engine.config.schema import Config, load_config
 from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
 from engine.config.factories import FactoryError, load_factory
-from engine.monitor import plot_expert_load
+from engine.monitor.plot import plot_metrics
 from engine.verify import verify
 
 USAGE_ERROR = 2
@@ -202,18 +202,24 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
     add_override_argument(verify_command)
     verify_command.set_defaults(run=run_verify)
 
-    plot = commands.add_parser("plot", help="plot a monitor's per-expert load and imbalance (mixture of experts)")
-    plot.add_argument("metrics", help="the monitor's JSON-lines file (monitor.jsonl)")
-    plot.add_argument("--out", default="expert_load.png", help="the image to write")
+    plot = commands.add_parser(
+        "plot", help="plot a monitor's metrics file: loss, learning rate, gradient norm, tokens/s, MFU "
+                     "(and the experts' load and imbalance for a mixture of experts)")
+    plot.add_argument("metrics", help="the monitor's JSON-lines or CSV file (monitor.jsonl, monitor.csv)")
+    plot.add_argument("--out", help="the image to write (default: the metrics file's name ending in .png)")
+    plot.add_argument("--per-panel", action="store_true",
+                      help="one image per panel, <out stem>_<panel>.png (loss, lr, grad_norm, throughput, mfu, "
+                           "expert_load, expert_imbalance)")
     plot.set_defaults(run=run_plot)
     return parser
 
 
 def run_plot(args) -> int:
-    written = plot_expert_load(args.metrics, args.out)
-    if written is None:
-        return 1
-    print(written)
+    from pathlib import Path
+
+    out = args.out or str(Path(args.metrics).with_suffix(".png"))
+    for path in plot_metrics(args.metrics, out, per_panel=args.per_panel):
+        print(path)
     return 0
 
 

@@ -173,13 +173,20 @@ def run_rank(job_path: str, rank: int) -> int:
     this rank fail first and reports its error rather than its peers' waiting for it."""
     try:
         return _train_on_rank(job_path, rank)
-    except BaseException:
+    except BaseException as error:
         failed_at = time.time()
+        if isinstance(error, MicrostepError):  # explained: its message is the cause, no traceback
+            _explanation(Path(job_path).parent, rank).write_text(str(error))
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         _failure_mark(Path(job_path).parent, rank).write_text(repr(failed_at))
         os._exit(1)
+
+
+def _explanation(folder: Path, rank: int) -> Path:
+    """The message of a Microstep error ``rank`` stopped with (the engine's own explanation)."""
+    return folder / f"rank{rank}.error"
 
 
 def _failure_mark(folder: Path, rank: int) -> Path:
@@ -260,6 +267,9 @@ def _run_processes(job: _Job, job_path: Path, nproc: int, folder: Path, echo) ->
                 failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
                 marks = {rank: _failure_mark(folder, rank) for rank in failed}
                 rank = min(failed, key=lambda r: float(marks[r].read_text()) if marks[r].exists() else math.inf)
+                explained = _explanation(folder, rank)
+                if explained.exists():  # the engine said why: that, not a traceback
+                    raise VerifyError(f"rank {rank} of the {nproc} processes stopped: {explained.read_text()}")
                 raise VerifyError(f"rank {rank} of the {nproc} processes failed (exit code {codes[rank]}); the "
                                   f"end of its output:\n{_tail(logs[rank])}")
             if all(code == 0 for code in codes):

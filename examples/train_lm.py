@@ -18,6 +18,10 @@ train the same model (to float rounding).
 fixed number of lines (``micro_batch_tokens``): lines of similar length go together, each
 micro-batch is trimmed to its own longest line, and the update is the same.
 
+With ``--set checkpoint.dir=DIR --set checkpoint.every_steps=N`` it saves every N steps (and on
+Ctrl-C / SIGTERM, at the next boundary); the same command again resumes there, the data order
+included (``eng.batches`` keeps its position in the checkpoint).
+
 Writes into --out: ``loss.png`` (train and held-out loss against step), the monitor's
 ``metrics.jsonl`` (and any other monitor file the config names; relative monitor paths
 are taken inside --out) and ``summary.json``.
@@ -38,7 +42,6 @@ import torch.nn.functional as F
 
 import engine
 from engine.cli import add_override_argument
-from engine.batching.data import DistributedBatches
 from engine.distributed.process_group import strip_local_rank_arg
 
 HERE = Path(__file__).resolve().parent
@@ -197,7 +200,8 @@ def plot_losses(path: Path, train: list[tuple[int, float]], held_out: list[tuple
     import matplotlib.ticker
 
     figure, axes = plt.subplots(figsize=(7, 4.2), dpi=110)
-    axes.plot(*zip(*train), lw=1.2, label="train (per-token, global batch)")
+    if train:
+        axes.plot(*zip(*train), lw=1.2, label="train (per-token, global batch)")
     if held_out:
         axes.plot(*zip(*held_out), "o-", lw=1.5, ms=4, label="held-out lines")
     axes.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -266,8 +270,9 @@ def main(argv=None) -> dict:
         print(f"global batch {eng.plan.train_batch_size} lines = {eng.plan.world_size} data-parallel rank(s) x "
               f"{split}; {steps} steps\n", end="", flush=True)
 
-    data = DistributedBatches(Lines(train_lines, tokenizer, block_size), eng.plan,
-                              shuffle=True, seed=seed, drop_last=True, collate_fn=collate)
+    # eng.batches: automatic checkpoints (checkpoint.dir) save its position, and a resumed run goes on from it
+    data = eng.batches(Lines(train_lines, tokenizer, block_size), shuffle=True, seed=seed, drop_last=True,
+                       collate_fn=collate)
     held_out = Lines(held_out_lines, tokenizer, block_size)
     # this data-parallel rank's share (the ranks of a tensor group evaluate the same lines)
     eval_batch = collate([held_out[i] for i in range(eng.plan.rank, len(held_out), eng.plan.world_size)])
@@ -284,12 +289,13 @@ def main(argv=None) -> dict:
     eval_losses: list[tuple[int, float]] = []
     tokens = torch.zeros((), dtype=torch.float64)
     real_and_padded = [0, 0]  # input positions, when micro-batches are formed by tokens
-    evaluate(0)
+    first_step = eng.global_steps  # > 0 when resumed from checkpoint.dir
+    evaluate(first_step)
     batches = iter(())
     start = time.perf_counter()
     while eng.global_steps < steps:
         batch = next(batches, None)
-        if batch is None:  # the next epoch: DistributedBatches moves on by itself
+        if batch is None:  # the next epoch: eng.batches' DistributedBatches moves on by itself
             batches = iter(data)
             continue
         train_losses.append((eng.global_steps + 1, eng.train_batch(batch)))
@@ -312,7 +318,9 @@ def main(argv=None) -> dict:
         "accumulation_steps": eng.plan.gradient_accumulation_steps,
         "micro_batch_tokens": eng.plan.micro_batch_tokens,
         "padding_fraction": 1 - real_and_padded[0] / real_and_padded[1] if real_and_padded[1] else None,
-        "first_loss": train_losses[0][1], "last_loss": train_losses[-1][1],
+        "first_step": first_step,
+        "first_loss": train_losses[0][1] if train_losses else None,
+        "last_loss": train_losses[-1][1] if train_losses else None,
         "first_eval_loss": eval_losses[0][1], "last_eval_loss": eval_losses[-1][1],
         "train_losses": train_losses, "eval_losses": eval_losses,
         "seconds": seconds, "seconds_per_step": seconds / max(len(train_losses), 1),
@@ -339,7 +347,10 @@ def print_summary(summary: dict, config, out: Path, png: Path) -> None:
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s "
         f"({summary['seconds_per_step']:.2f} s/step, {summary['tokens_per_s']:,.0f} tokens/s over "
         f"{summary['world_size']} process(es))",
-        f"train loss    {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} (nats/token)",
+        *([f"resumed at step {summary['first_step']} (checkpoint.dir): the data went on where the saved run was"]
+          if summary["first_step"] else []),
+        (f"train loss    {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} (nats/token)"
+         if summary["first_loss"] is not None else "train loss    - (no step left to train)"),
         f"held-out loss {summary['first_eval_loss']:.3f} -> {summary['last_eval_loss']:.3f}",
     ]
     if summary["padding_fraction"] is not None:

@@ -6,6 +6,11 @@ arguments, prints the one command it runs to stderr, forwards SIGINT / SIGTERM /
 SIGUSR1 to it and exits with its exit code, or with the workers' own code when they all
 stopped for such a signal (torchrun, signalled, exits 1 whatever its workers did).
 
+Stopped by such a signal, the launcher's last line says what the workers did: saved and stopped
+(their stop code, 75 by default), or stopped without saving (no ``checkpoint.dir``: setting it
+makes the signal save at the next window boundary). Neither torchrun nor the workers print a
+traceback for it.
+
 A Microstep error (config, batch plan, checkpoint, ranks disagreeing) that ends the workers is
 printed once, as the last thing on the screen: the workers report it instead of printing
 their tracebacks (``engine.distributed.error_report``), ``launch.torchrun`` leaves out torchrun's failure
@@ -230,6 +235,8 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
             reported = worker_errors(errors)
             if reported:
                 print(reported, file=sys.stderr, flush=True)
+            if received and workers:  # signalled, and not every worker saved: say so, last
+                print(unsaved_stop(signal.Signals(received[0]), code), file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -237,6 +244,15 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
             shutil.rmtree(reports, ignore_errors=True)
         shutil.rmtree(errors, ignore_errors=True)
     return code
+
+
+def unsaved_stop(sig: signal.Signals, code: int) -> str:
+    """The launcher's last line when a signal stopped the workers without the save of a stop
+    (``checkpoint.dir`` unset, or the signal came before the engine handled it)."""
+    what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else sig.name
+    return (f"[launch] {what}: the workers stopped without saving; exiting {code}. With checkpoint.dir set in the "
+            f"config, {'a Ctrl-C' if sig == signal.SIGINT else sig.name} saves at the next window boundary and "
+            "stops (exit 75), and the same command resumes from there")
 
 
 def worker_errors(directory: str) -> str:

@@ -8,6 +8,11 @@ holding a failure table ("Root Cause ... error_file: <N/A> ... To enable traceba
 Here: while some worker's report exists, the agent's warnings and errors are not logged; a
 failure every failed worker explained exits 1 without a word; any other failure (a bug, a
 crash, a signal) prints torchrun's failure table, without the agent's own stack.
+
+A signal to torchrun itself (a Ctrl-C, a scheduler's SIGTERM, forwarded by ``python -m launch``):
+the agent passes it to its workers and waits for them, as torchrun does, but neither logs that
+nor ends with its ``SignalException`` traceback; it exits 128 + the signal's number, and the
+launcher says in one last line what the workers did (saved and stopped, or stopped without saving).
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import logging
 import os
 import sys
 
+import re
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
@@ -34,6 +42,16 @@ def reported_ranks(directory: str | None) -> set[int]:
             if name.startswith("rank") and name[len("rank"):].isdigit()}
 
 
+# The agent's lines about a signal it got and passes on ("Received 2 death signal, shutting down
+# workers", "Sending process N closing signal SIGINT"): the launcher says what happened instead.
+SIGNAL_LINES = re.compile(r"death signal|closing signal")
+
+
+class _NotAboutSignals(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not SIGNAL_LINES.search(record.getMessage())
+
+
 class _WhileUnreported(logging.Filter):
     """Lets a record through until a worker has reported its error."""
 
@@ -47,11 +65,14 @@ class _WhileUnreported(logging.Filter):
 
 def main(argv: list[str]) -> int:
     directory = os.environ.get(ERROR_REPORT_DIR)
-    if directory:
-        for name in AGENT_LOGGERS:
+    for name in AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(_NotAboutSignals())
+        if directory:
             logging.getLogger(name).addFilter(_WhileUnreported(directory))
     try:
         torchrun_main(argv)
+    except SignalException as signalled:  # its workers were given the signal and waited for
+        return 128 + int(signalled.sigval)
     except ChildFailedError as failed:
         explained = reported_ranks(directory)
         unexplained = [rank for rank, failure in failed.failures.items()

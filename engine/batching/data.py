@@ -21,12 +21,15 @@ the top of each epoch stays correct after a mid-epoch resume.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import default_collate
 
 from engine.batching.plan import split_evenly
+
+log = logging.getLogger("engine")
 
 
 class DistributedBatches:
@@ -156,6 +159,14 @@ class DistributedBatches:
         if epoch != self._epoch:
             self._epoch, self._step = epoch, 0
 
+    def use(self, dataset, collate_fn: Callable[[list], Any] | None = None) -> None:
+        """Read ``dataset`` with ``collate_fn`` from now on, keeping the position: a new object for
+        the same data (``eng.batches`` given a dataset made anew each epoch)."""
+        if len(dataset) != self.dataset_size:
+            raise ValueError(f"use(): the dataset holds {len(dataset)} samples, this position counts "
+                             f"{self.dataset_size}; make new DistributedBatches for other data")
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+
     _MUST_MATCH = ("dataset_size", "train_batch_size", "shuffle", "drop_last")
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,3 +186,23 @@ class DistributedBatches:
             raise ValueError(f"saved step {state['step']} is outside [0, {len(self)}).")
         self.seed = state["seed"]
         self._epoch, self._step = state["epoch"], state["step"]
+
+
+def batches_for(previous: DistributedBatches | None, dataset, plan, *, shuffle: bool, seed: int, drop_last: bool,
+                collate_fn: Callable[[list], Any] | None) -> DistributedBatches:
+    """``previous`` going on with ``dataset`` when it is the same data — known by its length and order
+    options (``shuffle``, ``seed``, ``drop_last``), not by the Python object, so a dataset (or
+    ``collate_fn``) made anew each epoch keeps the position — else new batches from epoch 0, with a
+    warning when ``previous`` was under way."""
+    if previous is not None and (previous.dataset_size, previous.shuffle, previous.seed, previous.drop_last) \
+            == (len(dataset), shuffle, seed, drop_last):
+        previous.use(dataset, collate_fn)  # the same data order: new objects, the position kept
+        return previous
+    if previous is not None and (previous.epoch, previous.step) != (0, 0):
+        log.warning("eng.batches(): other data (length %d, shuffle %s, seed %s, drop_last %s; was %d, %s, %s, "
+                    "%s): it starts at epoch 0, batch 0, and automatic checkpoints save its position from now on "
+                    "(the previous data stopped at epoch %d, batch %d). Pass the same data and options to go on "
+                    "where it was", len(dataset), shuffle, seed, drop_last, previous.dataset_size, previous.shuffle,
+                    previous.seed, previous.drop_last, previous.epoch, previous.step)
+    return DistributedBatches(dataset, plan, shuffle=shuffle, seed=seed, drop_last=drop_last, collate_fn=collate_fn)
+

@@ -81,8 +81,7 @@ def _even_eval_pieces(batch, micro_batch_size: int) -> list[tuple[Any, int]]:
     size = batch_size(batch)
     parts, negative_fewest = agreed_max(
         [-(-size // micro_batch_size), -size],
-        f"not every rank reached the agreement to split its evaluation batch within distributed."
-        f"agreement_timeout_seconds ({{timeout}} s), or a rank stopped: {_EVERY_RANK}")
+        f"rank {{rank}} {{waited}} at the agreement to split its evaluation batch: {{cause}}; {_EVERY_RANK}")
     if negative_fewest == 0:
         raise EngineUsageError("eval_batch(): some rank got an empty batch; every rank needs at least one sample")
     sizes = [n for n in split_evenly(size, parts) if n]
@@ -316,8 +315,7 @@ def _agreed(proposal: list[int], problem: Exception | None, plan: BatchPlan) -> 
     could not read its batch (``problem``: this rank's error)."""
     *agreed, failed = agreed_max(
         [*proposal, plan.rank + 1 if problem else 0],
-        "not every rank reached the agreement to split its batch by tokens within distributed."
-        f"agreement_timeout_seconds ({{timeout}} s), or a rank stopped: {_EVERY_RANK}")
+        f"rank {{rank}} {{waited}} at the agreement to split its batch by tokens: {{cause}}; {_EVERY_RANK}")
     if problem is not None:
         raise problem
     if failed:

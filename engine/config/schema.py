@@ -157,11 +157,27 @@ def _path(value):
     raise ValueError(f"expected a path, got {value!r}")
 
 
+RESUME_WORDS = ("auto", "never")
+
+
 def _resume(value):
+    """auto, never, or a checkpoint's path. A bare word (no directory part) that is neither word nor
+    an existing path is a typo, refused here, by ``validate`` and ``initialize`` alike: a path is
+    only read while checkpoint.dir holds no checkpoint, so ``autoo`` would otherwise resume from the
+    newest one in some runs and fail in others."""
     try:
-        return _path(value)
+        value = _path(value)
     except ValueError:
         raise ValueError(f"expected auto, never or the path of a checkpoint, got {value!r}") from None
+    if value in RESUME_WORDS or os.path.exists(value):
+        return value
+    head, _ = os.path.split(value.rstrip("/" + os.sep))
+    if not head:  # a word, not a path to a checkpoint still to come
+        match = difflib.get_close_matches(value.lower(), RESUME_WORDS, n=1, cutoff=0.5)
+        raise ValueError(f"{value!r} is neither auto, never nor an existing path"
+                         f"{f'; did you mean {match[0]}?' if match else ''} (auto: the newest complete checkpoint "
+                         "in checkpoint.dir; never: start at step 0; or the path of a checkpoint directory)")
+    return value
 
 
 class CheckpointConfig(_DeepSpeedSection):

@@ -29,6 +29,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from engine.config.checks import RING_REFUSED
 from engine.context.sharding import ContextShards, label_convention, shard_batch, tensors
 from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
 from engine.distributed.mesh import MeshGroups, MeshLayout
@@ -40,16 +41,10 @@ _POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
 
 
 def resolve_method(method: str, device_type: str) -> str:
-    """The implementation ``context_parallel.method`` runs on ``device_type``."""
+    """The implementation ``context_parallel.method`` runs on ``device_type``: Ulysses; ring is
+    refused on every device, with the words ``python -m engine validate`` uses."""
     if method == "ring":
-        where = ("this rank computes on cpu, where the engine's ring attention has no kernels"
-                 if device_type != "cuda" else
-                 "Microstep does not drive torch's experimental context-parallel engine yet (it shards "
-                 "buffers in place inside a context manager around each forward and backward)")
-        raise ConfigError([
-            f"context_parallel.method: ring runs ring attention through PyTorch's context-parallel engine "
-            f"(torch.distributed.tensor.experimental.context_parallel) on CUDA; {where}. Use method: ulysses "
-            "(or auto), which runs on every device and with any attention implementation"])
+        raise ConfigError([RING_REFUSED])
     return "ulysses"
 
 

@@ -38,40 +38,121 @@ FINGERPRINT_SIZE = 3
 
 
 def batch_fingerprint(tree, device) -> torch.Tensor:
-    """Three float64 numbers that differ, but for a negligible chance, between batches that differ:
-    the number of elements and, weighted by each tensor's position in ``tree``, their sums and
-    index-weighted sums, each kept as a 40-bit whole number folded from its float64 pattern: sums
-    of up to 2**13 of them are exact in any order, so equal fingerprints add up alike however a
-    reduction orders its additions (a ring all-reduce over many ranks does not add every slot in
-    the same order). Computed on ``device``; no host sync."""
-    values = torch.zeros(FINGERPRINT_SIZE, dtype=torch.float64, device=device)
+    """Three float64 whole numbers below 2**40 (120 bits) that tell different batches apart.
+
+    Every tensor of ``tree`` is read as the int64 view of its elements (floats widened to float64
+    first, so float32 and float64 holding the same values agree; one NaN pattern, +0.0 for -0.0).
+    Each element ``x`` at flat index ``i`` — its row and its position in the row, ``divmod(i, row
+    length)`` — is keyed by ``i`` and by a seed that mixes in the tensor's shape (so its row length)
+    and its place in ``tree``: ``z = mix(x ^ key(i) ^ seed)`` (``mix``: splitmix64's finaliser, a
+    bijection of 64-bit words whose every output bit depends on every input bit), and the
+    fingerprint is the pair of 64-bit sums ``Σ z`` and ``Σ z·odd(i)``, modulo 2**64, cut to 120
+    bits. A swap, a rotation, a shifted row, one changed token or rows differing only in padding
+    change the keyed word of every element they move or change, and no structure of the data (a
+    period, a row length) lines up with the keys, as the old period-13 position weights did.
+
+    Collision probability, modelling ``mix`` and the keys as random: two different batches give
+    equal fingerprints with probability about 2**-120 when their keyed words differ as multisets
+    (the two sums' differences are then independent and uniform: the multiset-hash argument), and
+    their keyed words coincide as multisets only if each moved element's keyed word equals another
+    element's, 2**-64 a pair. So a batch of n elements (n below 2**24) collides with a different one
+    with probability below about n·2**-64 < 2**-40, and typically 2**-120. Not a cryptographic
+    hash: data crafted against the public keys can collide.
+
+    The sums wrap modulo 2**64, exact in any order; the three 40-bit parts stay exact when up to
+    2**13 fingerprints are summed in float64 in any order (a ring all-reduce over many ranks does
+    not add every slot in the same order). Computed on ``device``, in place on one copy of each
+    chunk of ``_CHUNK`` elements; no host sync."""
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
     for position, tensor in enumerate(_tensors(tree), start=1):
-        flat = tensor.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        values[0] += position * flat.numel()
-        values[1] += position * flat.sum()
-        values[2] += position * (flat @ _index_weights(flat.numel(), device))
-    values.nan_to_num_(nan=-1.0)  # equal batches holding NaN (or +inf and -inf) compare equal
-    bits = values.view(torch.int64)
-    return ((bits ^ (bits >> 24)) & _LOW_BITS).to(torch.float64)  # the exponent folded onto the low bits
+        words = _int64_view(tensor.detach().to(device))
+        seed = _seed(position, tuple(tensor.shape))
+        for chunk, start in enumerate(range(0, words.numel(), _CHUNK)):
+            part = words[start:start + _CHUNK]
+            keys, odd = _keys(part.numel(), device)
+            mixed = _mix_(torch.bitwise_xor(part, keys).bitwise_xor_(_mix_int(seed + chunk, signed=True)))
+            sums[0] += mixed.sum()
+            sums[1] += mixed.mul_(odd).sum()
+    low, high = sums[0], sums[1]
+    parts = torch.stack([low & _LOW_BITS,
+                         _shift_right(low, 40) | ((high & 0xFFFF) << 24),
+                         _shift_right(high, 16) & _LOW_BITS])
+    return parts.to(torch.float64)
 
 
 _LOW_BITS = (1 << 40) - 1
+_CHUNK = 1 << 20  # elements hashed at a time, keyed by index within the chunk and by the chunk's number
+_WORD = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def _index_weights(numel: int, device: torch.device) -> torch.Tensor:
-    """1, 2, ..., 13, 1, 2, ... (``numel`` of them). Every window of a run fingerprints batches of
-    the same few shapes: up to 8 MB each, they are made once and kept."""
-    return _kept_weights(numel, device) if numel <= _KEPT_WEIGHTS_MAX else _weights(numel, device)
+def _signed(value: int) -> int:
+    """A 64-bit word as the int64 torch holds."""
+    value &= _WORD
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-_KEPT_WEIGHTS_MAX = 1 << 20  # elements (float64)
+_M1, _M2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
-def _weights(numel: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(numel, device=device, dtype=torch.float64).remainder_(13).add_(1)
+def _shift_right(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` keeps the sign)."""
+    return (words >> bits) & ((1 << (64 - bits)) - 1)
 
 
-_kept_weights = functools.lru_cache(maxsize=8)(_weights)
+def _mix_(words: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 words, in place (multiplication wraps modulo 2**64)."""
+    shifted = torch.empty_like(words)
+    for bits, factor in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(words, bits, out=shifted)
+        words.bitwise_xor_(shifted.bitwise_and_((1 << (64 - bits)) - 1))
+        if factor is not None:
+            words.mul_(factor)
+    return words
+
+
+def _mix_int(value: int, signed: bool = False) -> int:
+    """``_mix_`` on one Python int (the same words)."""
+    value &= _WORD
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _WORD
+    value ^= value >> 31
+    return _signed(value) if signed else value
+
+
+def _seed(position: int, shape: tuple) -> int:
+    """One tensor's seed: its place in the tree and its shape (so its row length), mixed."""
+    seed = _mix_int(position * _GOLDEN)
+    for size in (len(shape), *shape):
+        seed = _mix_int(seed ^ (size + _GOLDEN))
+    return seed
+
+
+def _int64_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as int64 words, flat: integers and booleans widened, floating point
+    (and complex, as its real pairs) widened to float64 and read bit for bit, with one NaN
+    pattern and +0.0 for -0.0 (equal batches holding NaN compare equal)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    flat = tensor.reshape(-1)
+    if not flat.is_floating_point():
+        return flat.to(torch.int64)
+    flat = flat.to(torch.float64) + 0.0  # -0.0 + 0.0 is +0.0
+    return flat.masked_fill_(torch.isnan(flat), float("nan")).view(torch.int64)
+
+
+def _keys(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of indices ``0 .. numel - 1`` of a chunk and their odd multipliers: slices of the
+    ``_CHUNK`` keys of ``device``, made once (16 MB) and kept."""
+    keys, odd = _chunk_keys(torch.device(device))
+    return keys[:numel], odd[:numel]
+
+
+@functools.lru_cache(maxsize=4)
+def _chunk_keys(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = _mix_(torch.arange(_CHUNK, device=device, dtype=torch.int64).mul_(_signed(_GOLDEN)))
+    odd = _mix_(keys ^ _signed(_GOLDEN)).bitwise_or_(1)
+    return keys, odd
 
 
 def _tensors(tree):

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -144,16 +145,41 @@ def max_over_ranks(values: list[int]) -> list[int]:
     return small_max(torch.tensor(values, dtype=torch.int64), group).tolist()
 
 
+def peer_closed(error: BaseException) -> bool:
+    """The transport saw a peer's connection close (its process ended: killed, crashed, exited),
+    rather than wait past the timeout for it (gloo and nccl word both differently)."""
+    text = str(error).lower()
+    return any(words in text for words in ("connection reset", "connection closed", "pair closure", "broken pipe"))
+
+
+def lost_peer_words(error: BaseException, started: float) -> dict[str, str]:
+    """How a collective begun at ``started`` (``time.monotonic()``) lost its peer, as the fields a
+    ``stuck`` text is formatted with: ``{waited}`` ("waited distributed.agreement_timeout_seconds
+    (600 s) for its peers" or "lost a peer 0.1 s into waiting for its peers"), ``{cause}`` (a
+    connection closed, or a peer stopped or stuck elsewhere), ``{timeout}`` (the timeout in s) and
+    ``{rank}`` (this rank, global)."""
+    timeout, seconds = agreement_timeout_seconds(), time.monotonic() - started
+    rank = str(dist.get_rank()) if dist.is_initialized() else "0"
+    if peer_closed(error):
+        return {"rank": rank, "timeout": f"{timeout:g}", "waited": f"lost a peer {seconds:.1f} s into waiting for its peers",
+                "cause": ("a peer's connection closed, not a timeout: its process ended (killed, crashed or exited; "
+                          "its own log says why)")}
+    return {"rank": rank, "timeout": f"{timeout:g}",
+            "waited": f"waited distributed.agreement_timeout_seconds ({timeout:g} s) for its peers",
+            "cause": "a peer stopped, or is stuck elsewhere (e.g. in another collective)"}
+
+
 def agreed_max(values: list[int], stuck: str) -> list[int]:
     """``max_over_ranks`` for an agreement the engine's callers must all reach: a peer that
     never came (gone, or absent past the agreement timeout) raises an ``EngineUsageError``
-    saying ``stuck``, with ``{timeout}`` replaced by that timeout in seconds."""
+    saying ``stuck``, formatted with :func:`lost_peer_words` (``{waited}``, ``{cause}``, ``{timeout}``)."""
+    started = time.monotonic()
     try:
         return max_over_ranks(values)
     except RuntimeError as error:
         if isinstance(error, MicrostepError) or not is_peer_lost(error):
             raise
-        raise EngineUsageError(stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+        raise EngineUsageError(stuck.format(**lost_peer_words(error, started))) from error
 
 
 class PostedPositions:
@@ -164,14 +190,16 @@ class PostedPositions:
 
     def wait(self) -> list[list[int]]:
         """Every rank's position, in rank order. A peer that never comes (gone, or absent past the
-        agreement timeout) raises a PeerLostError saying ``stuck`` (``{timeout}``: that timeout)."""
+        agreement timeout) raises a PeerLostError saying ``stuck``, formatted with
+        :func:`lost_peer_words`: when and how the peer was lost."""
         if self._work is not None:
+            started = time.monotonic()
             try:
                 self._work.wait()
             except RuntimeError as error:
                 if isinstance(error, MicrostepError) or not is_peer_lost(error):
                     raise
-                raise PeerLostError(self._stuck.format(timeout=f"{agreement_timeout_seconds():g}")) from error
+                raise PeerLostError(self._stuck.format(**lost_peer_words(error, started))) from error
         return [t.tolist() for t in self._everyone]
 
 
@@ -260,15 +288,22 @@ def peer_lost_as_error(what: str):
     """Inside: collectives on the control group. One that gave up on a peer (the peer's process
     is gone, or it did not come within the agreement timeout) raises a PeerLostError that
     says so instead of the transport's message."""
+    started = time.monotonic()
     try:
         yield
     except RuntimeError as error:
         if isinstance(error, PeerLostError) or not is_peer_lost(error):
             raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if peer_closed(error):
+            raise PeerLostError(
+                f"{what}: rank {rank} lost a peer {time.monotonic() - started:.1f} s into the agreement: its "
+                f"connection closed, not a timeout: the peer's process ended (killed, crashed or exited; its own "
+                f"log says why) [{error}]") from error
         raise PeerLostError(
-            f"{what}: a peer rank is gone or did not answer within distributed."
-            f"agreement_timeout_seconds ({agreement_timeout_seconds():g} s): it has stopped (its own "
-            f"log says why), or is stuck elsewhere, e.g. in another collective [{error}]") from error
+            f"{what}: rank {rank} waited distributed.agreement_timeout_seconds ({agreement_timeout_seconds():g} s) "
+            f"and a peer did not answer: it has stopped (its own log says why), or is stuck elsewhere, e.g. in "
+            f"another collective [{error}]") from error
 
 
 def from_rank0(value: Any) -> Any:

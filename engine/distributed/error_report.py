@@ -5,8 +5,10 @@ The launcher names a directory in ``ERROR_REPORT_DIR``. Importing ``engine`` in 
 started installs a ``sys.excepthook`` that, for an uncaught ``MicrostepError`` (a mistake
 Microstep found and explained: config, batch plan, checkpoint, ranks disagreeing), writes the
 error's class and message into ``<dir>/rank<RANK>`` and prints nothing; the process still
-exits with status 1. Any other exception is a bug and keeps its traceback. Outside the
-launcher nothing is installed.
+exits with status 1. An uncaught ``KeyboardInterrupt`` (a Ctrl-C the launcher passed on, with no
+``checkpoint.dir`` to save at the next boundary) prints nothing either: the launcher says in one
+line that the workers stopped without saving. Any other exception is a bug and keeps its
+traceback. Outside the launcher nothing is installed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def install_from_environment() -> None:
     previous = sys.excepthook
 
     def report(kind, value, traceback):
+        if isinstance(value, KeyboardInterrupt):
+            return  # the launcher got the Ctrl-C and says what it did
         if isinstance(value, MicrostepError):
             try:
                 write_report(directory, value)

@@ -111,10 +111,16 @@ class MeshLayout:
                 "processes, or change pipeline.stages / context_parallel.size / tensor_parallel.size"])
         borrowed = self.data * self.context
         if borrowed % self.expert:
+            # the fewest processes whose data × context ranks divide by the expert size
+            processes = model * (self.expert // math.gcd(self.expert, self.context))
+            launch = (f"launch a multiple of {processes} processes (python -m launch --nproc-per-node {processes} "
+                      "...)")
+            fix = (f"{launch}, or set expert_parallel.size: 1" if borrowed == 1 else
+                   f"{launch}, or use a divisor of {borrowed}" if borrowed < self.expert else
+                   f"use a divisor of {borrowed}, or {launch}")
             raise ConfigError([
                 f"mesh: expert_parallel.size {self.expert} does not divide the data {self.data} × context "
-                f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); use a divisor "
-                f"of {borrowed}"])
+                f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); {fix}"])
         if self.shard_size is not None:
             self._check_shard_size()
 

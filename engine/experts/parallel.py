@@ -74,10 +74,37 @@ def find_expert_modules(model: torch.nn.Module, patterns: list[str] | None) -> d
     compiled = [_pattern(glob) for glob in patterns]
     found = {name: module for name, module in model.named_modules() if any(p.match(name) for p in compiled)}
     if not found:
+        guesses = [guess for glob in patterns if (guess := _closest_glob(model, glob))]
+        hint = (f"did you mean {', '.join(repr(g) for g in guesses)}?" if guesses else
+                f"its modules are named like {', '.join(name for name, _ in list(model.named_modules())[1:4])}, ...")
         raise ConfigError([f"expert_parallel: {source} ({', '.join(patterns)}) matches no module of "
-                           f"{type(model).__name__}; its modules are named like "
-                           f"{', '.join(name for name, _ in list(model.named_modules())[1:4])}, ..."])
+                           f"{type(model).__name__}; {hint}"])
     return found
+
+
+def _closest_glob(model: torch.nn.Module, glob: str) -> str | None:
+    """The model's module name nearest ``glob``, its layer numbers written ``*`` (modules of experts first)."""
+    import difflib
+
+    def generic(name: str) -> str:
+        return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+    named = list(model.named_modules())[1:]
+    for candidates in ({generic(name) for name, module in named if holds_experts(module)},
+                       {generic(name) for name, _ in named}):
+        close = difflib.get_close_matches(glob, sorted(candidates), n=1, cutoff=0.6)
+        if close:
+            return close[0]
+    return None
+
+
+def holds_experts(module: torch.nn.Module) -> bool:
+    """Hugging Face's form of a module of experts: an integer ``num_experts`` and parameters of its
+    own ``[num_experts, ...]`` (a router, with its ``top_k``, is not one)."""
+    experts = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return (isinstance(experts, int) and not isinstance(experts, bool) and getattr(module, "top_k", None) is None
+            and bool(params) and all(p.dim() >= 1 and p.shape[0] == experts for p in params))
 
 
 def expert_count(name: str, module: torch.nn.Module, size: int) -> int:
@@ -86,7 +113,11 @@ def expert_count(name: str, module: torch.nn.Module, size: int) -> int:
     params = dict(module.named_parameters(recurse=False))
     problems = []
     if not isinstance(experts, int):
-        problems.append(f"{name} ({type(module).__name__}) has no integer num_experts attribute")
+        inside = [(f"{name}.{inner}" if name else inner, type(sub).__name__)
+                  for inner, sub in module.named_modules() if inner and holds_experts(sub)]
+        where = (f": it is not a module of experts but holds {', '.join(f'{n} ({t})' for n, t in inside)}; match "
+                 "those (e.g. expert_parallel.modules: ['<pattern>.experts'])" if inside else "")
+        problems.append(f"{name} ({type(module).__name__}) has no integer num_experts attribute{where}")
     elif experts % size:
         problems.append(f"{name}: its {experts} experts do not divide over expert_parallel.size {size} "
                         f"({experts} % {size} = {experts % size}): each rank holds an equal share; use a divisor "

@@ -28,8 +28,9 @@ Mixture of experts. For a model with routers (``engine.experts``) a record carri
 router load over every micro-batch and data rank: ``expert_load``, top-k assignments per expert
 (every layer summed; padding excluded), and ``expert_imbalance``, max / mean load of the most
 imbalanced layer (1 = even). TensorBoard gets ``train/expert_imbalance`` and
-``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file
-(``python -m engine plot metrics.jsonl``).
+``expert_load/<expert>``; :func:`plot_expert_load` draws both from a JSON-lines file, and
+``python -m engine plot metrics.jsonl`` (``engine.monitor.plot``) draws them next to the loss,
+learning rate, gradient norm, tokens/s and MFU of any metrics file.
 
 Use it through the config (``monitor: {enabled: true, jsonl: metrics.jsonl}``), or build one
 yourself: ``eng.monitor = Monitor(MonitorConfig(enabled=True)).attach(eng)``.
@@ -109,6 +110,7 @@ class Monitor(EngineHook):
         self._devices = 1  # every process of the run: tokens/s per device divide by it
         self._flops_per_token: float | None = None  # 6 N (engine.monitor.throughput), None under a pipeline
         self._peak_flops: float | None = config.peak_flops
+        self._peak_hint_given = False  # "set monitor.peak_flops" is said once
         self._wandb_tried = False
         self._line_open = False  # a \r progress line is on screen
         self._closed = False
@@ -193,6 +195,8 @@ class Monitor(EngineHook):
         if not self.records(step):
             return
         record = self._make_record(eng, report, step, now)
+        if record["tokens_per_s"] is not None and record["mfu"] is None:
+            self._say_how_to_get_mfu(eng)
         self.history.append(record)
         self._write(record)
         self._show(record)
@@ -233,6 +237,14 @@ class Monitor(EngineHook):
         self._last_record = now
         self._pending_samples, self._pending_items, self._pending_steps = 0, None, 0
         return record
+
+    def _say_how_to_get_mfu(self, eng) -> None:
+        """Once: MFU is missing only for want of the device's peak."""
+        if self._peak_hint_given or self._flops_per_token is None or self._peak_flops is not None:
+            return
+        self._peak_hint_given = True
+        log.info("monitor: no MFU: the peak FLOP/s of this device (%s) is not known; set monitor.peak_flops to "
+                 "one device's peak (e.g. --set monitor.peak_flops=1e12 for 1 TFLOP/s) to get it", eng.device.type)
 
     # -- other records -----------------------------------------------------------------------
     def log_eval(self, step: int, loss: float, **values: Any) -> None:
@@ -426,7 +438,8 @@ def _expert_fields(eng) -> dict[str, Any]:
 def plot_expert_load(jsonl_path, out_path) -> str | None:
     """Per-expert load (stacked shares) and the imbalance against the step, from a monitor's JSON-lines
     file; returns the image's path (None without matplotlib or without expert records)."""
-    records = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    with open(jsonl_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
     records = [r for r in records if r.get("kind") == "train" and r.get("expert_load")]
     if not records:
         log.warning("%s holds no expert_load record (a model without routers?): no plot", jsonl_path)

@@ -109,8 +109,8 @@ class PipelineWindows(WindowRunner):
         sizes = [n for _, n in pieces]
         # The position check is waited for before this rank's first message of the schedule, not
         # before the schedule: the first stage's first forward hides its wait.
-        confirm_start = engine.start_window_check_posted()
-        engine.planned_window(split)
+        confirm_start = engine.windows.start_check_posted()
+        engine.windows.planned(split)
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
         failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
         kinds = set()
@@ -134,25 +134,25 @@ class PipelineWindows(WindowRunner):
                     failure = error
                 return _zero_from(outputs_of_stage)
             outputs[k] = (loss.detach(), count) if item_weighted else loss.detach()
-            return loss * engine.micro_step_weight(sizes[k], item_weighted)
+            return loss * engine.accounting.micro_step_weight(sizes[k], item_weighted)
 
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
         try:
-            with engine.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+            with engine.windows.measured_forwards():  # a recorded window: every micro-batch's saved activations count
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
-                                           before_first_gradient_wait=engine.fingerprint_window_batch)
+                                           before_first_gradient_wait=engine.windows.fingerprint_batch)
         finally:  # (a schedule that failed before its first message)
             confirm_start()
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
         for output, samples in zip(outputs, sizes):
-            engine.record_micro_step(output, samples)
+            engine.windows.record(output, samples)
         if failure is not None:
-            engine.fail_window(failure)
+            engine.windows.fail(failure)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``

@@ -1,5 +1,5 @@
 """Where a rank is in training, compared across ranks before a collective that must pair the same
-window on every rank (``Engine._agree_on_position`` says when): one all-gather of a few integers on
+window on every rank (``engine.window.machine.WindowMachine.agree`` says when): one all-gather of a few integers on
 the control group; any difference raises ``RankDisagreementError`` on every rank, naming each
 rank's position."""
 
@@ -28,9 +28,8 @@ def post_position(rank: int, point: int, global_steps: int, windows_started: int
     ``confirm()`` on the result compares them."""
     mine = [point, global_steps, windows_started, micro_steps, training_forwards]
     return PostedPosition(post_positions(
-        mine, f"rank {rank} waited distributed.agreement_timeout_seconds ({{timeout}} s) for its "
-              f"peers while {describe_position(mine)}: a peer stopped, or is stuck elsewhere (e.g. in "
-              "another collective); every rank must run the same windows and micro-steps"))
+        mine, f"rank {rank} {{waited}} while {describe_position(mine)}: {{cause}}; every rank must run the "
+              "same windows and micro-steps"))
 
 
 class PostedPosition:

@@ -3,9 +3,9 @@
 The plain runner below asks the engine to run the window itself. The automatic micro-batch
 size (``engine.autotune.tuner``) re-runs a window smaller after an out-of-memory every rank
 agreed on; a pipeline's schedule (``engine.window.pipeline``) runs the micro-steps itself and
-tells the engine with ``start_window_check_posted`` / ``planned_window`` /
-``fingerprint_window_batch`` / ``record_micro_step`` / ``fail_window``. A runner drives the
-engine through those public calls only.
+tells the engine's window machine (``engine.window.machine``) with ``start_check_posted`` /
+``planned`` / ``fingerprint_batch`` / ``record`` / ``fail``, weighting each loss by the engine's
+accounting (``engine.window.accounting``). A runner drives the engine through those calls only.
 """
 
 from __future__ import annotations
@@ -15,41 +15,43 @@ from typing import Any, Callable, ContextManager, Protocol
 LossFn = Callable[[Any, Any], Any]
 
 
+class Windows(Protocol):
+    """What a runner that runs micro-steps itself tells the engine's windows (``WindowMachine``)."""
+
+    def start_check_posted(self) -> Callable[[], None]:
+        """A window's micro-steps begin; the ranks' position check is waited for by the call it returns."""
+
+    def planned(self, split) -> None:
+        """The window is cut as ``split`` says."""
+
+    def record(self, output, samples: int) -> None:
+        """A micro-step ran (its loss as ``loss_fn`` returned it, None where this rank holds no
+        loss of it) and counts now."""
+
+    def fingerprint_batch(self) -> None:
+        """Fingerprint the window's batch now, where this rank would wait anyway."""
+
+    def fail(self, error: Exception) -> None:
+        """This rank's loss failed in the window: every rank abandons it at its statistics."""
+
+    def measured_forwards(self) -> ContextManager:
+        """Forwards whose saved activations a recorded window counts."""
+
+
 class Engine(Protocol):
-    """What a runner may call on the engine it runs windows for (``engine.engine.Engine``)."""
+    """What a runner may use of the engine it runs windows for (``engine.engine.Engine``)."""
 
     module: Any  # the model as the strategy holds it
     plan: Any  # the batch plan (``engine.batching.plan.BatchPlan``)
     window_split: Any  # how a window is cut (``engine.batching.window_split``)
+    windows: Windows  # the window machine
+    accounting: Any  # the window's weights (``engine.window.accounting.Accounting``: ``micro_step_weight``)
 
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Run a whole training window itself (the plain runner)."""
 
     def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The loss over ``batch`` without gradients."""
-
-    def start_window_check_posted(self) -> Callable[[], None]:
-        """A window's micro-steps begin (a runner that runs them itself); the ranks' position check
-        is waited for by the call it returns."""
-
-    def planned_window(self, split) -> None:
-        """The window is cut as ``split`` says."""
-
-    def micro_step_weight(self, samples: int, item_weighted: bool) -> float:
-        """What a micro-batch's loss is multiplied by before its backward."""
-
-    def record_micro_step(self, output, samples: int) -> None:
-        """A micro-step ran (its loss as ``loss_fn`` returned it, None where this rank holds no
-        loss of it) and counts now."""
-
-    def fingerprint_window_batch(self) -> None:
-        """Fingerprint the window's batch now, where this rank would wait anyway."""
-
-    def fail_window(self, error: Exception) -> None:
-        """This rank's loss failed in the window: every rank abandons it at its statistics."""
-
-    def measured_forwards(self) -> ContextManager:
-        """Forwards whose saved activations a recorded window counts."""
 
 
 class WindowRunner:

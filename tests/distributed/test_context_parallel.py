@@ -424,13 +424,31 @@ def test_what_context_does_not_compose_with_yet_is_refused():
         assert key in text, text
 
 
-def test_ring_is_refused_with_the_reason_on_cpu():
+def test_ring_is_refused_with_the_same_reason_on_every_device():
     from engine.context.parallel import resolve_method
 
     assert resolve_method("auto", "cpu") == "ulysses" and resolve_method("ulysses", "cuda") == "ulysses"
-    with pytest.raises(ConfigError, match="ring runs ring attention through PyTorch's context-parallel engine .* on "
-                                          "CUDA; this rank computes on cpu.*Use method: ulysses"):
+    reasons = set()
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ConfigError, match="ring is not available on any device yet.*Use method: ulysses") as error:
+            resolve_method("ring", device)
+        reasons.add(str(error.value))
+    assert len(reasons) == 1  # no device is implied to run it
+
+
+def test_validate_refuses_ring_with_the_reason_initialize_gives(tmp_path, capsys):
+    from engine.cli import main
+    from engine.context.parallel import resolve_method
+
+    path = tmp_path / "ring.yaml"
+    path.write_text("train_batch_size: 4\ncontext_parallel: {size: 2, method: ring}\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ConfigError) as refused:
         resolve_method("ring", "cpu")
+    assert f"{path}:2: {refused.value.problems[0]}" in err or refused.value.problems[0] in err, err
+    path.write_text("train_batch_size: 4\ncontext_parallel: {size: 2, method: ulysses}\n")
+    assert main(["validate", str(path)]) == 0
 
 
 def test_the_mesh_and_the_planner_count_context_ranks_out_of_the_data_ranks():

@@ -311,6 +311,33 @@ def test_the_hugging_face_plan_names_the_experts():
         expert_count("mlp", block, 2)
 
 
+def test_a_mistaken_module_name_gets_the_nearest_and_the_block_names_its_experts():
+    model = hf_moe()
+    with pytest.raises(engine.ConfigError, match=r"matches no module of MixtralForCausalLM; did you mean "
+                                                 r"'model.layers.\*.mlp.experts'\?"):
+        find_expert_modules(model, ["model.layers.*.mlp.expert"])
+    with pytest.raises(engine.ConfigError, match=r"did you mean 'blocks.\*.experts'\?"):
+        find_expert_modules(StackedMoE(), ["block.*.experts"])
+    with pytest.raises(engine.ConfigError, match=r"model.layers.0.mlp \(MixtralSparseMoeBlock\) has no integer "
+                                                 r"num_experts attribute: it is not a module of experts but holds "
+                                                 r"model.layers.0.mlp.experts \(MixtralExperts\)"):
+        expert_count("model.layers.0.mlp", model.model.layers[0].mlp, 2)
+
+
+@pytest.mark.parametrize("world, context, fix", [
+    (1, 1, "launch a multiple of 4 processes (python -m launch --nproc-per-node 4 ...), or set expert_parallel.size: 1"),
+    (2, 1, "launch a multiple of 4 processes (python -m launch --nproc-per-node 4 ...), or use a divisor of 2"),
+    (6, 1, "use a divisor of 6, or launch a multiple of 4 processes"),
+    (2, 2, "launch a multiple of 4 processes"),
+])
+def test_an_expert_size_the_ranks_cannot_hold_says_how_many_processes_to_launch(world, context, fix):
+    from engine.distributed.mesh import MeshLayout
+
+    with pytest.raises(engine.ConfigError) as refused:
+        MeshLayout(world, context=context, expert=4)
+    assert fix in str(refused.value) and "divisor of 1" not in str(refused.value), str(refused.value)
+
+
 @pytest.mark.filterwarnings("ignore:.*offload_param")
 def test_what_expert_parallelism_does_not_compose_with_is_refused():
     from engine.config.checks import check_without_model

@@ -368,7 +368,12 @@ def test_the_example_trains_as_the_full_batch(capsys):
     from examples import moe
     result = moe.main([])
     assert result["difference"] < TOL_FLOAT32_ROUTER
-    assert "max |weight - full-batch weight|" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "max |weight - full-batch weight|" in out
+    # Its docstring's numbers are what it prints (one process) and what its plan is on two.
+    assert "on 1 data rank(s) x accumulation 8:" in out and "# accumulation 8, one process" in moe.__doc__
+    two = engine.resolve_batch_plan(2, train_batch_size=moe.GLOBAL_BATCH, train_micro_batch_size_per_gpu=2)
+    assert f"# data 2 x accumulation {two.gradient_accumulation_steps}\n" in moe.__doc__
     assert all(record["expert_imbalance"] >= 1 for record in result["records"])
     assert moe.main(["--set", "moe.load_balance=micro_batch"])["difference"] > 1e3 * TOL_FLOAT32_ROUTER
 

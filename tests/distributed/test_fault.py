@@ -353,6 +353,57 @@ def test_sigusr1_to_the_launcher_saves_on_every_worker_and_exits_with_their_code
     assert verify_checkpoint(out / "checkpoints" / saved)["world_size"] == 2
 
 
+def _ctrl_c_under_the_launcher(out, *job_args) -> subprocess.CompletedProcess:
+    """`python -m launch --nproc-per-node 2` of the job until stopped, in a process group of its own
+    (a terminal's foreground job), given SIGINT on that whole group once both workers train."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
+    env.update(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60")
+    command = [sys.executable, "-m", "launch", "--nproc-per-node", "2", JOB, str(out), "--until-stopped", *job_args]
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    lines, err = queue.Queue(), []
+    readers = [threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True),
+               threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        ready, deadline = 0, time.monotonic() + 120
+        while ready < 2:
+            ready += len(re.findall(r"ready \d+", lines.get(timeout=max(deadline - time.monotonic(), 0.01))))
+        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal sends a Ctrl-C: to the foreground group
+        launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            for pid in reversed(_process_tree(launcher.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            launcher.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    return subprocess.CompletedProcess(command, launcher.returncode, "", "".join(err))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saving", [True, False], ids=["checkpoint.dir", "no checkpoint.dir"])
+def test_ctrl_c_under_the_launcher_prints_no_traceback_and_says_what_happened_last(tmp_path, saving):
+    out = tmp_path / "run"
+    stopped = _ctrl_c_under_the_launcher(out, *([] if saving else ["--no-checkpoint"]))
+    err = stopped.stderr
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "SignalException" not in err, err[-4000:]
+    assert "death signal" not in err and "closing signal" not in err, err[-4000:]
+    last = err.rstrip().splitlines()[-1]
+    if saving:
+        assert stopped.returncode == 75, err[-4000:]
+        assert last.startswith("[launch] SIGINT: the 2 worker(s) saved and stopped with exit code 75"), last
+        assert len(listing(out / "checkpoints")) == 1
+    else:
+        assert stopped.returncode == 128 + signal.SIGINT, err[-4000:]
+        assert last.startswith("[launch] Ctrl-C (SIGINT): the workers stopped without saving"), last
+        assert "With checkpoint.dir set in the config, a Ctrl-C saves at the next window boundary" in last
+        assert not (out / "checkpoints").exists()
+
+
 # -- one process, in this one: damaged checkpoints, keep_last, resume rules ------------------------
 def one_process(directory, **checkpoint):
     return engine.initialize(mlp(0), job.config(0, directory, stop_signals=[], **checkpoint))
@@ -489,6 +540,56 @@ def test_batches_returns_the_same_data_for_the_same_arguments(tmp_path):
         batches = eng.batches(data, seed=3)
         assert eng.batches(data, seed=3) is batches and eng.batches(data, seed=4) is not batches
         assert eng.batches(data, seed=4).state_dict()["seed"] == 4
+    finally:
+        eng.close()
+
+
+def train_on_a_new_dataset_object_each_epoch(eng, steps: int):
+    """The documented loop, but with the dataset made anew for every epoch (issue 45's probe)."""
+    loss_fn, batches = job.FaultyLoss(), None
+    while eng.global_steps < steps:
+        batches = eng.batches(job.dataset(), shuffle=True, seed=job.DATA_SEED)
+        for batch in batches:
+            if eng.global_steps >= steps:
+                break
+            eng.train_batch(batch, loss_fn)
+    return batches
+
+
+def test_batches_of_a_new_object_for_the_same_data_continue_uninterrupted_and_resumed(tmp_path, straight):
+    """Issue 45: eng.batches(dataset) given a new dataset object each epoch restarted at epoch 0
+    silently (and a resumed run went 9.8e-3 off the uninterrupted one). The data is known by its
+    length and order options, so both runs equal the documented loop's."""
+    eng = one_process(tmp_path / "uninterrupted")
+    try:
+        assert_same_run(job.snapshot(eng, train_on_a_new_dataset_object_each_epoch(eng, job.STEPS)), straight)
+    finally:
+        eng.close()
+    eng = one_process(tmp_path / "resumed")
+    try:
+        train_on_a_new_dataset_object_each_epoch(eng, 4)  # saves step 2 and 4 (mid-epoch 1)
+    finally:
+        eng.close()
+    eng = one_process(tmp_path / "resumed")
+    try:
+        assert eng.global_steps == 4
+        assert_same_run(job.snapshot(eng, train_on_a_new_dataset_object_each_epoch(eng, job.STEPS)), straight)
+    finally:
+        eng.close()
+
+
+def test_batches_of_other_data_say_they_start_at_epoch_0(tmp_path, caplog):
+    eng = one_process(tmp_path)
+    try:
+        data = job.dataset()
+        batches = eng.batches(data, seed=3)
+        next(iter(batches))
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            other = eng.batches(torch.utils.data.Subset(data, range(24)), seed=3)
+        assert other is not batches and (other.epoch, other.step) == (0, 0)
+        assert (f"eng.batches(): other data (length 24, shuffle True, seed 3, drop_last True; was {len(data)}, "
+                "True, 3, True): it starts at epoch 0, batch 0, and automatic checkpoints save its position from "
+                "now on (the previous data stopped at epoch 0, batch 1)") in caplog.text
     finally:
         eng.close()
 
@@ -710,7 +811,7 @@ def test_checkpoint_section_keys_and_deepspeed_pass_through():
     # without dir nothing saves, so a stop signal would stop nothing: said, not ignored
     for key, value in (("stop_signals", ["SIGUSR1"]), ("stop_exit_code", 3)):
         with pytest.raises(engine.ConfigError, match=f"checkpoint: {key} needs dir"):
-            engine.load_config({"checkpoint": {key: value, "resume": "elsewhere"}})
+            engine.load_config({"checkpoint": {key: value, "resume": "runs/elsewhere"}})
 
 
 def test_deepspeeds_checkpoint_writer_is_refused():

@@ -1,10 +1,13 @@
 """The small faults of issue 25: each with the run that showed it."""
 
 import errno
+import functools
 import io
 import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import torch
 
 import engine
 from engine.state import checkpoint
-from tests.support.dist_utils import run_distributed
+from tests.support.dist_utils import DistributedRunError, run_distributed
 from tests.support.reference import mlp, mse, regression_batches, sgd
 from tests.support.scenarios import share
 
@@ -138,3 +141,35 @@ def test_a_full_disk_under_the_model_state_is_reported_as_no_space_left(tmp_path
 def shutil_usage(free):
     import collections
     return collections.namedtuple("usage", "total used free")(10**9, 10**9 - free, free)
+
+
+def peer_killed(rank, world, directory):
+    """Rank 1 is killed (SIGKILL) after initialize; rank 0 then starts a window and writes down
+    what it raised (the run's own report stops at rank 1's death)."""
+    eng = engine.initialize(mlp(dtype=F32), {"train_batch_size": 8}, optimizer=sgd)
+    (batch,) = regression_batches(1, 8, dtype=F32)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:  # rank 0's first collective meets rank 1's death (within the run's 1.5 s grace after it)
+        eng.train_batch(share(batch, rank, world), mse)
+    except Exception as error:
+        Path(directory, "error.txt").write_text(f"{type(error).__name__}: {error}")
+        raise
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_killed_peer_is_reported_as_a_closed_connection_not_a_timeout(tmp_path):
+    """Issue 45: the survivor of a kill -9 said it "waited distributed.agreement_timeout_seconds
+    (600 s)" when it failed 0.1 s after the death. It says when and how it lost the peer."""
+    with pytest.raises(DistributedRunError):
+        run_distributed(functools.partial(peer_killed, directory=str(tmp_path)), world_size=2, timeout=100)
+    for _ in range(100):  # rank 0 may still be writing when the run reports rank 1's death
+        if (tmp_path / "error.txt").exists() and (tmp_path / "error.txt").read_text():
+            break
+        time.sleep(0.1)
+    survivor = (tmp_path / "error.txt").read_text()
+    assert survivor.startswith("PeerLostError: rank 0 lost a peer "), survivor
+    assert "s into waiting for its peers while starting a window, after global step 0" in survivor, survivor
+    assert "a peer's connection closed, not a timeout: its process ended (killed, crashed or exited" in survivor
+    assert "agreement_timeout_seconds (600 s)" not in survivor

@@ -309,3 +309,88 @@ def test_shipped_configs_pass_the_model_free_checks(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert check_without_model(load_config(CONFIGS / name)) == []
+
+
+@pytest.mark.parametrize("value, hint", [("autoo", "; did you mean auto?"), ("Auto", "; did you mean auto?"),
+                                         ("nevr", "; did you mean never?"), ("latest", "")])
+def test_validate_refuses_a_resume_word_that_is_no_path_as_initialize_does(tmp_path, capsys, value, hint):
+    """Issue 45: ``resume: autoo`` passed validate; initialize then refused it (or, with checkpoints in
+    checkpoint.dir, resumed from the newest as for any path)."""
+    problem = f"checkpoint.resume: '{value}' is neither auto, never nor an existing path{hint} (auto:"
+    status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 2\ncheckpoint: {{resume: {value}}}\n", "c.yaml")
+    assert status == 2 and problem in captured.err, captured.err
+    with pytest.raises(engine.ConfigError, match=re.escape(problem)):
+        engine.initialize(torch.nn.Linear(2, 2), str(tmp_path / "c.yaml"),
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+def test_validate_accepts_resume_words_and_paths(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "step_4").mkdir()
+    for value in ("auto", "never", "step_4", "runs/step_8", str(tmp_path / "step_4")):
+        status, captured, _ = validate(tmp_path, capsys, f"train_batch_size: 2\ncheckpoint: {{resume: {value}}}\n")
+        assert status == 0, (value, captured.err)
+
+
+# -- plot ------------------------------------------------------------------------------
+def dense_metrics(tmp_path, steps: int = 5):
+    """A dense model's monitor files (JSON lines with an eval record, CSV): token counts, no MFU on a CPU."""
+    jsonl, csv_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.csv"
+    eng = engine.initialize(torch.nn.Linear(4, 4), {
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "monitor": {"enabled": True, "progress": False, "jsonl": str(jsonl), "csv": str(csv_path)}})
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=generator)
+        eng.train_batch(x, lambda m, b: (((m(b) - b) ** 2).sum(), b.numel()))
+    eng.monitor.log_eval(eng.global_steps, 0.5)
+    eng.close()
+    return jsonl, csv_path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_plot_draws_a_dense_models_metrics(tmp_path, capsys, kind):
+    pytest.importorskip("matplotlib")
+    metrics = dense_metrics(tmp_path)[0 if kind == "jsonl" else 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        assert main(["plot", str(metrics), "--out", str(tmp_path / "m.png")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "m.png") and captured.err == ""  # no "unclosed file"
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert main(["plot", str(metrics), "--out", str(tmp_path / "p.png"), "--per-panel"]) == 0
+    assert sorted(path.name for path in tmp_path.glob("p_*.png")) == \
+        ["p_grad_norm.png", "p_loss.png", "p_lr.png", "p_mfu.png", "p_throughput.png"]
+
+
+def test_plot_axes_are_readable(tmp_path):
+    pytest.importorskip("matplotlib")
+    from engine.monitor.plot import draw_figure, read_metrics
+
+    train, evals = read_metrics(dense_metrics(tmp_path, steps=5)[0])
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and evals[0]["eval_loss"] == 0.5
+    figure = draw_figure(train, evals)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    axes = [axis for axis in figure.axes if axis.get_visible()]
+    assert [axis.get_title() for axis in axes] == ["loss", "learning rate", "gradient norm", "tokens/s", "MFU"]
+    for axis in axes:
+        ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (axis.get_title(), ticks)  # no 1.25, 1.5
+        legend = axis.get_legend()
+        if legend is not None:  # beside the chart, not over it
+            assert not legend.get_window_extent(renderer).overlaps(axis.get_window_extent(renderer))
+    assert axes[0].get_legend() is not None  # train and eval
+    assert "monitor.peak_flops" in axes[-1].texts[0].get_text()  # a CPU run records no MFU: the panel says why
+
+
+def test_plot_a_missing_or_foreign_file_is_one_line(tmp_path):
+    result = run_module("plot", str(tmp_path / "nope.jsonl"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope.jsonl'}: no such file (the monitor "
+                                                  "writes it where monitor.jsonl or monitor.csv says)"]
+    (tmp_path / "notes.txt").write_text("hello\n")
+    result = run_module("plot", str(tmp_path / "notes.txt"))
+    assert result.returncode == 2 and "not a monitor metrics file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -344,6 +344,11 @@ def test_what_the_facade_cannot_do_is_refused(tmp_path):
         model_engine.backward(F.mse_loss(model_engine(x), y), retain_graph=True)
     with pytest.raises(engine.EngineUsageError, match="scale_wrt_gas"):
         model_engine.backward(F.mse_loss(model_engine(x), y), scale_wrt_gas=False)
+    with pytest.raises(engine.EngineUsageError, match=r"step\(\) called without a backward\(\) since the last "
+                                                      r"step\(\): each micro-step is model_engine\(batch\), "
+                                                      r"model_engine.backward\(loss\), model_engine.step\(\)") as no:
+        model_engine.step()
+    assert "eng." not in str(no.value)  # the facade's names, not the engine's
     assert model_engine.load_checkpoint(str(tmp_path)) == (None, None)  # no latest file, as DeepSpeed
     with pytest.raises(engine.EngineUsageError, match="load_optimizer_states=False"):
         model_engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)

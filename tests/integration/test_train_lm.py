@@ -134,6 +134,33 @@ def test_micro_batch_tokens_trains_the_same_model(two_process_run, train_lm, tmp
     assert all(r["real_tokens"] == r["tokens"] for r in train)  # every real input has a next-token label
 
 
+@pytest.mark.timeout(240)
+def test_resumed_from_a_checkpoint_it_goes_on_with_the_data_where_it_was(train_lm, tmp_path, capsys):
+    """--set checkpoint.dir / every_steps (as docs/lm_example.md shows): run 8 steps saving every 4, drop the
+    step-8 checkpoint, run the same command again: it resumes at step 4 and steps 5-8 see the same lines."""
+    checkpoints = tmp_path / "checkpoints"
+    command = [*QUICK, "--out", str(tmp_path / "out"), "--set", f"checkpoint.dir={checkpoints}",
+               "--set", "checkpoint.every_steps=4", "--set", "checkpoint.async=false"]
+    straight = train_lm.main(command)
+    saved = sorted(path.name for path in checkpoints.iterdir() if path.name.startswith("step_"))
+    assert saved == ["step_00000004", "step_00000008"]
+    import shutil
+    shutil.rmtree(checkpoints / saved[-1])
+    capsys.readouterr()
+    resumed = train_lm.main(command)
+    out = capsys.readouterr().out
+    assert resumed["first_step"] == 4 and resumed["eval_losses"][0][0] == 4  # not "eval step 0"
+    assert [step for step, _ in resumed["train_losses"]] == [5, 6, 7, 8]
+    assert [loss for _, loss in resumed["train_losses"]] == pytest.approx(
+        [loss for step, loss in straight["train_losses"] if step > 4], rel=1e-6)
+    assert "resumed at step 4" in out
+
+
+def test_the_docs_show_the_checkpoint_flags():
+    text = (REPO / "docs" / "lm_example.md").read_text()
+    assert "--set checkpoint.dir=" in text and "--set checkpoint.every_steps=" in text
+
+
 def test_hf_gpt2_model_trains(train_lm, tmp_path):
     pytest.importorskip("transformers")
     summary = train_lm.main([*QUICK, "--hf-model", "gpt2", "--out", str(tmp_path),

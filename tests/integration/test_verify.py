@@ -184,3 +184,18 @@ def test_functions_of_a_script_are_loaded_from_its_file_and_an_unguarded_call_is
     assert runs[1].returncode == 1
     assert "engine.verify was called again inside one of the processes it started" in runs[1].stderr
     assert "if __name__ == '__main__':" in runs[1].stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_engine_error_in_a_process_is_its_one_line_cause(capsys):
+    """README's verify command with context parallelism: loss_sum shifts its labels itself, which the engine's
+    context check refuses; verify says that in one line, not the process's traceback."""
+    status = main(["verify", "configs/verify_llama.yaml", "--nproc", "2", "--model", "examples.verify_llama:model",
+                   "--batch", "examples.verify_llama:batch", "--loss", "examples.verify_llama:loss_sum",
+                   "--set", "context_parallel.size=2"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err and 'File "' not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank ") and "processes stopped: context_parallel: " \
+        in lines[0], err

@@ -14,7 +14,7 @@ rank sends itself SIGTERM there instead; ``--int-at N``: SIGINT (a Ctrl-C), with
 background write of checkpoint ``step_N`` instead (SIGKILL on rank ``--kill-rank``, first attempt
 only; SIGTERM on every rank), before its checksums. ``--blocking``: ``checkpoint.async: false``. ``--until-stopped``: every rank prints ``ready <pid>``
 once its engine handles stop signals, then trains (slowly, without periodic saves) until one
-stops it.
+stops it; with ``--no-checkpoint`` its config has no ``checkpoint`` section (a Ctrl-C just ends it).
 """
 
 from __future__ import annotations
@@ -143,12 +143,16 @@ def main(argv=None) -> None:
     parser.add_argument("--term-in-write", type=int, default=None)
     parser.add_argument("--blocking", action="store_true")
     parser.add_argument("--until-stopped", action="store_true")
+    parser.add_argument("--no-checkpoint", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     out = Path(args.out)
     if args.until_stopped:
-        eng = engine.initialize(mlp(0), config(args.stage, out / "checkpoints", every_steps=None))
+        settings = config(args.stage, out / "checkpoints", every_steps=None)
+        if args.no_checkpoint:
+            del settings["checkpoint"]
+        eng = engine.initialize(mlp(0), settings)
         sys.stdout.write(f"ready {os.getpid()}\n")  # one write: torchrun's `python -u` would split a print
         sys.stdout.flush()
         train(eng, SlowLoss(), steps=10**9)

@@ -39,6 +39,52 @@ def test_without_a_known_peak_there_is_no_mfu():
     eng.close()
 
 
+def test_without_a_known_peak_the_monitor_says_once_how_to_set_it(caplog):
+    eng = engine.initialize(TinyLM(), {**BASE, "monitor": {"enabled": True, "progress": False}})
+    with caplog.at_level("INFO", logger="engine"):
+        for batch in token_batches(3, 8):
+            eng.train_batch(batch, token_loss_sum)
+    hints = [r.getMessage() for r in caplog.records if "monitor.peak_flops" in r.getMessage()]
+    assert len(hints) == 1 and "no MFU" in hints[0] and "(cpu)" in hints[0], hints
+    eng.close()
+
+
+def test_a_known_peak_needs_no_hint(caplog):
+    eng = engine.initialize(TinyLM(), {**BASE, "monitor": {"enabled": True, "progress": False, "peak_flops": 1e9}})
+    with caplog.at_level("INFO", logger="engine"):
+        eng.train_batch(token_batches(1, 8)[0], token_loss_sum)
+    assert not [r for r in caplog.records if "peak_flops" in r.getMessage()]
+    eng.close()
+
+
+def test_mfu_of_a_mixture_of_experts_counts_top_k_of_its_experts():
+    from tests.support.moe_models import OwnMoE, StackedMoE, lm_batches, stacked_sum_loss
+
+    # Two layers of 4 experts (8x8 weight + 8 bias each), top-2: half of the 576 expert parameters are active.
+    for model in (OwnMoE(), StackedMoE()):
+        assert throughput.parameter_count(model) == 1184
+        assert throughput.active_parameter_count(model) == 1184 - 576 // 2
+    model = StackedMoE()
+    eng = engine.initialize(copy.deepcopy(model), {**BASE, "monitor": {"enabled": True, "progress": False,
+                                                                          "peak_flops": 1e9}})
+    eng.train_batch(lm_batches(1, 8)[0], stacked_sum_loss)
+    record = eng.monitor.history[0]
+    assert record["mfu"] == pytest.approx(6 * (1184 - 288) * record["tokens_per_s"] / 1e9, rel=1e-12)
+    eng.close()
+
+
+def test_the_example_mixtral_counts_its_active_parameters():
+    pytest.importorskip("transformers")
+    from examples.moe import mixtral
+    from tests.support.moe_models import deepseek_v3, hf_moe
+
+    assert throughput.parameter_count(mixtral()) == 84_640
+    assert throughput.active_parameter_count(mixtral()) == 84_640 - 73_728 * 3 // 4  # top-2 of 8: 29,344
+    # Qwen2-MoE's shared expert and DeepSeek-V3's shared experts and dense first layer count whole.
+    assert throughput.active_parameter_count(hf_moe("qwen2_moe")) == 8624 - 2 * (4 * (24 * 16 + 16 * 12)) // 2
+    assert throughput.active_parameter_count(deepseek_v3()) == 11592 - 2 * (8 * (16 * 16 + 16 * 8)) * 3 // 4
+
+
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
                                         ("NVIDIA H100 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
                                         ("NVIDIA H200", 989e12), ("NVIDIA GeForce RTX 4090", None)])

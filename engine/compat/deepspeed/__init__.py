@@ -150,6 +150,9 @@ def _client_or_config_scheduler(lr_scheduler, config: Config):
 
 
 # -- the engine -------------------------------------------------------------------------------
+_FACADE_LOOP = "model_engine(batch), model_engine.backward(loss), model_engine.step()"
+
+
 class DeepSpeedEngine:
     """What ``initialize`` returns: DeepSpeed's engine methods, each a call into one
     :class:`engine.Engine` (``.engine``). Attributes it does not define are looked up on the
@@ -187,7 +190,11 @@ class DeepSpeedEngine:
         """Call after every ``backward``: updates the parameters at the window's boundary only."""
         if lr_kwargs:
             raise EngineUsageError("step(lr_kwargs=...) is not supported: the scheduler steps once per optimizer step")
-        closed = self.engine.step()
+        try:
+            closed = self.engine.step()
+        except EngineUsageError as error:  # the engine's words, with the facade's names
+            raise EngineUsageError(str(error).replace("forward, eng.backward(loss), eng.step()", _FACADE_LOOP)
+                                   .replace("eng.backward", "model_engine.backward")) from None
         self._step_applied = closed and self.engine.last_window.step.applied
 
     def zero_grad(self) -> None:
