@@ -34,7 +34,7 @@ def run_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     mesh = mesh_layout(config, args.world_size)
     plan = plan_for_mesh(config, mesh, args.rank)
-    if not mesh.is_data_parallel_only:
+    if mesh.needs_groups:  # a model-parallel dimension, or hybrid sharding
         print(f"mesh: {describe_data_ranks(mesh)}")
     print(plan.describe())
     return 0

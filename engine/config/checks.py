@@ -21,7 +21,9 @@ both report the same problems, all at once:
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
   dimension, the automatic micro size) and ``method: ring`` (refused on every device);
-* expert parallelism: the same, and tensor / context dimensions and offload.
+* expert parallelism: the same, and tensor / context dimensions and offload;
+* hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
+  only, one value however it is spelled.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from engine.adapters.deepspeed_internals import INSTALL_HINT
 from engine.batching.plan import SEARCH_MODES, world_free_batch_problems
 from engine.config.deepspeed import deepspeed_backend_problems
 from engine.config.schema import Config, locate, torch_sections
+from engine.config.sharding import shard_size_problems
 from engine.config.torch_features import model_transforms_requested
 from engine.config.optim import check_sections
 
@@ -49,6 +52,7 @@ def check_without_model(config: Config) -> list[str]:
     problems += _automatic_checkpointing_problems(config)
     problems += _expert_problems(config)  # [moe]
     problems += _context_problems(config)
+    problems += shard_size_problems(config)
     if config.backend == "deepspeed":
         if find_spec("deepspeed") is None:
             problems.append(INSTALL_HINT)

@@ -139,7 +139,7 @@ def deepspeed_backend_problems(config) -> list[str]:
 
 
 # Microstep keys that do not exist in DeepSpeed's zero_optimization section.
-_OUR_ZERO_KEYS = {"defer_reduction", "shard_unit_size"}
+_OUR_ZERO_KEYS = {"defer_reduction", "shard_unit_size", "shard_size"}
 
 
 def deepspeed_config(config, world_size: int) -> dict:

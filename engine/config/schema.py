@@ -33,6 +33,7 @@ from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT
 from engine.config.loaders import ConfigError, parse_scalar, read_file
 from engine.config.raw import KeyPath, RawConfig
 from engine.config.offload import KEYS as OFFLOAD_KEYS, TorchOffload, torch_offload
+from engine.config.sharding import DEEPSPEED_SHARD_SIZE_KEYS
 from engine.config.torch_features import (OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, TorchFeatures, TorchOverlap,
                                           torch_features, torch_overlap)
 
@@ -104,6 +105,9 @@ class ZeroConfig(_DeepSpeedSection):
     # least this many parameters (fewer, larger collectives; DeepSpeed's bucket sizes play the
     # same part). A larger unit costs its size in gathered parameters at stage 3.
     shard_unit_size: PositiveInt = 16_000_000
+    # Stages 2/3 (torch backend): shard within groups of this many data ranks, replicas across them
+    # (hybrid sharding, engine.config.sharding); None: one group of every data rank.
+    shard_size: Optional[PositiveInt] = None
     deepspeed_keys: ClassVar[frozenset[str]] = DEEPSPEED_ZERO_KEYS
 
 
@@ -510,7 +514,8 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
         unused = [name for name in unused if name not in read]
     if config.backend == "torch":
         unused = [name for name in unused
-                  if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS and name not in caller_reads
+                  if name.removeprefix("zero_optimization.") not in OFFLOAD_KEYS | OVERLAP_KEYS | set(DEEPSPEED_SHARD_SIZE_KEYS)
+                  and name not in caller_reads
                   and name not in TORCH_FEATURE_SECTIONS]
         notes += [f"{config.source}: {note}" for note in torch_sections(config).notes]
     if config.backend == "torch" and unused:

@@ -16,6 +16,7 @@ import torch
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload
 from engine.config.schema import Config, half_precision, torch_sections
+from engine.config.sharding import shard_size
 from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
@@ -186,11 +187,14 @@ def model_parallel_dimensions(config: Config) -> list[str]:
 
 def mesh_layout(config: Config, world_size: int) -> MeshLayout:
     """The mesh a loaded config asks for on ``world_size`` ranks: the data dimension shards at
-    ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does)."""
+    ZeRO 2 / 3, and wherever the torch backend offloads (FSDP2 does) — on the torch backend within
+    groups of ``zero_optimization.shard_size`` data ranks, or a DeepSpeed key read as it
+    (``engine.config.sharding``)."""
     sharded = config.zero_optimization.stage >= 2 or (config.backend == "torch"
                                                       and torch_sections(config).offload.to_host)
     return MeshLayout(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
-                      context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded)
+                      context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded,
+                      shard_size=shard_size(config))
 
 
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:

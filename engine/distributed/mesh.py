@@ -5,9 +5,13 @@ neighbours, usually on one node, where their traffic is heaviest), then context,
 then pipeline — the order ``init_device_mesh(device, (pipeline, data, context, tensor))`` uses:
 ``rank = ((pipeline_index · data + data_index) · context + context_index) · tensor + tensor_index``.
 
-The data dimension is data-replicate × data-shard: one of the two is the whole data dimension
-(``data_sharded``: FSDP2 shards the model over it, ZeRO 2 / 3 on the torch backend; otherwise
-every data rank holds a whole replica). Experts borrow data × context ranks: ``expert`` of them
+The data dimension is data-replicate × data-shard (``data_index = replicate_index · data_shard +
+shard_index``: the ranks of one shard group are consecutive data ranks, usually one node). Without
+``data_sharded`` every data rank holds a whole replica (replicate = data, shard = 1); with it FSDP2
+shards the model (ZeRO 2 / 3 on the torch backend) over groups of ``shard_size`` data ranks (None:
+all of them, replicate = 1), and the groups replicate each other: hybrid sharding (HSDP), where
+``1 < shard_size < data``. Gradients are still averaged over every data rank (reduce-scattered in the
+shard group, all-reduced over the replicas). Experts borrow data × context ranks: ``expert`` of them
 split the experts between them (it must divide data × context), no rank is added for them. In the
 data × context index ``i = data_index · context + context_index`` of a (pipeline, tensor)
 coordinate, the expert group is ``i // expert`` (consecutive ranks: the all-to-all's traffic stays
@@ -30,6 +34,10 @@ group                       dimensions               why
 ``SAME_BATCH``              pipeline × context ×     ranks of one data index: they must be given the
                             tensor                   same batch (checked, never assumed)
 ``EXPERTS``                 data × context           the ranks experts are spread over
+``DATA_SHARDING``           data-shard × context     FSDP2 shards the model over them (all of data
+                                                     × context unless hybrid)
+``DATA_REPLICAS``           data-replicate           hold the same shards (hybrid): their shards'
+                                                     gradients all-reduced
 expert group                ``expert`` ranks of      split the experts: tokens dispatched to the
 (``MeshGroups.experts``)    data × context           rank holding their expert (all-to-all)
 expert replicas             data × context /         hold the same slice of the experts: its
@@ -62,6 +70,10 @@ SAME_BATCH = ("pipeline", "context", "tensor")
 STATISTICS_COPIES = ("pipeline", "tensor")  # ranks of a SAME_BATCH group holding the same window statistics
 STAGE_HOLDERS = ("data", "context", "tensor")  # ranks holding a part of one pipeline stage
 EXPERTS = ("data", "context")
+DATA_SHARDING = ("data_shard", "context")
+DATA_REPLICAS = ("data_replicate",)
+# The data dimension as the device mesh of a hybrid mesh holds it: replicate outer, shard inner.
+DATA_PARTS = ("data_replicate", "data_shard")
 
 
 class MeshCoordinates(NamedTuple):
@@ -83,6 +95,7 @@ class MeshLayout:
     context: int = 1
     expert: int = 1  # borrowed from data × context, not a factor of the world
     data_sharded: bool = False  # the data dimension shards the model (FSDP2) rather than replicates it
+    shard_size: int | None = None  # data ranks per shard group when data_sharded (None: all of them)
 
     def __post_init__(self):
         sizes = {"tensor": self.tensor, "pipeline": self.pipeline, "context": self.context, "expert": self.expert}
@@ -108,6 +121,21 @@ class MeshLayout:
             raise ConfigError([
                 f"mesh: expert_parallel.size {self.expert} does not divide the data {self.data} × context "
                 f"{self.context} = {borrowed} ranks the experts are spread over ({self.describe()}); {fix}"])
+        if self.shard_size is not None:
+            self._check_shard_size()
+
+    def _check_shard_size(self) -> None:
+        size, data = self.shard_size, self.data
+        if not self.data_sharded:
+            raise ConfigError([
+                f"mesh: zero_optimization.shard_size {size} needs a data dimension that shards the model "
+                "(zero_optimization.stage 2 or 3 on backend torch); set the stage, or remove shard_size"])
+        if size < 1 or data % size:
+            divisors = [d for d in range(1, data + 1) if data % d == 0]
+            raise ConfigError([
+                f"mesh: zero_optimization.shard_size {size} does not divide the {data} data rank(s) "
+                f"({self.describe()}): data = replicate × shard needs {data} / {size} = {data / size:.4g} whole "
+                f"replicas; use one of {divisors} (or remove shard_size: one shard group of all {data})"])
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -117,17 +145,29 @@ class MeshLayout:
 
     @property
     def data_replicate(self) -> int:
-        """Data ranks holding whole replicas of what the data shards hold."""
-        return 1 if self.data_sharded else self.data
+        """Data ranks holding whole replicas of what the data shards hold: data / data_shard."""
+        return self.data // self.data_shard
 
     @property
     def data_shard(self) -> int:
-        """Data ranks the model is sharded over (FSDP2)."""
-        return self.data if self.data_sharded else 1
+        """Data ranks the model is sharded over (FSDP2): a shard group."""
+        if not self.data_sharded:
+            return 1
+        return self.shard_size if self.shard_size is not None else self.data
+
+    @property
+    def hybrid(self) -> bool:
+        """Shards within groups of data ranks, replicas across them (both parts beyond one rank)."""
+        return self.data_sharded and 1 < self.data_replicate and 1 < self.data_shard
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the runtime needs the mesh's own process groups (otherwise every group is the world)."""
+        return not self.is_data_parallel_only or self.hybrid
 
     def size(self, dims: tuple[str, ...]) -> int:
         """The number of ranks in a group spanning ``dims`` (e.g. ``GRADIENT_REDUCTION``)."""
-        return math.prod(getattr(self, dim) for dim in dims)
+        return math.prod(getattr(self, dim) for dim in _parts(dims))
 
     @property
     def is_data_parallel_only(self) -> bool:
@@ -158,12 +198,20 @@ class MeshLayout:
         """This rank's data-parallel index: the batch planner's rank."""
         return self.coordinates(rank).data
 
+    def _index(self, rank: int, dim: str) -> int:
+        """``rank``'s index along ``dim``: a mesh dimension or a part of the data dimension."""
+        coordinates = self.coordinates(rank)
+        if dim == "data_replicate":
+            return coordinates.data // self.data_shard
+        if dim == "data_shard":
+            return coordinates.data % self.data_shard
+        return getattr(coordinates, dim)
+
     def group_ranks(self, dims: tuple[str, ...], rank: int) -> list[int]:
         """The global ranks of ``rank``'s group spanning ``dims`` (ascending): those whose
-        coordinates differ from ``rank``'s in ``dims`` only."""
-        mine = self.coordinates(rank)
-        return [r for r in range(self.world_size)
-                if all(getattr(self.coordinates(r), dim) == getattr(mine, dim) for dim in MESH_DIMS if dim not in dims)]
+        coordinates differ from ``rank``'s in ``dims`` only (``data`` or its parts, ``DATA_PARTS``)."""
+        fixed = [dim for dim in _parts(MESH_DIMS) if dim not in _parts(dims)]
+        return [r for r in range(self.world_size) if all(self._index(r, dim) == self._index(rank, dim) for dim in fixed)]
 
     def expert_index(self, rank: int) -> int:
         """Which slice of the experts ``rank`` holds (0 .. expert - 1)."""
@@ -187,12 +235,26 @@ class MeshLayout:
         'world 8 = pipeline 2 × data 2 × context 1 × tensor 2' (and the experts where split)."""
         text = (f"world {self.world_size} = pipeline {self.pipeline} × data {self.data} × context {self.context} × "
                 f"tensor {self.tensor}")
+        if self.hybrid:
+            text += f" (data = replicate {self.data_replicate} × shard {self.data_shard})"
         return text + (f", experts over {self.expert} of the data × context ranks" if self.expert > 1 else "")
 
+    @property
+    def device_dims(self) -> tuple[str, ...]:
+        """The dimensions of the device mesh, outermost first: ``MESH_DIMS``, the data dimension as
+        its two parts on a hybrid mesh."""
+        return _parts(MESH_DIMS) if self.hybrid else MESH_DIMS
+
     def device_mesh(self, device_type: str):
-        """The ``DeviceMesh`` over every rank, dimensions named as ``MESH_DIMS`` (collective:
+        """The ``DeviceMesh`` over every rank, dimensions named as ``device_dims`` (collective:
         every rank calls it)."""
-        return init_device_mesh(device_type, tuple(getattr(self, dim) for dim in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        dims = self.device_dims
+        return init_device_mesh(device_type, tuple(getattr(self, dim) for dim in dims), mesh_dim_names=dims)
+
+
+def _parts(dims: tuple[str, ...]) -> tuple[str, ...]:
+    """``dims`` with ``data`` written as its parts (``DATA_PARTS``)."""
+    return tuple(part for dim in dims for part in (DATA_PARTS if dim == "data" else (dim,)))
 
 
 class MeshGroups:
@@ -203,8 +265,10 @@ class MeshGroups:
     def __init__(self, layout: MeshLayout, device_type: str, rank: int):
         self.layout, self.rank = layout, rank
         self.device_mesh = layout.device_mesh(device_type)
-        self._submeshes: dict[tuple[str, ...], object] = {}
+        self._submeshes: dict[tuple[str, ...] | str, object] = {}
         self.submesh(GRADIENT_REDUCTION)  # a flattened group when data and context both split: made by every rank
+        if layout.hybrid:
+            self.sharding_mesh()  # likewise (data-shard × context flattened)
         self.expert_mesh = self.experts = self.expert_replicas = None
         if layout.expert > 1:  # every rank builds every expert group, in the same order
             dims = ("pipeline", "tensor", "expert_replica", "expert")
@@ -214,16 +278,31 @@ class MeshGroups:
             self.experts, self.expert_replicas = whole["expert"].get_group(), whole["expert_replica"].get_group()
 
     def submesh(self, dims: tuple[str, ...]):
-        """The ``DeviceMesh`` of this rank's group spanning ``dims``: one mesh dimension, or the
-        dimensions flattened into one (the first time: collective)."""
-        dims = tuple(dim for dim in MESH_DIMS if dim in dims)  # in rank order
+        """The ``DeviceMesh`` of this rank's group spanning ``dims`` (mesh dimensions, ``data`` or its
+        parts): one device-mesh dimension, or the dimensions flattened into one (the first time:
+        collective)."""
+        wanted = _parts(dims) if self.layout.hybrid else dims  # without hybrid, the data dimension is one
+        dims = tuple(dim for dim in self.layout.device_dims if dim in wanted)  # in rank order
         if dims not in self._submeshes:
-            spanned = tuple(dim for dim in dims if getattr(self.layout, dim) > 1) or dims[:1]
+            spanned = tuple(dim for dim in dims if self.layout.size((dim,)) > 1) or dims[:1]
             if len(spanned) == 1:
                 self._submeshes[dims] = self.device_mesh[spanned[0]]
             else:
                 self._submeshes[dims] = flatten_device_mesh(self.device_mesh[spanned], "_".join(spanned))
         return self._submeshes[dims]
+
+    def sharding_mesh(self):
+        """The ``DeviceMesh`` FSDP2 shards the data dimension over: 1-D over ``DATA_SHARDING`` (data ×
+        context), or on a hybrid mesh 2-D (``DATA_REPLICAS``, ``DATA_SHARDING``): FSDP2's HSDP, which
+        reduce-scatters a gradient in the shard group and all-reduces it over the replicas, dividing
+        by both (the mean over every data × context rank)."""
+        if not self.layout.hybrid:
+            return self.submesh(GRADIENT_REDUCTION)
+        if "sharding" not in self._submeshes:
+            shard = self.submesh(DATA_SHARDING)  # data_shard × context flattened when the context splits
+            shard_dim = shard.mesh_dim_names[0]
+            self._submeshes["sharding"] = self.device_mesh["data_replicate", shard_dim]
+        return self._submeshes["sharding"]
 
     def group(self, dims: tuple[str, ...]):
         """The process group of this rank's group spanning ``dims`` (the whole world: None, the default group)."""

@@ -267,7 +267,7 @@ class TorchStrategy(Strategy):
         super().__init__(setup, dist_info)
         self.name = setup.strategy  # recorded in checkpoints (only the format is checked at a load)
         self.precision = precision_policy(setup.precision, self.device.type)
-        if not self.mesh.is_data_parallel_only:  # collective: every rank builds the same groups
+        if self.mesh.needs_groups:  # collective: every rank builds the same groups
             self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
         self.same_batch = SameBatchCheck(self, setup.tensor_parallel.check_batches) if self.mesh.tensor > 1 else None
         # the gradient-reduction group: its ranks' copies of a replicated gradient are equal (engine.strategies.gradients)

@@ -45,7 +45,6 @@ from engine.adapters.torch_internals import (
     drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
 )
 from engine.distributed.collectives import broadcast_
-from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.strategies.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.deferral import ReductionDeferral
@@ -143,9 +142,11 @@ class FullyShardedDataParallel(TorchStrategy):
         repoint_optimizer(optimizer, names, module)
         self.module = self.forward_module = module
         self.optimizer = optimizer
-        self._gloo = dist.get_backend(mesh.get_group()) == "gloo"
+        self._gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
         if self._gloo:
             self._set_comms(guard=None)
+            if mesh.ndim > 1:  # hybrid: FSDP2's all-reduce over the replicas averages, which gloo cannot
+                module.set_force_sum_reduction_for_comms(True)
         # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
@@ -156,10 +157,11 @@ class FullyShardedDataParallel(TorchStrategy):
 
     def sharding_mesh(self):
         """The mesh the shards are spread over: the gradient-reduction group (data × context; every
-        rank on a mesh of data ranks only)."""
+        rank on a mesh of data ranks only), or on a hybrid mesh (replicas, shard group) — FSDP2's HSDP
+        (``engine.distributed.mesh.MeshGroups.sharding_mesh``)."""
         if self.groups is None:
             return init_device_mesh(self.device.type, (self.world_size,))
-        return self.groups.submesh(GRADIENT_REDUCTION)
+        return self.groups.sharding_mesh()
 
     @property
     def communicates_before_closing_backward(self) -> bool:
@@ -280,8 +282,11 @@ class FullyShardedDataParallel(TorchStrategy):
                 if name not in whole:
                     continue
                 local = shard.to_local()
-                chunks = torch.chunk(whole[name], self.world_size, dim=0)  # FSDP2 shards dim 0 as torch.chunk
-                piece = chunks[self.rank] if self.rank < len(chunks) else whole[name][:0]
+                # FSDP2 shards dim 0 as torch.chunk over the mesh's last (shard) dimension
+                mesh = shard.device_mesh
+                shards, index = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+                chunks = torch.chunk(whole[name], shards, dim=0)
+                piece = chunks[index] if index < len(chunks) else whole[name][:0]
                 local.copy_(piece.reshape(local.shape))
         if self.rests_gathered:
             self._gather()

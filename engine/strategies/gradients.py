@@ -1,7 +1,8 @@
 """The gradient norm, placement-aware, written once for every way of holding the model.
 
 A rank holds pieces of the gradient: whole tensors (replicas), shards (FSDP2's DTensors over
-the data dimension), tensor-parallel pieces (DTensors over the tensor dimension), or both
+the data dimension; on a hybrid mesh Replicate over the replicas × Shard in the shard group, each
+shard held by every replica), tensor-parallel pieces (DTensors over the tensor dimension), or both
 (a 2-D DTensor), of the stages its pipeline index holds. The squared norm of the whole
 gradient is the sum over the world of every rank's pieces' squares, each divided by the number
 of ranks that hold the same piece (a gradient every rank of the module holds is first split

@@ -44,7 +44,6 @@ from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
 from engine.adapters.torch_internals import (drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors,
                                              schedules_switch_modes)
 from engine.distributed.collectives import small_sum
-from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.errors import ConfigError, EngineUsageError
 from engine.strategies.model_transforms import transform_model
 from engine.pipeline.split import StageModule
@@ -148,14 +147,16 @@ class PipelineParallel(TorchStrategy):
         them (a mean over the replicas) after the last one; stage 3 frees the gathered parameters
         after every forward, stage 2 keeps them."""
         names = {id(p): name for name, p in self.module.named_parameters()}
-        mesh = self.groups.submesh(GRADIENT_REDUCTION)
-        gloo = dist.get_backend(mesh.get_group()) == "gloo"
+        mesh = self.groups.sharding_mesh()  # 2-D (replicas, shard group) on a hybrid mesh
+        gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
         for stage in self.stage_modules:
             fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
             if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
                 all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
                 stage.set_custom_all_gather(all_gather)
                 stage.set_custom_reduce_scatter(reduce_scatter)
+                if mesh.ndim > 1:  # hybrid: the replicas' all-reduce averages, which gloo cannot
+                    stage.set_force_sum_reduction_for_comms(True)
         repoint_optimizer(self.optimizer, names, self.module)
 
     def forward(self, *args, **kwargs):

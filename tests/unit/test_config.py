@@ -48,7 +48,8 @@ def test_deepspeed_json_loads_unchanged():
     assert config.optimizer.model_dump() == original["optimizer"]
     assert config.scheduler.model_dump() == original["scheduler"]
     assert config.zero_optimization.model_dump() == {
-        **original["zero_optimization"], "defer_reduction": False, "shard_unit_size": 16_000_000}
+        **original["zero_optimization"], "defer_reduction": False, "shard_unit_size": 16_000_000,
+        "shard_size": None}
     assert config.zero_optimization.model_extra["overlap_comm"] is True
     assert config.deepspeed_extras == {"steps_per_print": 10, "wall_clock_breakdown": False}
     plan = plan_from_config(config, world_size=2)
