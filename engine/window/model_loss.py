@@ -20,12 +20,14 @@ Items per loss type (transformers' ``loss_utils``):
 
 A batch giving ``num_items_in_batch`` makes those cross-entropy losses ``sum / num_items_in_batch``:
 the sum is then ``loss × num_items_in_batch``. Other loss types, a model whose ``loss_function``
-was replaced, and models that are not Hugging Face's are not read (:class:`UnreadLosses` warns
+was replaced, and models that are not Hugging Face's are not read (:class:`LossReading` warns
 when that leaves a window's micro-batches weighted by rows while their items differ).
 
 A mixture of experts' ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
-is multiplied by the micro-batch's count too, which ``engine.window.experts`` divides out
-(:func:`mean_items`).
+is multiplied by the micro-batch's count too, which the term's factor divides out
+(``engine.window.accounting.term_factors``, from :func:`mean_items`). Under a pipeline no rank
+holds the whole model: the last stage hands ``loss_fn(model, micro_batch)`` a :class:`LastStageModel`
+whose call applies the model's own loss function to the stage's logits.
 """
 
 from __future__ import annotations
