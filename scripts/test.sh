@@ -9,4 +9,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two workers (pytest-xdist), each taking whole test files: a file's module fixtures run once, and
 # the second core is not idle while a test waits on its ranks or on a launcher (about 10 minutes on
 # 2 cores instead of 14). One worker: MICROSTEP_TEST_WORKERS=0 bash scripts/test.sh
-exec .venv/bin/python -m pytest -q -n "${MICROSTEP_TEST_WORKERS:-2}" --dist loadfile "$@"
+# -ra: the summary at the end names every skip with its reason (a test this machine cannot run), and
+# every failure; written here, not only in pyproject's addopts (a bare -rs would replace it and drop the failures).
+exec .venv/bin/python -m pytest -q -ra -n "${MICROSTEP_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -5,6 +5,7 @@ DeepSpeed backend refuses. What the torch backend makes of DeepSpeed's offload k
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -95,16 +96,21 @@ def read_autotp_size(section: dict, where: str) -> str | None:
     return None
 
 
+# Set to 1 on a CPU-only machine whose oneDNN supports fp16 (DeepSpeed's CPU accelerator then runs it):
+# lifts the backend's CPU refusal of fp16 on this machine (docs/deepspeed.md).
+CPU_FP16_SWITCH = "MICROSTEP_DEEPSPEED_CPU_FP16"
+
+
 def deepspeed_backend_problems(config) -> list[str]:
     """What the DeepSpeed backend refuses, as config problems (checked before DeepSpeed starts)."""
     problems = []
     zero = config.zero_optimization
-    if config.fp16.enabled and not torch.cuda.is_available():
+    if config.fp16.enabled and not torch.cuda.is_available() and os.environ.get(CPU_FP16_SWITCH) != "1":
         problems.append(
             "fp16.enabled: backend deepspeed runs fp16 on CUDA GPUs only, and this machine has none (DeepSpeed's "
             "CPU accelerator supports fp16 only on some CPUs, so the same config would start on one machine and "
             "fail on another); use bf16: {enabled: true}, or backend: torch (its fp16 autocast and loss scaler "
-            "run on CPU)")
+            f"run on CPU); {CPU_FP16_SWITCH}=1 lifts this on a CPU whose oneDNN supports fp16")
     op = config.deepspeed_extras.get("gradient_allreduce_op", "mean")
     if op != "mean":
         problems.append(

@@ -29,7 +29,7 @@ from bench.comm_count import CommCounter
 from engine.config.schema import load_config
 from engine.batching.data import DistributedBatches
 from engine.batching.microbatch import split_batch
-from engine.config.deepspeed import deepspeed_backend_problems, deepspeed_config
+from engine.config.deepspeed import CPU_FP16_SWITCH, deepspeed_backend_problems, deepspeed_config
 from tests.support.broken import gradient_doubled, ignores_window_total, intact, weighted_one_over_a
 from tests.support.dist_utils import run_distributed, run_scenarios
 from tests.support.oom_models import tripwire_mlp
@@ -473,41 +473,41 @@ def test_stage_equals_reference(stage):
 
 
 # -- fp16: refused on CPU, its arithmetic checked where DeepSpeed's CPU accelerator runs it ------
-def fp16_case(rank, world, **kwargs):
-    """precision_case in fp16 with the CPU-only refusal lifted in this process: the stage-0
-    loss scale, the ZeRO optimizers' scaled step and the window weighting GPUs run."""
-    import engine.config.checks
-    import engine.strategies.deepspeed as deepspeed_strategy
+ONEDNN_FP16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
-    refusals = deepspeed_strategy.deepspeed_backend_problems
 
-    def refusals_but_fp16(config):
-        return [problem for problem in refusals(config) if not problem.startswith("fp16.enabled")]
+def fp16_case(rank, world, force_accelerator=False, **kwargs):
+    """precision_case in fp16, the CPU-only refusal lifted by the documented switch (set in ENV_FP16):
+    the stage-0 loss scale, the ZeRO optimizers' scaled step and the window weighting GPUs run.
+    ``force_accelerator``: DeepSpeed's CPU accelerator told fp16 is supported where oneDNN lacks it."""
+    if force_accelerator:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+        CPU_Accelerator.is_fp16_supported = lambda self: True
+    return precision_case(rank, world, backend="deepspeed", precision="fp16", **kwargs)
 
-    engine.config.checks.deepspeed_backend_problems = deepspeed_strategy.deepspeed_backend_problems = refusals_but_fp16
-    try:
-        return precision_case(rank, world, backend="deepspeed", precision="fp16", **kwargs)
-    finally:
-        engine.config.checks.deepspeed_backend_problems = deepspeed_strategy.deepspeed_backend_problems = refusals
+
+ENV_FP16 = {**ENV, CPU_FP16_SWITCH: "1"}
 
 
 @needs_deepspeed
 @pytest.mark.deepspeed
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(torch.cuda.is_available() or not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-                    reason="DeepSpeed's CPU accelerator runs fp16 only where oneDNN supports it")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the ranks' DeepSpeed would pick its CUDA accelerator, "
+                    "while this runs fp16 on DeepSpeed's CPU accelerator (gloo ranks)")
 def test_fp16_arithmetic_on_every_stage():
     """DeepSpeed 0.19's engine.backward leaves the stage-0 fp16 loss scale out while its fp16
     optimizer divides by it: updates were 1/scale of the right ones before the strategy applied
-    the scale itself. Clipping, token losses and a short window, as for bf16."""
+    the scale itself. Clipping, token losses and a short window, as for bf16. On every CPU: where
+    oneDNN lacks fp16, DeepSpeed's CPU accelerator refuses it only by its is_fp16_supported(), and
+    PyTorch's own CPU fp16 kernels run the same arithmetic once that is forced."""
     scenarios = {}
     for stage in STAGES:
         for loss in ("mean", "tokens"):
-            scenarios[("fp16", loss, stage, False)] = functools.partial(fp16_case, stage=stage, loss=loss)
-            scenarios[("fp16", loss, stage, "broken")] = functools.partial(fp16_case, stage=stage, loss=loss,
-                                                                          breaks=ignores_window_total)
-    results = run_scenarios(scenarios, world_size=2, timeout=200, env=ENV)
+            case = functools.partial(fp16_case, stage=stage, loss=loss, force_accelerator=not ONEDNN_FP16)
+            scenarios[("fp16", loss, stage, False)] = case
+            scenarios[("fp16", loss, stage, "broken")] = functools.partial(case, breaks=ignores_window_total)
+    results = run_scenarios(scenarios, world_size=2, timeout=200, env=ENV_FP16)
     assert_precision_results(results, "deepspeed")
     assert all(result["dtype"] == "torch.float16" for per_rank in results.values() for result in per_rank)
 
@@ -754,10 +754,13 @@ def test_what_deepspeed_cannot_do_is_refused_before_it_starts():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA GPU")
-def test_fp16_on_a_cpu_only_machine_is_refused_by_initialize_and_validate(tmp_path, capsys):
+def test_fp16_on_a_cpu_only_machine_is_refused_by_initialize_and_validate(tmp_path, capsys, monkeypatch):
     from engine.cli import main
 
     config = {"backend": "deepspeed", "train_batch_size": 8, "fp16": {"enabled": True}}
+    monkeypatch.setenv(CPU_FP16_SWITCH, "1")  # the documented switch lifts it (test_fp16_arithmetic_on_every_stage)
+    assert deepspeed_backend_problems(load_config(config)) == []
+    monkeypatch.delenv(CPU_FP16_SWITCH)
     with pytest.raises(engine.ConfigError, match=r"fp16.enabled: .*CUDA GPUs only.*bf16: \{enabled: true\}"):
         engine.initialize(mlp(dtype=F32), config, optimizer=sgd)  # before any process group or DeepSpeed import
     path = tmp_path / "fp16.json"

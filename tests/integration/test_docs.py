@@ -85,23 +85,57 @@ def shown_sessions(doc: Path):
                 yield command, shown, dict(files)
 
 
-def shown_as_pattern(command: str, shown: str) -> str:
-    """A regular expression for what a doc shows: "..." stands for what the doc leaves out (a
-    line of its own: any number of lines); a measured explore row keeps its sizes and whether
-    it fits, its timings vary (and so whether the fastest differs from the configured size, which
-    the tuner's change line on stderr reports)."""
-    lines = []
+ROUNDED = r"\d\.\d+e[-+]\d+"  # a figure as verify prints it (1.95e-05)
+# a row of verify's table: tensor, relative, |difference|, |update|
+VERIFY_ROW = re.compile(rf"(\S+\s+)({ROUNDED})(\s+)({ROUNDED})(\s+)({ROUNDED})")
+VERIFY_WORST = re.compile(rf"\(worst \S+: ({ROUNDED})\)")
+VERIFY_TOLERANCE = re.compile(r"^equal: every tensor within (\S+) of its update ", re.M)
+
+
+def _literal(text: str) -> str:
+    return ".*".join(re.escape(part) for part in text.split("..."))
+
+
+def shown_as_pattern(command: str, shown: str) -> tuple[str, dict[str, float]]:
+    """A regular expression for what a doc shows, and the most each of its named groups may print:
+    "..." stands for what the doc leaves out (a line of its own: any number of lines); a measured
+    explore row keeps its sizes and whether it fits, its timings vary (and so whether the fastest
+    differs from the configured size, which the tuner's change line on stderr reports); verify's
+    figures that come from floating-point rounding (a row's relative and |difference|, the worst
+    tensor's relative) may be any value within the tolerance its shown `equal:` line states
+    (|difference|: that tolerance of the row's |update|), while the tensors' names, their |update|,
+    the losses and every word stay exact."""
+    lines, limits = [], {}
+    stated = VERIFY_TOLERANCE.search(shown) if " verify " in command else None
+    tolerance = float(stated.group(1)) if stated else None
     for line in shown.rstrip("\n").splitlines():
+        row, worst = VERIFY_ROW.fullmatch(line), VERIFY_WORST.search(line)
         if line.strip() == "...":
             lines.append(r"(?:.*\n)*?")
         elif " explore " in command and re.match(r"\s+\d", line):
             micro, accumulation, *_ = line.split()
             lines.append(rf"\s+{micro}\s+{accumulation}\s.*\s{'yes' if 'yes' in line else 'no'}\b.*\n")
+        elif tolerance is not None and row:
+            name, _, gap, _, gap_update, update = row.groups()
+            relative, difference = f"relative_{len(lines)}", f"difference_{len(lines)}"
+            limits |= {relative: tolerance, difference: tolerance * float(update)}
+            lines.append(rf"{re.escape(name)}(?P<{relative}>{ROUNDED}){re.escape(gap)}(?P<{difference}>{ROUNDED})"
+                         rf"{re.escape(gap_update)}{re.escape(update)}\n")
+        elif tolerance is not None and worst:
+            group = f"worst_{len(lines)}"
+            limits[group] = tolerance
+            lines.append(rf"{_literal(line[:worst.start(1)])}(?P<{group}>{ROUNDED}){_literal(line[worst.end(1):])}\n")
         else:
-            lines.append(".*".join(re.escape(part) for part in line.split("...")) + r"\n")
+            lines.append(_literal(line) + r"\n")
     if " explore " in command:
         lines.append(r"(?:.*\(explore: fastest that fits, global step \d+\).*\n)?")
-    return "".join(lines)
+    return "".join(lines), limits
+
+
+def printed_as_shown(command: str, shown: str, printed: str) -> bool:
+    pattern, limits = shown_as_pattern(command, shown)
+    match = re.fullmatch(pattern, printed)
+    return match is not None and all(float(match[group]) <= limit for group, limit in limits.items())
 
 
 SESSIONS = [(doc, *session) for doc in DOCS for session in shown_sessions(doc)]
@@ -124,7 +158,26 @@ def test_the_docs_engine_commands_print_what_they_show(tmp_path, doc, command, s
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     printed = done.stdout + done.stderr
     printed += "" if printed.endswith("\n") else "\n"
-    assert re.fullmatch(shown_as_pattern(command, shown), printed), (printed, shown)
+    assert printed_as_shown(command, shown, printed), (printed, shown)
+
+
+def test_the_docs_verify_figures_may_round_differently_but_not_exceed_the_tolerance():
+    """README's verify example: its rounding-dependent figures (1.95e-05 in README, 1.77e-05 on other
+    CPUs) may differ within the stated tolerance 0.001; words, names, losses and |update| may not."""
+    [(command, shown)] = [(command, shown) for doc, command, shown, _ in SESSIONS
+                          if doc.name == "README.md" and " verify " in command]
+    printed = re.sub(r"^\.\.\.\n", "", shown, flags=re.M)  # the rows the doc leaves out: none
+    assert "1.95e-05     4.650e-06   2.389e-01" in printed
+    assert "(worst model.layers.0.self_attn.q_proj.weight: 1.95e-05)" in printed
+    assert printed_as_shown(command, shown, printed)
+    assert printed_as_shown(command, shown, printed.replace("1.95e-05", "1.77e-05").replace("4.650e-06", "4.226e-06"))
+    assert printed_as_shown(command, shown, printed.replace("1.95e-05", "1.00e-03").replace("4.650e-06", "2.380e-04"))
+    for wrong in [("1.95e-05", "1.01e-03"), ("weight: 1.95e-05", "weight: 1.01e-03"), ("4.650e-06", "2.390e-04"),
+                  ("2.389e-01", "2.390e-01"), ("loss 3.47689", "loss 3.47690"), ("equal: every", "not equal: every"),
+                  ("q_proj.weight   1.95e-05", "k_proj.weight   1.95e-05"),
+                  ("worst model.layers.0", "worst model.layers.1")]:
+        assert wrong[0] in printed
+        assert not printed_as_shown(command, shown, printed.replace(wrong[0], wrong[1], 1)), wrong
 
 
 def test_the_readme_says_how_to_reach_the_environment_before_its_first_python_command():
