@@ -110,7 +110,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
-                                    length_multiple=context.shards.chunks if context is not None else 1)
+                                    length_multiple=context.shards.chunks if context is not None else 1,
+                                    packing=config.packing)
     experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,
                              checkpointing=setup.checkpointing is not None, runner_runs_micro_steps=pipeline is not None,
                              all_reduce_sum=strategy.all_reduce_sum)

@@ -33,6 +33,8 @@ The kinds:
   (``engine.batching.token_budget``), every rank running as many as the rank that needs the most (one
   small agreement); the latest split's groups are kept for reports and for the micro-batch
   tuner. There is no manual loop: the script hands over whole per-device batches.
+  With ``packing: true`` each micro-batch's documents are packed end to end into one row of at
+  most N real tokens instead (``engine.batching.packing``).
 * :class:`OneShapeTokenSplit` — ``micro_batch_tokens`` under a pipeline, whose schedule runs
   micro-batches of one shape: all of a window's, on every rank, share one length and one
   number of rows (``schedule_rows``), as many as the schedule runs.
@@ -52,6 +54,7 @@ from engine.distributed.collectives import agreed_max
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
 from engine.batching.microbatch import batch_size, split_batch
+from engine.batching.packing import fewest_packed_steps, group_packed, packable_layout, take_packed
 from engine.batching.token_budget import (LengthsFn, MicroGroup, TokenCost, TokenSplitter, bucket_length, group_uniformly,
                                          one_shape_cost, one_shape_micro_steps, padding_row, smaller_budget, take_rows,
                                          token_cost)
@@ -250,23 +253,33 @@ class TokenSplit(PlannedSplit):
     """Micro-batches formed by padded tokens (``micro_batch_tokens``)."""
 
     def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None,
-                 length_multiple: int = 1):
+                 length_multiple: int = 1, packing: bool = False):
         super().__init__()
         self.reader = TokenSplitter(lengths, sequence_keys, length_multiple)
+        self.packing = packing  # each micro-batch's documents in one row (engine.batching.packing)
         self.groups: list[MicroGroup] = []  # this rank's micro-batches of the latest split
 
     def split(self, batch, plan: BatchPlan, budget: int | None = None) -> Split:
-        """``batch`` in micro-batches of at most ``budget`` (default: the plan's) padded tokens, as
-        many on this rank as on the rank that needs the most."""
+        """``batch`` in micro-batches of at most ``budget`` (default: the plan's) padded tokens (packed:
+        real tokens in one row), as many on this rank as on the rank that needs the most."""
         budget, cap = budget or plan.micro_batch_tokens, plan.train_micro_batch_size_per_gpu
         try:
-            layout, fewest = self.reader.read(batch, budget, cap)
+            if self.packing:
+                layout = packable_layout(batch, self.reader.layout)
+                fewest = fewest_packed_steps(layout.lengths, budget, cap)
+            else:
+                layout, fewest = self.reader.read(batch, budget, cap)
             problem = None
         except Exception as error:  # noqa: BLE001 - e.g. the user's lengths(): every rank must reach the agreement
             layout, fewest, problem = None, 0, error
         steps, = _agreed([fewest], problem, plan)
-        groups = self.groups = self.reader.group(layout, budget, steps, cap)
-        return Split(steps, ((take_rows(batch, layout, g), g.samples) for g in groups), token_cost(groups))
+        if self.packing:
+            groups = self.groups = self.reader.logged(layout, group_packed(layout.lengths, budget, steps, cap), budget)
+            take = take_packed
+        else:
+            groups = self.groups = self.reader.group(layout, budget, steps, cap)
+            take = take_rows
+        return Split(steps, ((take(batch, layout, g), g.samples) for g in groups), token_cost(groups))
 
     def eval_pieces(self, batch, plan: BatchPlan, size: int | None = None) -> Iterable[tuple[Any, int]]:
         """``size``: the token budget (default: the plan's). Each micro-batch is made when reached."""
@@ -367,17 +380,20 @@ class OneShapeTokenSplit(TokenSplit):
 
 def window_split_for(plan: BatchPlan, *, manual_sizes: str = "plan", lengths: LengthsFn | None = None,
                      sequence_keys: Sequence[str] | None = None,
-                     schedule_steps: Callable[[int], int] | None = None, length_multiple: int = 1) -> PlannedSplit:
+                     schedule_steps: Callable[[int], int] | None = None, length_multiple: int = 1,
+                     packing: bool = False) -> PlannedSplit:
     """The window split for ``plan``; ``manual_sizes`` (one of ``MANUAL_SIZES``): how a manual
     loop counts a micro-batch of a plan with sizes, ``"plan"`` (its planned size) or
     ``"inputs"`` (what ``eng(...)`` was given). ``schedule_steps``: under a pipeline, the
     fewest micro-batches, at least n, its schedule runs (token budgets then form micro-batches
     of one shape). ``length_multiple``: what a token budget's trimmed length is rounded up to
-    (context parallelism's chunks)."""
+    (context parallelism's chunks). ``packing``: each token-budget micro-batch's documents packed
+    into one row (``engine.batching.packing``; the config refuses it under a pipeline or context
+    parallelism)."""
     if plan.micro_batch_tokens is not None:
         if schedule_steps is not None:
             return OneShapeTokenSplit(schedule_steps, lengths, sequence_keys)
-        return TokenSplit(lengths, sequence_keys, length_multiple)
+        return TokenSplit(lengths, sequence_keys, length_multiple, packing)
     if plan.is_data_defined:
         return DataDefinedSplit(plan)
     return InputSizedSplit() if manual_sizes == "inputs" else PlannedSplit()

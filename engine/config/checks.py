@@ -16,6 +16,7 @@ both report the same problems, all at once:
   ``gradient_accumulation_steps`` or without ``train_batch_size``, three strict batch numbers no
   process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
   ``sequence_keys`` without ``micro_batch_tokens``;
+* ``packing: true``: needs ``micro_batch_tokens``, refused under a pipeline and context parallelism;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
@@ -46,6 +47,7 @@ def check_without_model(config: Config) -> list[str]:
     problems = check_sections(config.optimizer, config.scheduler)
     problems += _precision_problems(config)
     problems += _batch_problems(config)
+    problems += _packing_problems(config)
     problems += _pipeline_problems(config)
     problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
@@ -178,6 +180,28 @@ def _batch_problems(config: Config) -> list[str]:
     if config.micro_batch_tokens is None and config.sequence_keys is not None:
         problems.append("sequence_keys: names the tensors micro_batch_tokens trims, but micro_batch_tokens is not "
                         "set; set it, or remove sequence_keys")
+    return problems
+
+
+def _packing_problems(config: Config) -> list[str]:
+    """``packing: true`` packs the micro-batches a token budget forms, without a pipeline or context
+    parallelism (engine.batching.packing)."""
+    if not config.packing:
+        return []
+    problems = []
+    if config.micro_batch_tokens is None:
+        problems.append("packing: true packs each micro-batch's documents into one row of at most micro_batch_tokens "
+                        "tokens, but micro_batch_tokens is not set; set it (e.g. micro_batch_tokens: 16384, the "
+                        "tokens of one packed row), or remove packing")
+    if config.pipeline.stages > 1:
+        problems.append(f"packing: true is not available under a pipeline of {config.pipeline.stages} stages: its "
+                        "schedule runs micro-batches of one shape per window, and packed rows differ in length; use "
+                        "micro_batch_tokens without packing (bucketed), or pipeline.stages: 1")
+    if config.context_parallel.size > 1:
+        problems.append(f"packing: true is not available with context_parallel.size {config.context_parallel.size}: "
+                        "each rank would hold a part of the packed row, so the document ids (where each document "
+                        "starts) would have to travel with the sequence exchange, which is not done yet; use "
+                        "micro_batch_tokens without packing, or context_parallel.size: 1")
     return problems
 
 

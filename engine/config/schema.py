@@ -386,6 +386,9 @@ class Config(BaseModel):
     # rows' lengths come from the batch's attention_mask or initialize(lengths=...).
     micro_batch_tokens: Optional[PositiveInt] = None
     sequence_keys: Optional[Annotated[list[str], Field(min_length=1)]] = None  # the tensors trimmed to a micro-batch's length
+    # With micro_batch_tokens: each micro-batch's documents (rows' real tokens) packed end to end
+    # into one row, position_ids restarting per document, no padding (engine.batching.packing).
+    packing: bool = False
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # max global norm; 0 = off
