@@ -41,7 +41,7 @@ def map_tensors(batch: Any, fn: Callable[[str, torch.Tensor], Any], path: str = 
     if isinstance(batch, torch.Tensor):
         return fn(path, batch)
     if isinstance(batch, Mapping):
-        return _rebuild_mapping(batch, {key: map_tensors(value, fn, child)
+        return rebuild_mapping(batch, {key: map_tensors(value, fn, child)
                                         for key, child, value in _children(batch, path)})
     if isinstance(batch, (tuple, list)):
         return _rebuild(batch, [map_tensors(value, fn, child) for _, child, value in _children(batch, path)])
@@ -91,7 +91,7 @@ def _split(batch: Any, sizes: list[int]) -> list[Any]:
     if isinstance(batch, Mapping):
         keys = list(batch.keys())
         columns = [_split(batch[k], sizes) for k in keys]
-        return [_rebuild_mapping(batch, dict(zip(keys, row))) for row in zip(*columns)]
+        return [rebuild_mapping(batch, dict(zip(keys, row))) for row in zip(*columns)]
     if isinstance(batch, (tuple, list)):
         if not batch:
             return [batch] * len(sizes)
@@ -100,7 +100,7 @@ def _split(batch: Any, sizes: list[int]) -> list[Any]:
     return [batch] * len(sizes)
 
 
-def _rebuild_mapping(template: Mapping, data: dict) -> Mapping:
+def rebuild_mapping(template: Mapping, data: dict) -> Mapping:
     if type(template) is dict:
         return data
     try:  # OrderedDict, BatchEncoding(data=...), most UserDict subclasses

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.batching.microbatch import _rebuild_mapping
+from engine.batching.microbatch import rebuild_mapping
 from engine.batching.token_budget import MASK_KEY, MicroGroup, SequenceLayout, TokenBudgetError
 
 IGNORED = -100  # transformers' ignore_index
@@ -190,4 +190,4 @@ def take_packed(batch: Mapping, layout: SequenceLayout, group: MicroGroup) -> Ma
         positions = columns
     if POSITIONS_KEY not in packed:
         packed[POSITIONS_KEY] = document_positions(positions)[None]
-    return _rebuild_mapping(batch, packed)
+    return rebuild_mapping(batch, packed)

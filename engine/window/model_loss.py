@@ -209,7 +209,8 @@ class LossReading:
     def observe(self, kwargs: dict, output) -> None:
         """A forward through the engine returned ``output`` for ``kwargs``."""
         self.model.observe(kwargs, output)
-        self._last_items = _batch_items(kwargs)
+        read = mean_items(getattr(output, "loss", None)) is not None
+        self._last_items = None if read else _batch_items(kwargs)  # what an unread mean would weigh wrongly
 
     def backward_of(self, item_weighted: bool) -> None:
         """The micro-step's loss reaches its backward, read as a sum (``item_weighted``) or not."""

@@ -39,11 +39,12 @@ def data_parallel(rank, world, *, stage=0, manual=False, breaking=None,
     return {**result, "eval": eng.eval_batch(rank_slice(data[0], eng.plan), o.own_loss), "expected_eval": expected}
 
 
-def token_budget(rank, world):
-    cfg = {"train_batch_size": 8, "micro_batch_tokens": 24}
+def token_budget(rank, world, packing=False):
+    cfg = {"train_batch_size": 8, "micro_batch_tokens": 24, "packing": packing}
     eng = engine.initialize(o.model("causal"), cfg, optimizer=sgd)
     result = o.compare(eng, "causal", o.batches("causal", 2), manual=False)
-    return {**result, "micro_steps": eng.last_window.micro_steps}
+    report = eng.last_window
+    return {**result, "micro_steps": report.micro_steps, "real": report.real_tokens, "padded": report.padded_tokens}
 
 
 def float32_run(rank, world, *, facade: bool, breaking=None):
@@ -92,6 +93,7 @@ SCENARIOS = {
     "zero 3, manual loop, unread": functools.partial(data_parallel, stage=3, manual=True, breaking=o.unread),
     "zero 2, token classification": functools.partial(data_parallel, stage=2, kind="tokens"),
     "token budget": token_budget,
+    "token budget, packed": functools.partial(token_budget, packing=True),
     "tensor 2": functools.partial(data_parallel, extra={"tensor_parallel": {"size": 2}}),
     "pipeline 2": functools.partial(data_parallel, extra={"pipeline": {"stages": 2}}),
     "pipeline 2, unread": functools.partial(data_parallel, extra={"pipeline": {"stages": 2}}, breaking=o.unread_on_pipeline),
@@ -116,3 +118,5 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
             if "eval" in result:
                 assert result["eval"] == pytest.approx(result["expected_eval"], rel=1e-6), name
     assert results["token budget"][0]["micro_steps"] > 1
+    packed = results["token budget, packed"][0]  # documents end to end: the model computes no padding
+    assert packed["padded"] == packed["real"] < results["token budget"][0]["padded"]
