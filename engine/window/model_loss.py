@@ -209,8 +209,8 @@ class LossReading:
     def observe(self, kwargs: dict, output) -> None:
         """A forward through the engine returned ``output`` for ``kwargs``."""
         self.model.observe(kwargs, output)
-        read = mean_items(getattr(output, "loss", None)) is not None
-        self._last_items = None if read else _batch_items(kwargs)  # what an unread mean would weigh wrongly
+        marked = mean_items(getattr(output, "loss", None))  # its items are counted already
+        self._last_items = marked[1] if marked is not None else _batch_items(kwargs)
 
     def backward_of(self, item_weighted: bool) -> None:
         """The micro-step's loss reaches its backward, read as a sum (``item_weighted``) or not."""
@@ -234,9 +234,9 @@ class LossReading:
         if low != high:
             self._told = True
             log.warning("the loss is a scalar the engine cannot read as (sum, count), and this window's micro-batches "
-                        "hold between %g and %g items (labels that are not -100, or attention-mask tokens): each "
-                        "micro-batch's mean is weighted by its rows, which is not the mean over the window's items. "
-                        "%s (shown once; strict: true makes it an error)", low, high, _FIX)
+                        "hold between %g and %g items (what the model's loss counts, labels that are not -100, or "
+                        "attention-mask tokens): each micro-batch's mean is weighted by its rows, which is not the "
+                        "mean over the window's items. %s (shown once; strict: true makes it an error)", low, high, _FIX)
 
 
 _FIX = ("Return the model's own output loss unchanged (m(**batch).loss, which the engine reads by its labels), or "
