@@ -47,6 +47,7 @@ from engine.adapters.torch_internals import (
 from engine.distributed.collectives import broadcast_
 from engine.strategies.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
+from engine.strategies.sharded_calls import ShardedCallCheck
 from engine.strategies.deferral import ReductionDeferral
 
 
@@ -129,6 +130,7 @@ class FullyShardedDataParallel(TorchStrategy):
         held = self.group_held
         ignored = {"ignored_params": {e.param for e in held.parameters}} if held.holds_any else {}
         self.inner_units, unit_sizes = [], []
+        module_names = {id(m): name for name, m in module.named_modules()}
         for group in shard_units(module, self.settings.shard_unit_size):
             unit_sizes.append(sum(map(_parameter_count, group)))
             fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy,
@@ -140,6 +142,11 @@ class FullyShardedDataParallel(TorchStrategy):
         fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
                     offload_policy=self.offload_policy, mp_policy=root, **ignored)
         repoint_optimizer(optimizer, names, module)
+        # ZeRO 3, until the first window closes: a module called around its unit is named (not under a
+        # tensor split, whose parameters are DTensors anyway, nor in compiled blocks, whose graphs the
+        # hooks would enter and their removal recompile)
+        self._sharded_calls = ShardedCallCheck(module, [module_names[id(u)] for u in self.inner_units]) \
+            if self.stage == 3 and self.mesh.tensor == 1 and self.settings.compile is None else None
         self.module = self.forward_module = module
         self.optimizer = optimizer
         self._gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
@@ -222,6 +229,9 @@ class FullyShardedDataParallel(TorchStrategy):
         self.reduce_group_held_gradients()
 
     def step(self, multiplier, max_norm, want_norm=False, grad_squares=None):
+        if self._sharded_calls is not None:  # a window ran through: the model calls its units as it should
+            self._sharded_calls.remove()
+            self._sharded_calls = None
         result = super().step(multiplier, max_norm, want_norm, grad_squares)
         self.deferral.review()
         self._window_defers = None

@@ -173,3 +173,53 @@ def test_a_killed_peer_is_reported_as_a_closed_connection_not_a_timeout(tmp_path
     assert "s into waiting for its peers while starting a window, after global step 0" in survivor, survivor
     assert "a peer's connection closed, not a timeout: its process ended (killed, crashed or exited" in survivor
     assert "agreement_timeout_seconds (600 s)" not in survivor
+
+
+# -- issue 45: a model that calls a module around its ZeRO-3 unit ---------------------------------
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.experts = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.experts(torch.relu(self.inner(x)))
+
+
+class _Bypassing(torch.nn.Module):
+    """Calls each block's experts directly (``block.experts(x)``), or the blocks as they should be."""
+
+    def __init__(self, bypass: bool):
+        super().__init__()
+        self.blocks, self.head, self.bypass = torch.nn.ModuleList([_Block(), _Block()]), torch.nn.Linear(8, 3), bypass
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block.experts(x) if self.bypass else block(x)
+        return self.head(x)
+
+
+def bypassed_unit(rank, world, bypass):
+    torch.manual_seed(0)
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "shard_unit_size": 1}}  # every block a unit
+    eng = engine.initialize(_Bypassing(bypass).double(), config, optimizer=sgd)
+    batch = regression_batches(1, 8)[0]
+    try:
+        eng.train_batch(share(batch, rank, world), mse)
+        eng.train_batch(share(batch, rank, world), mse)  # after the first window the hooks are gone
+    except engine.EngineUsageError as error:
+        return str(error)
+    return eng.global_steps
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_module_called_around_its_zero3_unit_is_named_with_the_fix():
+    """Issue 45: ``block.experts(x)`` instead of ``block(x)`` at ZeRO 3 crashed inside torch ("got mixed
+    torch.Tensor and DTensor"); it is named at the first forward, on every rank. A model calling its
+    units trains, and the check is gone after its first window."""
+    for message in run_distributed(functools.partial(bypassed_unit, bypass=True), 2, timeout=100):
+        assert message.startswith("ZeRO 3: 'blocks.0.experts' was called with its parameters still sharded: they "
+                                  "are gathered in the forward of their unit 'blocks.0'"), message
+        assert "Call the unit itself" in message
+    assert run_distributed(functools.partial(bypassed_unit, bypass=False), 2, timeout=100) == [2, 2]
