@@ -170,10 +170,13 @@ class Engine:
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
-        if not self._splitting:  # train_batch / eval_batch moved their batch already
-            args, kwargs = self.context.shard_call(self._on_device(args), self._on_device(kwargs))
-        kwargs = self.losses.call_arguments(kwargs)
         training = torch.is_grad_enabled()
+        if not self._splitting:  # train_batch / eval_batch moved (and split) their batch already
+            args, kwargs = self._on_device(args), self._on_device(kwargs)
+            if training:  # the manual loop's whole micro-batch, compared at the window's close
+                self.windows.check_manual_batch(args, kwargs)
+            args, kwargs = self.context.shard_call(args, kwargs)
+        kwargs = self.losses.call_arguments(kwargs)
         if training:  # a forward for a backward: plan its gradient sync
             self.windows.before_training_forward(self.plan.gradient_accumulation_steps)
         # a manual-loop forward cannot hold the window's load-balancing term

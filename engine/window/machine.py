@@ -29,6 +29,8 @@ import contextlib
 import logging
 from typing import Callable
 
+import torch
+
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
 from engine.memory import PeakMeter
@@ -168,6 +170,16 @@ class WindowMachine:
         the window is re-run)."""
         self.batch_fingerprint, self.batch_to_fingerprint = None, batch if self.same_batch is not None else None
 
+    def check_manual_batch(self, args: tuple, kwargs: dict) -> None:
+        """A manual-loop forward's whole micro-batch (before any context split): its fingerprint, keyed
+        by its place in the window, is added to the window's, which the ranks of a replica compare in
+        the window statistics' reduction at the close (every micro-batch of every window checked)."""
+        if self.same_batch is None:
+            return
+        place = torch.tensor(self.current.training_forwards)
+        mine = batch_fingerprint((place, args, kwargs), self.strategy.device)
+        self.batch_fingerprint = mine if self.batch_fingerprint is None else self.batch_fingerprint + mine
+
     def fingerprint_batch(self) -> None:
         """Fingerprint this ``train_batch``'s batch for the check that the ranks of a replica saw the same
         one, once; a runner calls it where this rank would wait anyway (a pipeline stage before its first
@@ -286,8 +298,9 @@ class WindowMachine:
         recorded = self._records(step)
         self.fingerprint_batch()
         fingerprint, self.batch_fingerprint = self.batch_fingerprint, None
-        try:
-            totals = window_totals(window, owner.plan, self.strategy, over_all_ranks=window.exact_counts or recorded,
+        try:  # a fingerprint to compare makes the statistics travel over the ranks (the manual loop's too)
+            totals = window_totals(window, owner.plan, self.strategy,
+                                   over_all_ranks=window.exact_counts or recorded or fingerprint is not None,
                                    same_batch=(self.same_batch, fingerprint) if fingerprint is not None else None,
                                    holders=self.context.size)
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied

@@ -279,6 +279,30 @@ def tensor_given_different_batches_late(rank, world):
     return result
 
 
+def manual_loop_given_different_batches_late(rank, world):
+    """Tensor 2 on 2 ranks, the manual loop (eng(x), backward, step): the same micro-batches for two
+    windows and the first micro-batch of the third, then rank 1's sixth one differs (issue 45: the
+    input check of the first steps alone let it train)."""
+    config = tensor_config(PLAN)
+    config["tensor_parallel"]["check_batches"] = 1  # the first step's input check: the sixth micro-batch is past it
+    eng = engine.initialize(TinyTransformer(), config, optimizer=sgd)
+    batches = token_batches(3, 8, dense=True, vocab=12)
+    found, micro = "trained", eng.plan.micro_batch_sizes[0]
+    try:
+        for step, batch in enumerate(batches):
+            for k in range(eng.plan.gradient_accumulation_steps):
+                piece = {key: value[k * micro:(k + 1) * micro] for key, value in batch.items()}
+                if step == 2 and k == 1 and rank == 1:
+                    piece = {key: value.flip(0) for key, value in piece.items()}
+                eng.backward(token_loss(eng, piece))
+                eng.step()
+    except engine.EngineUsageError as error:
+        found = str(error)
+    result = {"found": found, "steps": eng.global_steps}
+    eng.close()
+    return result
+
+
 def replicas_drifted(rank, world, directory):
     """Tensor 2: rank 1's copy of a replicated parameter (a rowwise layer's bias) changed by hand;
     full_state_dict() and a checkpoint refuse to keep one rank's copy."""
@@ -306,6 +330,7 @@ def test_every_rank_of_a_replica_is_checked_to_see_the_same_batch_at_every_windo
     results = run_scenarios({
         "pipeline": pipeline_given_different_batches,
         "tensor, fourth window": tensor_given_different_batches_late,
+        "manual loop, third window": manual_loop_given_different_batches_late,
         "replicas": functools.partial(replicas_drifted, directory=str(tmp_path / "drifted"))},
         world_size=2, timeout=190)
     for result in results["pipeline"]:
@@ -317,6 +342,9 @@ def test_every_rank_of_a_replica_is_checked_to_see_the_same_batch_at_every_windo
     for result in results["tensor, fourth window"]:  # the first steps' input check alone missed it
         assert "(tensor: 2 ranks, one model replica) were given different batches" in result["found"], result
         assert result["steps"] == 3
+    for result in results["manual loop, third window"]:  # every micro-batch, compared at the close
+        assert "(tensor: 2 ranks, one model replica) were given different batches" in result["found"], result
+        assert result["steps"] == 2
     for found in results["replicas"]:
         assert "full_state_dict(): replicated parameters differ between the ranks of a tensor group " \
                "(layers.0.attn.o.bias)" in found["full_state_dict"], found
