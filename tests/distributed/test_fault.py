@@ -322,45 +322,24 @@ def test_sigusr1_to_the_launcher_saves_on_every_worker_and_exits_with_their_code
     to its two workers instead of dying of it, they save at the next boundary and exit 75, and
     the launcher exits 75 too (torchrun itself, signalled, exits 1)."""
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
-    env.update(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60")
-    launcher = subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", "2", JOB, str(out), "--until-stopped"],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, err = queue.Queue(), []
-    readers = [threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True),
-               threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)]
-    for reader in readers:
-        reader.start()
-    try:
-        ready, deadline = 0, time.monotonic() + 120
-        while ready < 2:  # each worker handles the stop signals once it says so
-            ready += len(re.findall(r"ready \d+", lines.get(timeout=max(deadline - time.monotonic(), 0.01))))
-        launcher.send_signal(signal.SIGUSR1)
-        launcher.wait(timeout=90)
-    finally:
-        if launcher.poll() is None:  # a failure: end it, its torchrun and workers
-            for pid in reversed(_process_tree(launcher.pid)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            launcher.wait()
-        for reader in readers:
-            reader.join(timeout=10)
-    err = "".join(err)
-    assert launcher.returncode == 75, err[-4000:]
+    stopped = _signal_under_the_launcher(out, signal.SIGUSR1)
+    err = stopped.stderr
+    assert stopped.returncode == 75, err[-4000:]
     assert "SIGUSR1 received: saved" in err and "exit code 75" in err  # rank 0, after the agreed save
     assert "SIGUSR1: the 2 worker(s) saved and stopped with exit code 75" in err
     [saved] = listing(out / "checkpoints")
     assert verify_checkpoint(out / "checkpoints" / saved)["world_size"] == 2
 
 
-def _ctrl_c_under_the_launcher(out, *job_args) -> subprocess.CompletedProcess:
-    """`python -m launch --nproc-per-node 2` of the job until stopped, in a process group of its own
-    (a terminal's foreground job), given SIGINT on that whole group once both workers train."""
+def _signal_under_the_launcher(out, sig, *job_args, group: bool = False) -> subprocess.CompletedProcess:
+    """`python -m launch --nproc-per-node 2` of the job until stopped, given ``sig`` once both workers
+    train: on the launcher, or (``group``) on its whole process group, as a terminal sends a Ctrl-C to
+    its foreground job."""
     env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
     env.update(OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="60")
     command = [sys.executable, "-m", "launch", "--nproc-per-node", "2", JOB, str(out), "--until-stopped", *job_args]
     launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=group)
     lines, err = queue.Queue(), []
     readers = [threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True),
                threading.Thread(target=lambda: err.extend(launcher.stderr), daemon=True)]
@@ -370,7 +349,10 @@ def _ctrl_c_under_the_launcher(out, *job_args) -> subprocess.CompletedProcess:
         ready, deadline = 0, time.monotonic() + 120
         while ready < 2:
             ready += len(re.findall(r"ready \d+", lines.get(timeout=max(deadline - time.monotonic(), 0.01))))
-        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal sends a Ctrl-C: to the foreground group
+        if group:
+            os.killpg(launcher.pid, sig)
+        else:
+            launcher.send_signal(sig)
         launcher.wait(timeout=90)
     finally:
         if launcher.poll() is None:
@@ -388,7 +370,7 @@ def _ctrl_c_under_the_launcher(out, *job_args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("saving", [True, False], ids=["checkpoint.dir", "no checkpoint.dir"])
 def test_ctrl_c_under_the_launcher_prints_no_traceback_and_says_what_happened_last(tmp_path, saving):
     out = tmp_path / "run"
-    stopped = _ctrl_c_under_the_launcher(out, *([] if saving else ["--no-checkpoint"]))
+    stopped = _signal_under_the_launcher(out, signal.SIGINT, *([] if saving else ["--no-checkpoint"]), group=True)
     err = stopped.stderr
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "SignalException" not in err, err[-4000:]
     assert "death signal" not in err and "closing signal" not in err, err[-4000:]
