@@ -1,7 +1,7 @@
 """ZeRO-3's first window: a module called while its parameters are still sharded is named.
 
 FSDP2 gathers a unit's parameters in the unit's own forward. A model whose forward calls a module
-inside a unit directly (``block.experts(x)`` instead of ``block(x)``) runs that module on its
+inside a unit directly (``block.mlp(x)`` instead of ``block(x)``) runs that module on its
 sharded parameters, and torch fails deep inside an operator ("got mixed torch.Tensor and
 DTensor"). Until the first window closes, every module that holds parameters gets a forward
 pre-hook that raises, on every rank alike, an error naming the module, the unit that gathers it
@@ -44,6 +44,6 @@ def _refuse_sharded(name: str, unit: str):
             raise EngineUsageError(
                 f"ZeRO 3: '{name or type(module).__name__}' was called with its parameters still sharded: they are "
                 f"gathered in the forward of their unit {where}, and this call went around it (e.g. "
-                f"block.experts(x) instead of block(x)). Call the unit itself, or move that call into the unit's "
+                f"block.mlp(x) instead of block(x)). Call the unit itself, or move that call into the unit's "
                 "forward; or use ZeRO stage 2, which keeps whole parameters during the window")
     return check

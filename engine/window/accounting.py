@@ -19,7 +19,7 @@ ranks (data × context) of each rank's accumulated gradient, so:
 * **a load-balancing term's factor** (:func:`term_factors`): the inverse of the weight its loss
   gets, N / n for a mean, U for a sum, U / c for a model's own mean over c items read as a sum.
 
-Every runner (plain, pipeline, experts, context) and evaluation asks this module; none re-derives
+Every runner (plain, pipeline, router counting, context) and evaluation asks this module; none re-derives
 a weight.
 """
 

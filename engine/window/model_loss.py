@@ -23,7 +23,7 @@ the sum is then ``loss × num_items_in_batch``. Other loss types, a model whose 
 was replaced, and models that are not Hugging Face's are not read (:class:`LossReading` warns
 when that leaves a window's micro-batches weighted by rows while their items differ).
 
-A mixture of experts' ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
+A routed model's ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
 is multiplied by the micro-batch's count too, which the term's factor divides out
 (``engine.window.accounting.term_factors``, from :func:`mean_items`). Under a pipeline no rank
 holds the whole model: the last stage hands ``loss_fn(model, micro_batch)`` a :class:`LastStageModel`
@@ -199,7 +199,7 @@ class LossReading:
 
     def __init__(self, model: ModelLoss | NoModelLoss, strict: bool):
         self.model, self.strict = model, strict
-        self._last_items = None  # of the last forward's arguments
+        self._last_items = None  # of the last forward: its counted items, a call counting them, or None
         self._unread: list = []  # items of the window's micro-batches whose mean loss went unread
         self._told = False
 
@@ -210,7 +210,7 @@ class LossReading:
         """A forward through the engine returned ``output`` for ``kwargs``."""
         self.model.observe(kwargs, output)
         marked = mean_items(getattr(output, "loss", None))  # its items are counted already
-        self._last_items = marked[1] if marked is not None else _batch_items(kwargs)
+        self._last_items = marked[1] if marked is not None else _batch_items(kwargs)  # counted only if unread
 
     def backward_of(self, item_weighted: bool) -> None:
         """The micro-step's loss reaches its backward, read as a sum (``item_weighted``) or not."""
@@ -222,7 +222,7 @@ class LossReading:
                 "strict: the loss is a scalar the engine cannot read as (sum, count), while the batch carries "
                 f"labels or an attention mask. {_FIX}")
         if not self._told:
-            self._unread.append(items)
+            self._unread.append(items() if callable(items) else items)
 
     def window_closed(self) -> None:
         """Compare the window's unread micro-batches' items (one host read, only when a loss went unread)."""
@@ -245,11 +245,11 @@ _FIX = ("Return the model's own output loss unchanged (m(**batch).loss, which th
 
 
 def _batch_items(kwargs: dict):
-    """The items a forward's arguments hold: labels that are not -100, else attention-mask tokens
-    (None: neither)."""
+    """What counts the items a forward's arguments hold (labels that are not -100, else attention-mask
+    tokens), called only when its loss went unread; None: neither is given."""
     labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-        return (labels != IGNORED).sum()
+        return lambda: (labels != IGNORED).sum()
     if isinstance(mask, torch.Tensor):
-        return mask.sum()
+        return mask.sum
     return None
