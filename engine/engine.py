@@ -47,7 +47,7 @@ from engine.errors import EngineUsageError
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.state.engine_state import EngineState
 from engine.strategies.base import Strategy
-from engine.window.accounting import Accounting, loss_and_units
+from engine.window.accounting import Accounting, loss_and_units, loss_tensor
 from engine.window.evaluation import evaluate_pieces
 from engine.window.experts import ExpertBalance, NoRouters
 from engine.window.hooks import EngineHook
@@ -202,7 +202,7 @@ class Engine:
                 f"backward() called {k + 1} times in a window of {self.plan.gradient_accumulation_steps} "
                 "micro-steps: call step() after every backward()"
             )
-        tensor = loss_and_units(loss, 0)[0]
+        tensor = loss_tensor(loss)  # read and weighed once, by the window machine
         check_loss(tensor)
         samples = self.window_split.manual_samples(window.forwards, self.plan, k, tensor)
         self.windows.backward(loss, samples, self.plan.gradient_accumulation_steps,

@@ -53,6 +53,18 @@ def loss_and_units(output, samples: int):
     raise unrecognised_loss(output)
 
 
+def loss_tensor(output) -> torch.Tensor:
+    """The tensor a loss ``output`` holds (its ``.loss``, a pair's sum, or itself), as given: for checks
+    made before the loss is weighed (no reading, no tensor op)."""
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss
+    if isinstance(output, (tuple, list)) and len(output) == 2 and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(output, torch.Tensor):
+        return output
+    raise unrecognised_loss(output)
+
+
 def share(samples: int, item_weighted: bool) -> int:
     """What a micro-batch's loss is multiplied by before its weighting: its samples (a mean),
     1 (a sum), 0 (a zero-weight step)."""
