@@ -16,7 +16,7 @@ both report the same problems, all at once:
   ``gradient_accumulation_steps`` or without ``train_batch_size``, three strict batch numbers no
   process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
   ``sequence_keys`` without ``micro_batch_tokens``;
-* ``packing: true``: needs ``micro_batch_tokens``, refused under a pipeline and context parallelism;
+* ``packing: true``: needs ``micro_batch_tokens``, refused under a pipeline;
 * pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
@@ -184,8 +184,8 @@ def _batch_problems(config: Config) -> list[str]:
 
 
 def _packing_problems(config: Config) -> list[str]:
-    """``packing: true`` packs the micro-batches a token budget forms, without a pipeline or context
-    parallelism (engine.batching.packing)."""
+    """``packing: true`` packs the micro-batches a token budget forms, without a pipeline
+    (engine.batching.packing)."""
     if not config.packing:
         return []
     problems = []
@@ -197,11 +197,6 @@ def _packing_problems(config: Config) -> list[str]:
         problems.append(f"packing: true is not available under a pipeline of {config.pipeline.stages} stages: its "
                         "schedule runs micro-batches of one shape per window, and packed rows differ in length; use "
                         "micro_batch_tokens without packing (bucketed), or pipeline.stages: 1")
-    if config.context_parallel.size > 1:
-        problems.append(f"packing: true is not available with context_parallel.size {config.context_parallel.size}: "
-                        "each rank would hold a part of the packed row, so the document ids (where each document "
-                        "starts) would have to travel with the sequence exchange, which is not done yet; use "
-                        "micro_batch_tokens without packing, or context_parallel.size: 1")
     return problems
 
 

@@ -175,6 +175,7 @@ class ContextParallel:
         sharded = shard_batch(batch, self.shards, shift=self.shift)
         self._tokens = sharded.tokens
         self.exchange.padded = sharded.padded > 0
+        self.exchange.documents = sharded.documents
         if sharded.padded and not self._told_padding:
             self._told_padding = True
             log.info("context_parallel: sequences padded on the right by %d column(s) to cut into %d equal chunks "

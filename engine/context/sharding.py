@@ -27,7 +27,13 @@ S), with:
   so, and the exchange refuses non-causal attention then). Without labels it is refused.
 
 Positions (:func:`shard_positions`) are the shard's tokens' places in the whole sequence, for
-a model's ``position_ids`` (rotary embeddings, position tables).
+a model's ``position_ids`` (rotary embeddings, position tables), unless the batch brings its own
+``position_ids``: those are split like any sequence tensor, so every part keeps its documents'
+positions. Where they restart (packed rows: documents end to end, as Hugging Face's
+``DataCollatorWithFlattening`` makes them), :func:`document_ids` numbers the documents of the
+*whole* sequence, and the sharded batch carries them to the attention exchange, which attends
+over the whole sequence and keeps each token within its document (one part alone could not tell
+where a document that started on another rank began).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch
 from engine.errors import EngineUsageError
 
 IGNORE_INDEX = -100
+POSITIONS_KEY = "position_ids"
 INPUT_KEYS = ("input_ids", "tokens", "inputs_embeds")  # where a mapping batch's sequence length is read
 
 
@@ -150,15 +157,28 @@ def check_right_padding(mask: torch.Tensor) -> None:
             "on the right (tokenizer.padding_side = 'right', labels -100 at the padding)")
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The document of every position of packed rows ``(rows, S)``: a document starts wherever a
+    position is not its predecessor's plus one (the rule transformers' packed-sequence mask
+    follows). None when no row holds more than one document (plain causal attention then)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return starts.cumsum(dim=1)
+
+
 @dataclass
 class ShardedBatch:
     """A rank's part of a batch: ``batch`` (same structure), the real tokens it holds (labels
-    other than -100, as a 0-dim tensor; None when the batch has no ``labels``) and the columns
-    of padding added to make the length cut into equal chunks."""
+    other than -100, as a 0-dim tensor; None when the batch has no ``labels``), the columns
+    of padding added to make the length cut into equal chunks, and the documents of the whole
+    sequence (:func:`document_ids`, None for rows of one document each)."""
 
     batch: object
     tokens: torch.Tensor | None
     padded: int = 0
+    documents: torch.Tensor | None = None
 
 
 def shard_batch(batch, shards: ContextShards, *, shift: bool) -> ShardedBatch:
@@ -183,16 +203,18 @@ def shard_batch(batch, shards: ContextShards, *, shift: bool) -> ShardedBatch:
     if padded:
         batch = {key: _pad_sequences(key, value, length, padded) for key, value in batch.items()}
         length, labels = length + padded, batch["labels"]
+    positions = batch.get(POSITIONS_KEY)
+    documents = document_ids(positions) if isinstance(positions, torch.Tensor) and positions.dim() == 2 else None
     sharded = {key: _split_sequences(value, shards, length) for key, value in batch.items()}
     if labels is None:
-        return ShardedBatch(sharded, None)
+        return ShardedBatch(sharded, None, padded, documents)
     if shift:
         sharded["labels"] = sharded["shift_labels"] = shards.split(shift_labels(labels))
     tokens = (sharded["labels"] != IGNORE_INDEX).sum()
     if shift:
         # The model divides its shard's sum by this: its mean over the shard's real tokens, 0 for none.
         sharded["num_items_in_batch"] = tokens.clamp(min=1)
-    return ShardedBatch(sharded, tokens, padded)
+    return ShardedBatch(sharded, tokens, padded, documents)
 
 
 _PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
@@ -202,7 +224,10 @@ def _pad_sequences(key, value, length: int, columns: int):
     """``value`` with ``columns`` columns of padding after its ``length`` ones (a sequence tensor)."""
     if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length):
         return value
-    pad = value.new_full((value.shape[0], columns, *value.shape[2:]), _PAD_VALUES.get(key, 0))
+    if key == POSITIONS_KEY:  # the last document goes on over the padding: no document is added
+        pad = value[:, -1:] + torch.arange(1, columns + 1, dtype=value.dtype, device=value.device)
+    else:
+        pad = value.new_full((value.shape[0], columns, *value.shape[2:]), _PAD_VALUES.get(key, 0))
     return torch.cat([value, pad], dim=1)
 
 

@@ -44,6 +44,8 @@ class UlyssesExchange:
     def __init__(self, shards: ContextShards, group):
         self.shards, self.group = shards, group
         self.padded = False  # the micro-step's sequences were padded to cut into equal chunks
+        # the micro-step's documents of the whole sequence (packed rows), None: one per row
+        self.documents: torch.Tensor | None = None
         self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _order(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,9 +118,42 @@ def causal_mask(length: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(above, torch.finfo(dtype).min)[None, None]
 
 
+def document_mask(documents: torch.Tensor, dtype: torch.dtype, causal: bool) -> torch.Tensor:
+    """An additive mask (rows, 1, S, S) for packed rows (``documents``: (rows, S) document ids of
+    the whole sequence): a token attends within its own document (and, ``causal``, not ahead)."""
+    allowed = documents[:, :, None] == documents[:, None, :]
+    if causal:
+        length = documents.shape[-1]
+        allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    return torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def varlen_arguments(documents: torch.Tensor, what: str) -> dict:
+    """Flash attention's variable-length arguments for one packed row of documents (the whole
+    sequence): where each document starts and the longest one."""
+    if documents.shape[0] != 1:
+        raise EngineUsageError(
+            f"context_parallel: {what} runs flash attention on packed rows, whose variable-length kernel takes one "
+            f"row of documents end to end, but a micro-batch holds {documents.shape[0]} packed rows; put each "
+            "micro-batch's documents in one row (packing: true does), or load the model with attn_implementation='sdpa'")
+    row = documents[0]
+    starts = torch.nonzero(torch.diff(row, prepend=row[:1] - 1)).flatten()
+    bounds = torch.cat([starts, starts.new_tensor([row.numel()])]).to(torch.int32)
+    longest = int(bounds.diff().max())
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+
+
+# What a batch may carry about its documents for flash attention; the exchange derives them from the
+# whole sequence's documents instead (a part's would describe the part).
+_VARLEN_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange, activity: Activity):
     """A transformers attention function: ``inner`` (the model's own, ``implementation``) over
-    the whole sequence of 1/N of the heads while ``activity`` is on; ``inner`` alone otherwise."""
+    the whole sequence of 1/N of the heads while ``activity`` is on; ``inner`` alone otherwise.
+    Packed rows (``exchange.documents``) keep every token within its document, as the model
+    alone does from their ``position_ids``."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if not activity.on:
@@ -128,9 +163,17 @@ def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange
         exchange.check_causal(causal, what)
         query, key, value = (exchange.to_sequence(t, what) for t in (query, key, value))
         # The shard's positions: flash attention would read their jumps as packed sequences.
-        kwargs.pop("position_ids", None)
-        mask = None if implementation in SELF_MASKING or not causal else causal_mask(query.shape[-2], query.dtype,
-                                                                                    query.device)
+        for name in _VARLEN_KEYS:
+            kwargs.pop(name, None)
+        documents = exchange.documents
+        if documents is not None and implementation.startswith("flash"):
+            kwargs.update(varlen_arguments(documents, what))
+            mask = None
+        elif documents is not None:
+            mask = document_mask(documents, query.dtype, causal)
+        else:
+            mask = None if implementation in SELF_MASKING or not causal else causal_mask(query.shape[-2], query.dtype,
+                                                                                        query.device)
         output, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, sequence, heads / N, d)
         return exchange.to_heads(output.transpose(1, 2)).transpose(1, 2), None
 

@@ -178,6 +178,37 @@ def context_shift_after_split(eng):
     return eng
 
 
+def context_one_mask_per_row(eng):
+    """Packed rows under context parallelism attended with one causal mask over each whole row:
+    a document's tokens attend to the documents before it in the row."""
+    context = eng.context
+    shard = context.shard
+
+    def shard_without_documents(batch):
+        part = shard(batch)
+        context.exchange.documents = None
+        return part
+
+    context.shard = shard_without_documents
+    return eng
+
+
+def context_positions_reset_per_part(eng):
+    """Packed rows under context parallelism whose positions restart at 0 in every rank's part (as
+    if a part were a sequence of its own): rotary embeddings see the wrong places."""
+    context = eng.context
+    shard = context.shard
+
+    def shard_restarting_positions(batch):
+        part = shard(batch)
+        positions = part["position_ids"]
+        part["position_ids"] = torch.arange(positions.shape[1]).expand_as(positions)
+        return part
+
+    context.shard = shard_restarting_positions
+    return eng
+
+
 def moe_micro_batch_term(eng):
     """Each forward's own load-balancing term (what the model computes alone, and what DeepSpeed-MoE
     and a plain accumulation loop use): fᵢ and the token count of one micro-batch on one rank."""

@@ -151,8 +151,6 @@ def test_batches_that_cannot_be_packed_are_refused(data):
     ({"train_batch_size": 8, "packing": True}, "packing: true packs each micro-batch's documents into one row of "
                                                 "at most micro_batch_tokens tokens, but micro_batch_tokens is not set"),
     ({**CONFIG, "pipeline": {"stages": 2}}, "packing: true is not available under a pipeline of 2 stages"),
-    ({**CONFIG, "context_parallel": {"size": 2}}, "packing: true is not available with context_parallel.size 2: "
-                                                  "each rank would hold a part of the packed row, so the document ids"),
 ])
 def test_the_config_refuses_packing_where_it_cannot_run(config, message, tmp_path, capsys):
     assert any(message in problem for problem in check_without_model(load_config(config)))
