@@ -115,11 +115,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,
                              checkpointing=setup.checkpointing is not None, runner_runs_micro_steps=pipeline is not None,
                              all_reduce_sum=strategy.all_reduce_sum)
-    if experts.routes and context is not None:
-        raise ConfigError([
-            f"context_parallel.size {setup.mesh.context}: not available yet with a mixture-of-experts model whose "
-            "routers the engine balances or counts (at either moe.load_balance: the window's routing is counted on "
-            "whole sequences, and a rank holds a part of each); train it with context_parallel.size: 1"])
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

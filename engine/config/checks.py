@@ -22,7 +22,8 @@ both report the same problems, all at once:
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
   dimension, the automatic micro size) and ``method: ring`` (refused on every device);
-* expert parallelism: the same, and tensor / context dimensions and offload;
+* expert parallelism: the same, and tensor / pipeline dimensions and offload;
+* context parallelism refuses ``moe.load_balance: micro_batch`` (a rank sees a part of every sequence);
 * hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
   only, one value however it is spelled.
 """
@@ -79,9 +80,7 @@ def _expert_problems(config: Config) -> list[str]:
             ("tensor_parallel.size", config.tensor_parallel.size, "the tensor plan must leave the experts whole, "
              "and Hugging Face's plans split them; not built or tested"),
             ("pipeline.stages", config.pipeline.stages, "the expert groups would have to be built per stage; not "
-             "built or tested"),
-            ("context_parallel.size", config.context_parallel.size, "a mixture-of-experts model's routers are "
-             "not available under context parallelism yet")):
+             "built or tested")):
         if value > 1:
             problems.append(f"{key}: {value} is not available {where} yet ({why}); use one of the two")
     problems += _automatic_micro_size_refused(config, where, "inside an expert leaves its expert group waiting in "
@@ -121,6 +120,10 @@ def _context_problems(config: Config) -> list[str]:
     if config.pipeline.stages > 1:
         problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (a stage's "
                         "schedule moves whole sequences between ranks); use one of the two")
+    if config.moe.load_balance == "micro_batch":
+        problems.append(f"moe.load_balance: micro_batch is not available {where}: each rank's forward sees a part of "
+                        "every sequence, so a model's own per-forward load-balancing term would be its part's, not "
+                        "the micro-batch's; use moe.load_balance: global (the window's counts over every part, exact)")
     problems += _automatic_micro_size_refused(config, where, "inside attention leaves its context group waiting in "
                                               "the exchange")
     if config.context_parallel.method == "ring":

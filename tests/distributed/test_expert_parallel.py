@@ -350,7 +350,6 @@ def test_what_expert_parallelism_does_not_compose_with_is_refused():
                           ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size: 2 is not available with "
                                                              "expert_parallel.size 2"),
                           ({"pipeline": {"stages": 2}}, "pipeline.stages: 2 is not available"),
-                          ({"context_parallel": {"size": 2}}, "context_parallel.size: 2 is not available"),
                           ({"train_micro_batch_size_per_gpu": "auto"}, "leaves its expert group waiting"),
                           ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
                            "offload is not available with expert_parallel.size 2")]:

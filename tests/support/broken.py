@@ -216,6 +216,13 @@ def moe_micro_batch_term(eng):
     return eng
 
 
+def moe_counts_of_this_part(eng):
+    """Global balance under context parallelism with each rank's router counts taken over its own
+    part of the sequences (not summed over the context group): the term of a part, not of the batch."""
+    eng.experts._all_reduce_sum = lambda counts: counts
+    return eng
+
+
 def moe_running_average(eng):
     """Megatron's ``global_aux_loss``: micro-batch k's term uses the counts of micro-batches 1..k of the
     window (summed over the data ranks), not the whole window's."""
