@@ -16,7 +16,9 @@ A name pattern matches module names component by component; ``*`` stands for one
 (``layers.*.mlp.up`` matches ``layers.0.mlp.up``), as in Hugging Face's plans.
 
 ``auto``: the model's own plan when it has one (a Hugging Face model's ``tp_plan`` /
-``_tp_plan``, or its config's ``base_model_tp_plan`` under the base model's prefix); else the
+``_tp_plan``, or its config's ``base_model_tp_plan`` under the base model's prefix), less the
+entries of styles not listed above (a mixture of experts' ``moe_tp_experts``, ``packed_colwise``:
+those layers stay whole on every tensor rank, and ``expert_parallel`` splits experts); else the
 Megatron pairing of an MLP written as a ``Sequential``: a Linear split colwise, followed, with
 nothing but element-wise activations between them, by a Linear split rowwise. Layers outside
 the plan (norms, biases of rowwise layers, ...) are replicated on every rank of the group.
@@ -111,6 +113,14 @@ def resolve_plan(module: torch.nn.Module, plan, size: int) -> dict[str, Parallel
         raise ConfigError([f"tensor_parallel.plan: expected 'auto' or {{module pattern: style}}, got {plan!r}"])
     modules = dict(module.named_modules())
     resolved, problems, patterns_style = {}, [], {}
+    if not strict:  # a model's own plan: what no style here splits (its experts) stays whole on every rank
+        kept = {pattern: style for pattern, style in patterns.items() if isinstance(style, ParallelStyle)
+                or _family(style) is not None}
+        if len(kept) < len(patterns):
+            log.info("tensor_parallel.plan auto: left whole on every tensor rank (styles Microstep does not split "
+                     "with): %s; a mixture of experts' experts are split by expert_parallel.size instead",
+                     ", ".join(f"{pattern} {style}" for pattern, style in patterns.items() if pattern not in kept))
+        patterns = kept
     for pattern, style in patterns.items():
         names = [name for name in modules if name and _matches(pattern, name)]
         if not names:

@@ -280,18 +280,40 @@ def four_ranks_scenario(rank, world, root):
     eng.train_batch(rank_slice(batches[1], eng.plan), hf_loss)
     results["resumed at expert 1"] = max_param_diff(eng.full_state_dict(), expected)
     eng.close()
+    # tensor 2 × experts 2: attention split over the tensor pair, the experts (left whole by the tensor
+    # plan) over the two data ranks of each tensor index; saved and resumed on 4 plain data ranks
+    split = hf_moe(kv_heads=2)  # 2 key/value heads: one per tensor rank
+    tensor = {"tensor_parallel": {"size": 2}}
+    expected = reference(split, batches, hf_loss)
+    results.update({f"tensor 2 {name}": value for name, value in differences(
+        split, batches, hf_loss, expected, [("exact", broken.intact),
+                                            ("averaged", broken.experts_averaged_over_the_expert_group)],
+        stage=3, **tensor).items()})
+    eng = trained(split, batches[:1], hf_loss, stage=3, **tensor)
+    results["tensor 2 expert slice"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                           for p in eng.module.parameters()) / sum(p.numel() for p in split.parameters())
+    eng.save_checkpoint(root + "-tensor")
+    eng.close()
+    eng = ep_engine(hf_moe(kv_heads=2, seed=1), expert=1, stage=0)
+    eng.load_checkpoint(root + "-tensor")
+    eng.train_batch(rank_slice(batches[1], eng.plan), hf_loss)
+    results["tensor 2 resumed on data 4"] = max_param_diff(eng.full_state_dict(), expected)
+    eng.close()
     return results
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_expert_2_by_data_2_at_zero_3_on_4_ranks(tmp_path):
+def test_expert_2_by_data_2_and_by_tensor_2_at_zero_3_on_4_ranks(tmp_path):
     scenario = functools.partial(four_ranks_scenario, root=str(tmp_path / "expert2x2"))
     for rank, result in enumerate(run_scenarios({"four": scenario}, world_size=4, timeout=500)["four"]):
         assert result["exact"] < TOL, (rank, result)
         assert result["averaged"] > MISSES, (rank, result)
         assert result["not over replicas"] > MISSES, (rank, result)
         assert result["resumed at expert 1"] < TOL, (rank, result)
+        assert result["tensor 2 exact"] < TOL and result["tensor 2 resumed on data 4"] < TOL, (rank, result)
+        assert result["tensor 2 averaged"] > MISSES, (rank, result)
+        assert result["tensor 2 expert slice"] < 0.5, (rank, result)  # half the heads, half the experts, ZeRO 3
 
 
 # -- one process: finding experts, the config ------------------------------------------------------
@@ -347,8 +369,6 @@ def test_what_expert_parallelism_does_not_compose_with_is_refused():
     base = {"train_batch_size": 8, "expert_parallel": {"size": 2}}
     assert check_without_model(engine.load_config(base)) == []
     for extra, reason in [({"backend": "deepspeed"}, "DeepSpeed's expert parallelism needs its own layer"),
-                          ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size: 2 is not available with "
-                                                             "expert_parallel.size 2"),
                           ({"pipeline": {"stages": 2}}, "pipeline.stages: 2 is not available"),
                           ({"train_micro_batch_size_per_gpu": "auto"}, "leaves its expert group waiting"),
                           ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
