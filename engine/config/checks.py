@@ -17,7 +17,7 @@ both report the same problems, all at once:
   process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
   ``sequence_keys`` without ``micro_batch_tokens``;
 * ``packing: true``: needs ``micro_batch_tokens``, refused under a pipeline;
-* pipeline: what cannot run under more than one stage yet (another backend, ZeRO 1, offload,
+* pipeline: what cannot run under more than one stage yet (another backend, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
@@ -207,9 +207,6 @@ def _pipeline_problems(config: Config) -> list[str]:
     if config.backend != "torch":
         problems.append(f"pipeline.stages: {stages} stages run on backend torch only (torch.distributed.pipelining); "
                         "set backend: torch")
-    if config.zero_optimization.stage == 1:
-        problems.append(f"zero_optimization.stage: 1 is not available under a pipeline of {stages} stages; use stage 0 "
-                        "(each stage whole on its data-parallel ranks), 2 or 3 (each stage sharded by FSDP2)")
     if config.zero_optimization.stage == 3 and config.pipeline.schedule == "zero_bubble":
         # measured: torch's V schedule then applies wrong weight gradients (its split backward
         # and FSDP's resharding after forward), silently

@@ -200,7 +200,7 @@ def mesh_layout(config: Config, world_size: int) -> MeshLayout:
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
-    if mesh.pipeline > 1:  # offload and ZeRO 1 under a pipeline are refused by engine.config.checks
+    if mesh.pipeline > 1:  # offload under a pipeline is refused by engine.config.checks (ZeRO 1: owned state)
         sharded = config.zero_optimization.stage >= 2
         if mesh.tensor > 1:
             return "tensor_pipeline_fsdp" if sharded else "tensor_pipeline"

@@ -25,9 +25,8 @@ import logging
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.adapters.torch_internals import ddp_ignore, set_ddp_gradient_sync
-from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.strategies.base import TorchStrategy, repoint_optimizer
-from engine.strategies.zero1 import OwnedOptimizerState
+from engine.strategies.zero1 import optimizer_state
 
 log = logging.getLogger("engine")
 
@@ -51,8 +50,7 @@ class DataParallel(TorchStrategy):
         # DDP broadcasts rank 0's parameters and buffers here: every rank starts equal.
         self.forward_module = self._wrap(find_unused_parameters=False)
         self.optimizer = optimizer
-        self.owned = OwnedOptimizerState(self, self.module, optimizer) \
-            if self.settings.stage == 1 and self.mesh.size(GRADIENT_REDUCTION) > 1 else None
+        self.owned = optimizer_state(self, self.module, optimizer)
         self._backward_syncs = False
         self._defer_reduction = False
         self._probing_usage = True  # the first window: which parameters get gradients
@@ -75,10 +73,7 @@ class DataParallel(TorchStrategy):
         self._backward_syncs = syncs
 
     def optimizer_step(self):
-        if self.owned is None:
-            self.optimizer.step()
-        else:
-            self.owned.step()
+        self.owned.step()
 
     def enable_failure_guard(self):
         super().enable_failure_guard()

@@ -3,8 +3,9 @@ zero-bubble schedules) and runs windows as ``torch.distributed.pipelining`` sche
 
 Ranks: the mesh's ``pipeline`` dimension holds the stages of one model replica (its ranks
 pass activations and their gradients point to point); the ``data`` dimension holds replicas
-of the same stage, whose gradients are averaged once per window (ZeRO-0) or which shard each
-stage by FSDP2 (ZeRO-2/3). The model is cut first; each rank then applies the same composition
+of the same stage, whose gradients are averaged once per window (ZeRO-0; at ZeRO-1 each replica
+then steps the share of the stage's optimizer state it owns, ``engine.strategies.zero1``) or which
+shard each stage by FSDP2 (ZeRO-2/3). The model is cut first; each rank then applies the same composition
 as without a pipeline (``engine.strategies.parallelize``) to the stages it holds: with a tensor
 dimension, the plan is resolved on the whole model (every pattern must match a module of the
 model, under the model's own names) and its layers held here are split over the tensor group.
@@ -52,6 +53,7 @@ from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimi
 from engine.strategies.stage_failures import StageFailures
 from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
 from engine.strategies.torch_checkpoint import load_training_state
+from engine.strategies.zero1 import optimizer_state
 
 log = logging.getLogger("engine")
 
@@ -69,9 +71,6 @@ class PipelineParallel(TorchStrategy):
     holds_every_layer = False
 
     def __init__(self, setup, dist_info):
-        if setup.stage == 1:  # engine.config.checks says so first; a Setup built by hand lands here
-            raise EngineUsageError("pipeline: ZeRO stage 1 is not available under a pipeline; use "
-                                   "zero_optimization.stage 0, 2 or 3")
         super().__init__(setup, dist_info)
         mesh = self.mesh
         self.sharded = setup.stage >= 2  # each stage sharded by FSDP2 over its data replicas
@@ -128,6 +127,8 @@ class PipelineParallel(TorchStrategy):
             self._split_stages(module, pieces)
         if self.sharded:
             self._shard_stages()
+        # ZeRO 1: each of the stage's data replicas owns a share of its optimizer state
+        self.owned = optimizer_state(self, self.module, self.optimizer)
 
     def _split_stages(self, model: torch.nn.Module, pieces: list) -> None:
         """The tensor dimension, on the layers this rank's stages hold, by the plan of the whole model."""
@@ -325,6 +326,9 @@ class PipelineParallel(TorchStrategy):
         return small_sum(tensor) if self.world_size > 1 else tensor
 
     # -- the boundary ------------------------------------------------------------------------------
+    def optimizer_step(self):
+        self.owned.step()
+
     def reduce_gradients(self):
         if not self.sharded:  # sharded: the schedule reduce-scattered them after the window's last backward
             self.average_gradients()

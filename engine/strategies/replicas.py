@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import contextlib
 
-from engine.distributed.mesh import GRADIENT_REDUCTION
 from engine.strategies.base import TorchStrategy, repoint_optimizer
-from engine.strategies.zero1 import OwnedOptimizerState
+from engine.strategies.zero1 import optimizer_state
 
 
 class Replicas(TorchStrategy):
@@ -47,8 +46,7 @@ class Replicas(TorchStrategy):
                 repoint_optimizer(optimizer, names, self.module)
             self.forward_module = self.module
         self.optimizer = optimizer
-        self.owned = OwnedOptimizerState(self, self.module, optimizer) \
-            if self.settings.stage == 1 and self.mesh.size(GRADIENT_REDUCTION) > 1 else None
+        self.owned = optimizer_state(self, self.module, optimizer)
 
     def reduce_gradients(self):
         if self.compute_copy is not None:
@@ -56,10 +54,7 @@ class Replicas(TorchStrategy):
         self.average_gradients()
 
     def optimizer_step(self):
-        if self.owned is None:
-            self.optimizer.step()
-        else:
-            self.owned.step()
+        self.owned.step()
         if self.compute_copy is not None:
             self.compute_copy.refresh()
 

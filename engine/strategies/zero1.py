@@ -5,7 +5,10 @@ The user's optimizer keeps its param groups (so a scheduler built on it keeps wo
 group is narrowed, in place, to the parameters this rank owns: optimizer state exists only for
 those. After the owners' step every owner broadcasts its updated parameters (this rank's
 tensor pieces, under a tensor split) to its group. A policy of the replicated holders
-(``engine.strategies.ddp``, ``engine.strategies.replicas``), not a holder of its own.
+(``engine.strategies.ddp``, ``engine.strategies.replicas``, and each stage of
+``engine.strategies.pipeline``: Megatron's distributed optimizer with pipelining), not a holder of
+its own: :func:`optimizer_state` is the one place that chooses it, :class:`WholeOptimizerState` its
+null object.
 """
 
 from __future__ import annotations
@@ -27,6 +30,24 @@ def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
         owners[i] = owner
         load[owner] += params[i].numel()
     return owners
+
+
+def optimizer_state(strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """How a replicated holder's ``optimizer`` steps ``module``: owned shares at ZeRO 1 over more than
+    one replica (:class:`OwnedOptimizerState`), else whole on every rank."""
+    if strategy.settings.stage == 1 and strategy.mesh.size(GRADIENT_REDUCTION) > 1:
+        return OwnedOptimizerState(strategy, module, optimizer)
+    return WholeOptimizerState(optimizer)
+
+
+class WholeOptimizerState:
+    """Every rank holds the whole optimizer state and steps it (ZeRO 0, or a single replica)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
 
 
 class OwnedOptimizerState:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine
+from engine.memory import storage_bytes
 from tests.support import broken, own_loss as o
 from tests.support.dist_utils import run_scenarios
 from tests.support.reference import max_param_diff, rank_slice, reference_train, sgd, state
@@ -103,6 +104,20 @@ SCENARIOS = {
 }
 
 
+def pipeline_zero_1(rank, world, breaking=None):
+    """Pipeline 2 × data 2 at ZeRO 1 (Megatron's distributed optimizer with pipelining): each stage's two
+    replicas own half of its optimizer state, counted in bytes (SGD's momentum buffers)."""
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+           "pipeline": {"stages": 2}}
+    eng = engine.initialize(o.model("causal"), cfg, optimizer=sgd)
+    if breaking is not None:
+        breaking(eng)
+    result = o.compare(eng, "causal", o.batches("causal", 2), manual=False)
+    state = [buffer for per_param in eng.optimizer.state.values() for buffer in per_param.values()
+             if isinstance(buffer, torch.Tensor)]
+    return {**result, "owned share": storage_bytes(state) / storage_bytes(list(eng.module.parameters()))}
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
@@ -120,3 +135,14 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
     assert results["token budget"][0]["micro_steps"] > 1
     packed = results["token budget, packed"][0]  # documents end to end: the model computes no padding
     assert packed["padded"] == packed["real"] < results["token budget"][0]["padded"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_pipeline_at_zero_1_on_four_ranks_equals_the_full_batch_and_owns_half_the_state():
+    results = run_scenarios({"exact": pipeline_zero_1, "broken accounting": functools.partial(
+        pipeline_zero_1, breaking=broken.accounting_without_window_total)}, world_size=4, timeout=380)
+    for result in results["exact"]:
+        assert result["diff"] < o.TOL and result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6)
+        assert 0.3 < result["owned share"] < 0.7, result  # whole parameters: near a half, not the whole
+    assert all(result["diff"] > o.MISSED for result in results["broken accounting"])

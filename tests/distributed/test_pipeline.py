@@ -295,7 +295,6 @@ def test_deepspeed_pipeline_keys_map_and_the_unused_ones_are_named():
 
 
 @pytest.mark.parametrize("extra, problem", [
-    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage: 1 is not available under a pipeline of 2"),
     ({"train_micro_batch_size_per_gpu": "explore"}, "'explore' is not available under a pipeline of 2 stages"),
     ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": None, "micro_batch_tokens": 64},
      "'auto' under a pipeline of 2 stages is not available with micro_batch_tokens"),
