@@ -1,7 +1,7 @@
-"""Context parallelism (Ulysses): activation memory per rank against sequence length, and time
-per optimizer step of the engine against the same Ulysses step written by hand.
+"""Context parallelism (Ulysses or ring): activation memory per rank against sequence length, and
+time per optimizer step of the engine against the same step written by hand.
 
-    python -m launch --nproc-per-node 2 bench/context.py [--rounds 6] [--steps 2]
+    python -m launch --nproc-per-node 2 bench/context.py [--method ulysses|ring] [--rounds 6] [--steps 2]
 
 Workload: the shipped GPT (examples/gpt.py: 2 blocks, width 128, 4 heads, vocabulary 256,
 fp32), a global batch of 4 rows, 2 micro-batches of 2 rows, right-padded rows of random
@@ -13,14 +13,15 @@ in one process (context 1) and for one rank's part under context 2, per sequence
 
 Time: the engine (``context_parallel: {size: 2}``) against a hand loop that does the same with
 PyTorch directly — slices each row's head and tail chunks, numbers their positions, wraps the
-model's SDPA in the same all-to-all (``engine.context.ulysses.UlyssesExchange``, so that only
-the engine's own overhead is in the ratio), backward of each micro-batch's token sum, one
+model's SDPA in the same exchange (``engine.context.ulysses.UlyssesExchange``'s all-to-all, or
+``engine.context.ring.RingExchange``'s ring attention, so that only the engine's own overhead is in
+the ratio), backward of each micro-batch's token sum, one
 all-reduce of the gradients per window, divides by the window's token count, steps. Variants
 interleaved, the slowest rank's time, median over rounds; tokens/s counts every padded
 position of the global batch. CPU time per step (mean over ranks, median over rounds) as well:
 on a shared machine, what each variant computes without the time spent waiting for a core.
 
-Results: bench/results/context_w<W>.json (rank 0 prints a table).
+Results: bench/results/context_w<W>.json, context_ring_w<W>.json (rank 0 prints a table).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 import engine
 from bench.common import interleaved, save
 from bench.tensor_parallel import cpu_interleaved
+from engine.context.ring import RingExchange
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
@@ -86,14 +88,15 @@ def saved_bytes(run, parameters) -> int:
     return total
 
 
-class HandUlysses:
-    """The Ulysses step written directly: shard, positions, exchanged SDPA, sum, all-reduce, step."""
+class HandContext:
+    """The context-parallel step written directly: shard, positions, exchanged SDPA, sum, all-reduce, step."""
 
-    def __init__(self, length: int, rank: int, size: int):
+    def __init__(self, length: int, rank: int, size: int, method: str):
         self.model = model(length)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.shards = ContextShards(size, rank)
-        exchange = UlyssesExchange(self.shards, None)
+        exchange = RingExchange(self.shards, None, list(range(size))) if method == "ring" \
+            else UlyssesExchange(self.shards, None)
         for block in self.model.blocks:
             forward = block.attn.forward
 
@@ -128,6 +131,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--method", choices=("ulysses", "ring"), default="ulysses")
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -139,14 +143,14 @@ def main(argv=None):
         micro = {k: v[:MICRO] for k, v in batch.items()}
         alone = saved_bytes(lambda: token_sum(whole, micro)[0], list(whole.parameters()))
         cfg = {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": MICRO,
-               "context_parallel": {"size": size}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+               "context_parallel": {"size": size, "method": args.method}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
         eng = engine.initialize(copy.deepcopy(whole), cfg)
         part = eng.context.shard(micro)
         with eng.context.running():
             split = saved_bytes(lambda: token_sum(eng.module, part)[0], list(eng.module.parameters()))
         memory.append({"length": length, "context_1_bytes": alone, "context_2_bytes": split,
                        "ratio": split / alone})
-        hand = HandUlysses(length, info.rank, size)
+        hand = HandContext(length, info.rank, size, args.method)
         runs = {"engine": lambda: eng.train_batch(batch, token_sum), "hand": lambda: hand.step(batch)}
         times = interleaved(runs, rounds=args.rounds, steps=args.steps, distributed=True)
         cpu = cpu_interleaved(runs, rounds=args.rounds, steps=args.steps)
@@ -158,13 +162,14 @@ def main(argv=None):
         eng.close()
     if info.rank == 0:
         load = os.getloadavg()
-        print(f"context {size} on {info.world_size} ranks (load {load[0]:.1f})")
+        print(f"context {size} ({args.method}) on {info.world_size} ranks (load {load[0]:.1f})")
         print("length  activations/rank ctx1  ctx2      ratio | engine tok/s  hand tok/s  engine/hand: time  CPU time")
         for m, s in zip(memory, speed):
             print(f"{m['length']:6d}  {m['context_1_bytes'] / 2**20:16.1f} MiB {m['context_2_bytes'] / 2**20:6.1f} MiB "
                   f"{m['ratio']:.2f} | {s['engine_tokens_per_s']:12.0f} {s['hand_tokens_per_s']:11.0f} "
                   f"{s['ratio']:17.3f} {s['cpu_ratio']:9.3f}")
-        save(f"context_w{info.world_size}", {"load_average": load, "rows": ROWS, "micro_batch": MICRO,
+        name = "context" if args.method == "ulysses" else f"context_{args.method}"
+        save(f"{name}_w{info.world_size}", {"method": args.method, "load_average": load, "rows": ROWS, "micro_batch": MICRO,
                                              "memory": memory, "speed": speed})
     dist.destroy_process_group()
 

@@ -21,7 +21,7 @@ both report the same problems, all at once:
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
-  dimension, the automatic micro size) and ``method: ring`` (refused on every device);
+  dimension, the automatic micro size);
 * expert parallelism: the same, and a pipeline dimension and offload;
 * context parallelism refuses ``moe.load_balance: micro_batch`` (a rank sees a part of every sequence);
 * hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
@@ -122,18 +122,7 @@ def _context_problems(config: Config) -> list[str]:
                         "the micro-batch's; use moe.load_balance: global (the window's counts over every part, exact)")
     problems += _automatic_micro_size_refused(config, where, "inside attention leaves its context group waiting in "
                                               "the exchange")
-    if config.context_parallel.method == "ring":
-        problems.append(RING_REFUSED)
     return problems
-
-
-# What initialize says too (engine.context.parallel.resolve_method), on every device.
-RING_REFUSED = (
-    "context_parallel.method: ring is not available on any device yet: ring attention would run through PyTorch's "
-    "experimental context-parallel engine (torch.distributed.tensor.experimental.context_parallel), whose kernels are "
-    "CUDA's only, and Microstep does not drive that engine yet (it shards buffers in place inside a context manager "
-    "around each forward and backward). Use method: ulysses (or auto), which runs on every device and with any "
-    "attention implementation")
 
 
 def _automatic_micro_size_refused(config: Config, where: str, stall: str) -> list[str]:

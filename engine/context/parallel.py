@@ -15,8 +15,11 @@ loss of the global batch, for every context size. A loss the model returns as a 
 shard's tokens (a Hugging Face ``.loss``) is turned back into its sum with the shard's count
 (:meth:`ContextParallel.item_weighted`); a shard of padding alone counts 0 and adds 0.
 
-Which implementation: ``ulysses`` (``engine.context.ulysses``) everywhere; ``ring`` is refused
-with the reason (see :func:`resolve_method`); ``auto`` is Ulysses.
+Which implementation: ``ulysses`` (``engine.context.ulysses``: an all-to-all trades sequence for
+heads, any attention kernel runs on whole sequences) or ``ring`` (``engine.context.ring``: keys and
+values go round the group, blockwise attention merged by log-sum-exp; no limit on the heads, 1/N
+of the activations); ``auto`` (:func:`auto_method`) is Ulysses where a Hugging Face model's heads
+divide over the context size, ring where they do not.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from engine.config.checks import RING_REFUSED
 from engine.context.sharding import ContextShards, label_convention, shard_batch, tensors
-from engine.context.ulysses import Activity, UlyssesExchange, hugging_face_attention, sequence_attention_forward
+from engine.context.ring import RingExchange
+from engine.context.ulysses import Activity, UlyssesExchange, sequence_attention_forward
 from engine.distributed.mesh import MeshGroups, MeshLayout
 from engine.errors import ConfigError, EngineUsageError
 from engine.distributed.batch_fingerprint import batch_fingerprint
@@ -40,12 +43,10 @@ log = logging.getLogger("engine")
 _POSITIONAL = "\0positional arguments"  # a key no keyword argument can have
 
 
-def resolve_method(method: str, device_type: str) -> str:
-    """The implementation ``context_parallel.method`` runs on ``device_type``: Ulysses; ring is
-    refused on every device, with the words ``python -m engine validate`` uses."""
-    if method == "ring":
-        raise ConfigError([RING_REFUSED])
-    return "ulysses"
+def auto_method(heads: list[int], size: int) -> str:
+    """``auto``: Ulysses (one all-to-all each way, any attention kernel) where the heads divide over
+    the context ranks, ring attention (no limit on the heads) where they do not."""
+    return "ulysses" if all(count % size == 0 for count in heads) else "ring"
 
 
 class WholeSequences:
@@ -74,16 +75,22 @@ class ContextParallel:
         self.size, self.mesh = mesh.context, mesh
         self._checks_left, self._checked = check_micro_batches, 0
         self._count_checks_left = check_micro_batches  # (sum, count) losses whose counts are compared
-        resolve_method(method, groups.device_mesh.device_type)  # ulysses, or the reason it cannot run
+        self.method = method  # auto: chosen at apply, where the model's heads are known
         self.labels = labels
         self.group = groups.group(("context",))  # None: the context group is the whole world
         self.shards = ContextShards(self.size, mesh.coordinates(groups.rank).context)
-        self.exchange = UlyssesExchange(self.shards, self.group)
+        self._ring_ranks = mesh.group_ranks(("context",), groups.rank)
+        self.exchange = self._exchange(method if method != "auto" else "ulysses")
         self.activity = Activity()  # on while the engine runs a micro-step's forward or backward
         self.shift = labels == "shift"
         self._told_padding = False
         self._labels_read = True  # labels: shift / aligned, or auto once decided
         self._tokens = None  # the real tokens of the micro-step being run (after shard)
+
+    def _exchange(self, method: str):
+        if method == "ring":
+            return RingExchange(self.shards, self.group, self._ring_ranks)
+        return UlyssesExchange(self.shards, self.group)
 
     # -- the model ------------------------------------------------------------------------------
     def apply(self, model: torch.nn.Module) -> None:
@@ -105,11 +112,18 @@ class ContextParallel:
 
         implementation = _attention_implementation(model)
         config = model.config
-        for attribute in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(config, attribute, None)
-            if isinstance(heads, int):  # what a rank holds after the tensor split
-                self.exchange.check_heads(heads // self.mesh.tensor,
-                                          f"{type(model).__name__} ({attribute}: {heads} / tensor {self.mesh.tensor})")
+        heads = {attribute: getattr(config, attribute) // self.mesh.tensor  # what a rank holds after the tensor split
+                 for attribute in ("num_attention_heads", "num_key_value_heads")
+                 if isinstance(getattr(config, attribute, None), int)}
+        if self.method == "auto":
+            self.method = auto_method(list(heads.values()), self.size)
+            self.exchange = self._exchange(self.method)
+            log.info("context_parallel.method auto: %s (%s over context size %d)", self.method,
+                     ", ".join(f"{attribute} {count}" for attribute, count in heads.items()) or "heads unknown",
+                     self.size)
+        for attribute, count in heads.items():
+            self.exchange.check_heads(count, f"{type(model).__name__} ({attribute}: {count * self.mesh.tensor} / "
+                                             f"tensor {self.mesh.tensor})")
         inner = ALL_ATTENTION_FUNCTIONS.get(implementation) if implementation != "eager" else None
         if inner is None:  # eager: the modeling file's own function
             attention = next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
@@ -120,7 +134,7 @@ class ContextParallel:
                                    f"{implementation!r}, which Microstep cannot find to wrap; load the model with "
                                    "attn_implementation='sdpa'"])
         name = f"microstep_context_{implementation}_{id(self)}"
-        AttentionInterface.register(name, hugging_face_attention(inner, implementation, self.exchange, self.activity))
+        AttentionInterface.register(name, self.exchange.hugging_face_attention(inner, implementation, self.activity))
         model.set_attn_implementation(name)
 
     def _wrap_attention_modules(self, model) -> None:

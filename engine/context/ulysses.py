@@ -38,6 +38,15 @@ from engine.errors import EngineUsageError
 SELF_MASKING = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
+def refuse_non_causal_over_padding(refused: bool, what: str, chunks: int) -> None:
+    """Raise when attention that is not causal meets padding the engine added (it would attend to it)."""
+    if refused:
+        raise EngineUsageError(
+            f"context_parallel: {what} attends without a causal mask, and this micro-batch's sequences were "
+            f"padded on the right to cut into {chunks} equal chunks: the real tokens would attend to "
+            f"that padding. Pad every batch's sequences to a multiple of {chunks} yourself")
+
+
 class UlyssesExchange:
     """The two exchanges of one context group for tensors laid out (..., heads, sequence, head width)."""
 
@@ -57,12 +66,15 @@ class UlyssesExchange:
         return self._orders[key]
 
     def check_causal(self, causal: bool, what: str) -> None:
-        """Raise when attention that is not causal meets padding the engine added (it would attend to it)."""
-        if self.padded and not causal:
-            raise EngineUsageError(
-                f"context_parallel: {what} attends without a causal mask, and this micro-batch's sequences were "
-                f"padded on the right to cut into {self.shards.chunks} equal chunks: the real tokens would attend to "
-                f"that padding. Pad every batch's sequences to a multiple of {self.shards.chunks} yourself")
+        refuse_non_causal_over_padding(self.padded and not causal, what, self.shards.chunks)
+
+    def hugging_face_attention(self, inner, implementation: str, activity: "Activity"):
+        return hugging_face_attention(inner, implementation, self, activity)
+
+    def sdpa(self, what: str, func, query, key, value, *rest, **kwargs):
+        """``what``'s ``scaled_dot_product_attention`` call over the whole sequence of 1/N of the heads."""
+        query, key, value = (self.to_sequence(t, what) for t in (query, key, value))
+        return self.to_heads(func(query, key, value, *rest, **kwargs))
 
     def check_heads(self, heads: int, what: str) -> None:
         size = self.shards.size
@@ -194,13 +206,12 @@ class SequenceAttention(TorchFunctionMode):
         query, key, value, *rest = args
         if (rest and rest[0] is not None) or kwargs.get("attn_mask") is not None:
             raise EngineUsageError(
-                f"context_parallel (ulysses): {self.what} passes an attn_mask to scaled_dot_product_attention; its "
+                f"context_parallel: {self.what} passes an attn_mask to scaled_dot_product_attention; its "
                 "rows and columns cover one rank's shard of the sequence, not the whole sequence the exchange "
                 "attends over. Use is_causal=True (right padding needs no mask under causal attention)")
         self.calls += 1
         self.exchange.check_causal(kwargs.get("is_causal", rest[2] if len(rest) > 2 else False), self.what)
-        query, key, value = (self.exchange.to_sequence(t, self.what) for t in (query, key, value))
-        return self.exchange.to_heads(func(query, key, value, *rest, **kwargs))
+        return self.exchange.sdpa(self.what, func, query, key, value, *rest, **kwargs)
 
 
 def sequence_attention_forward(forward, exchange: UlyssesExchange, activity: Activity, what: str):
@@ -214,7 +225,7 @@ def sequence_attention_forward(forward, exchange: UlyssesExchange, activity: Act
             output = forward(*args, **kwargs)
         if not mode.calls:
             raise EngineUsageError(
-                f"context_parallel (ulysses): {what}.forward computed its attention without "
+                f"context_parallel: {what}.forward computed its attention without "
                 "torch.nn.functional.scaled_dot_product_attention, so it saw one rank's shard of the sequence "
                 "alone. Call scaled_dot_product_attention there (the exchange wraps it), or use a Hugging Face "
                 "model (any attention implementation)")

@@ -257,6 +257,17 @@ def all_to_all(tensor: torch.Tensor, group, send_counts: list[int] | None = None
     return _AllToAll.apply(tensor, group, send_counts, receive_counts)
 
 
+def pass_along(tensors: list[torch.Tensor], send_to: int, receive_from: int, group) -> list[torch.Tensor]:
+    """Send ``tensors`` to global rank ``send_to`` and receive as many of the same shapes from
+    ``receive_from`` (one step round a ring: everyone sends and receives at once, any backend)."""
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    operations = [dist.P2POp(dist.isend, t.contiguous(), send_to, group) for t in tensors]
+    operations += [dist.P2POp(dist.irecv, r, receive_from, group) for r in received]
+    for request in dist.batch_isend_irecv(operations):
+        request.wait()
+    return received
+
+
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     """How many rows each rank of ``group`` will send this rank, given how many this rank sends
     each (an int64 vector of the group's size): one small all-to-all."""

@@ -193,6 +193,15 @@ def context_one_mask_per_row(eng):
     return eng
 
 
+def ring_merge_without_rescale(rows, total, output, scores, value):
+    """Ring attention's block merge (``engine.context.ring.merge_block``) adding each block's
+    exponentials as they are, without rescaling what was summed before to the new row maximum."""
+    peak = torch.maximum(rows, scores.amax(dim=-1))
+    safe = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - safe[..., None])
+    return peak, total + weights.sum(dim=-1), output + torch.matmul(weights, value)
+
+
 def context_positions_reset_per_part(eng):
     """Packed rows under context parallelism whose positions restart at 0 in every rank's part (as
     if a part were a sequence of its own): rotary embeddings see the wrong places."""
