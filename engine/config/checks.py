@@ -141,7 +141,8 @@ def _tensor_problems(config: Config) -> list[str]:
         return []
     problems = []
     if config.backend == "torch" and torch_sections(config).offload.to_host:
-        problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size}; remove "
+        problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size} yet (FSDP2's "
+                        "host offload of tensor-split DTensor shards is not built or tested); remove "
                         "offload_param / offload_optimizer, or set tensor_parallel.size: 1")
     return problems
 
@@ -203,7 +204,9 @@ def _pipeline_problems(config: Config) -> list[str]:
                         "V schedule computes wrong weight gradients on stages resharded after their forward); use "
                         "zero_optimization.stage 2, or another schedule")
     if config.zero_optimization.stage >= 2 and torch_sections(config).offload.to_host:
-        problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages")
+        problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages yet (FSDP2's "
+                        "host offload of each stage's shards inside torch's schedules is not built or tested); "
+                        "remove offload_param / offload_optimizer, or set pipeline.stages: 1")
     problems += _automatic_micro_size_problems(config)
     if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
         problems.append(f"pipeline.stages: a pipeline of {stages} stages runs the plan's micro-batches; give "

@@ -104,18 +104,31 @@ SCENARIOS = {
 }
 
 
-def pipeline_zero_1(rank, world, breaking=None):
+def pipeline_zero_1(rank, world, breaking=None, directory=None):
     """Pipeline 2 × data 2 at ZeRO 1 (Megatron's distributed optimizer with pipelining): each stage's two
-    replicas own half of its optimizer state, counted in bytes (SGD's momentum buffers)."""
+    replicas own half of its optimizer state, counted in bytes (SGD's momentum buffers). ``directory``:
+    saved after the first step, the second step taken on 4 plain data ranks from that checkpoint."""
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
            "pipeline": {"stages": 2}}
     eng = engine.initialize(o.model("causal"), cfg, optimizer=sgd)
     if breaking is not None:
         breaking(eng)
-    result = o.compare(eng, "causal", o.batches("causal", 2), manual=False)
-    state = [buffer for per_param in eng.optimizer.state.values() for buffer in per_param.values()
-             if isinstance(buffer, torch.Tensor)]
-    return {**result, "owned share": storage_bytes(state) / storage_bytes(list(eng.module.parameters()))}
+    data = o.batches("causal", 2)
+    if directory is None:
+        result = o.compare(eng, "causal", data, manual=False)
+    else:
+        o.train(eng, data[:1], manual=False)
+        eng.save_checkpoint(directory)
+        eng.close()
+        eng = engine.initialize(o.model("causal"), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},
+                                optimizer=sgd)
+        eng.load_checkpoint(directory)
+        o.train(eng, data[1:], manual=False)
+        reference = reference_train(o.model("causal"), data, o.own_loss, sgd)
+        return {"diff": max_param_diff(eng.full_state_dict(), state(reference))}
+    held = [buffer for per_param in eng.optimizer.state.values() for buffer in per_param.values()
+            if isinstance(buffer, torch.Tensor)]
+    return {**result, "owned share": storage_bytes(held) / storage_bytes(list(eng.module.parameters()))}
 
 
 @pytest.mark.distributed
@@ -139,9 +152,11 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_a_pipeline_at_zero_1_on_four_ranks_equals_the_full_batch_and_owns_half_the_state():
+def test_a_pipeline_at_zero_1_on_four_ranks_equals_the_full_batch_and_owns_half_the_state(tmp_path):
     results = run_scenarios({"exact": pipeline_zero_1, "broken accounting": functools.partial(
-        pipeline_zero_1, breaking=broken.accounting_without_window_total)}, world_size=4, timeout=380)
+        pipeline_zero_1, breaking=broken.accounting_without_window_total), "resumed on data 4": functools.partial(
+        pipeline_zero_1, directory=str(tmp_path / "pipeline-zero-1"))}, world_size=4, timeout=380)
+    assert all(result["diff"] < o.TOL for result in results["resumed on data 4"]), results["resumed on data 4"]
     for result in results["exact"]:
         assert result["diff"] < o.TOL and result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6)
         assert 0.3 < result["owned share"] < 0.7, result  # whole parameters: near a half, not the whole
