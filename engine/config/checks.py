@@ -22,7 +22,7 @@ both report the same problems, all at once:
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with yet (another backend, a pipeline
   dimension, the automatic micro size);
-* expert parallelism: the same, and a pipeline dimension and offload;
+* expert parallelism: the same, and offload;
 * context parallelism refuses ``moe.load_balance: micro_batch`` (a rank sees a part of every sequence);
 * hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
   only, one value however it is spelled.
@@ -76,9 +76,6 @@ def _expert_problems(config: Config) -> list[str]:
         problems.append(f"backend: {config.backend} is not available {where}: DeepSpeed's expert parallelism needs "
                         "its own layer (deepspeed.moe.layer.MoE) in the model, Microstep's splits a Hugging Face "
                         "model's experts as they are on backend: torch; set backend: torch")
-    if config.pipeline.stages > 1:
-        problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (the expert groups "
-                        "would have to be built per stage; not built or tested); use one of the two")
     problems += _automatic_micro_size_refused(config, where, "inside an expert leaves its expert group waiting in "
                                               "the all-to-all")
     if config.backend == "torch" and torch_sections(config).offload.to_host:

@@ -38,11 +38,13 @@ class Parallelized(NamedTuple):
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
-                transform: bool = True) -> Parallelized:
+                expert_patterns: list[str] | None = None, transform: bool = True) -> Parallelized:
     """Apply the setup's model-parallel dimensions, then (``transform``) activation checkpointing
     and compile, to ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
-    stage's), else the setup's, resolved on ``module``. Returns the switch of
+    stage's), else the setup's, resolved on ``module``; ``expert_patterns``: the modules of experts
+    found on the whole model (a pipeline stage's names are the model's), else the setup's or the
+    model's own plan, found on ``module``. Returns the switch of
     ``activation_checkpointing: auto`` (else None), the context dimension's split (else None) and
     the parameters held apart (the split experts, else ``NO_GROUP_HELD``)."""
     mesh = setup.mesh
@@ -53,7 +55,7 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
-    group_held = apply_expert_parallel(module, setup, groups) if mesh.expert > 1 else NO_GROUP_HELD
+    group_held = apply_expert_parallel(module, setup, groups, expert_patterns) if mesh.expert > 1 else NO_GROUP_HELD
     if not transform:
         return Parallelized(None, context, group_held)
     return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context, group_held)
@@ -70,10 +72,11 @@ def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> Con
     return context
 
 
-def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups) -> ExpertShards:
+def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups,
+                          patterns: list[str] | None = None) -> ExpertShards:
     """Split the model's experts over the mesh's expert groups (inside data × context): each rank
     keeps its slice, tokens are dispatched to their expert's rank (``engine.experts.parallel``); the
     holder keeps the returned experts out of its data sharding and reduces their gradients."""
     experts = ExpertShards(groups, setup.mesh, groups.rank)
-    experts.apply(module, list(setup.expert_modules) if setup.expert_modules else None)
+    experts.apply(module, patterns or (list(setup.expert_modules) if setup.expert_modules else None))
     return experts

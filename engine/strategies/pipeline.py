@@ -51,6 +51,7 @@ from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.stage_failures import StageFailures
+from engine.experts.parallel import find_expert_modules
 from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
 from engine.strategies.torch_checkpoint import load_training_state
 from engine.strategies.zero1 import optimizer_state
@@ -123,23 +124,33 @@ class PipelineParallel(TorchStrategy):
         _release_others(module, [self.module, *self.stage_modules])  # a stage may hold more (rotary embeddings)
         self.optimizer = optimizer
         self.forward_module = self.module
-        if self.mesh.tensor > 1:
-            self._split_stages(module, pieces)
+        if self.mesh.tensor > 1 or self.mesh.expert > 1:
+            self._parallelize_stages(module, pieces)
         if self.sharded:
             self._shard_stages()
         # ZeRO 1: each of the stage's data replicas owns a share of its optimizer state
         self.owned = optimizer_state(self, self.module, self.optimizer)
 
-    def _split_stages(self, model: torch.nn.Module, pieces: list) -> None:
-        """The tensor dimension, on the layers this rank's stages hold, by the plan of the whole model."""
-        plan = resolve_plan(model, self.settings.tensor_parallel.plan, self.mesh.tensor)
-        problems = stage_boundary_problems(pieces, plan)
-        if problems:  # raised on every rank: every rank sees every stage
-            raise ConfigError(problems)
+    def _parallelize_stages(self, model: torch.nn.Module, pieces: list) -> None:
+        """The tensor and expert dimensions, on the layers this rank's stages hold, by what the whole
+        model names: its tensor plan, its modules of experts (the stages keep the model's names)."""
         held = dict(self.module.named_modules())
+        tensor_plan = expert_patterns = None
+        if self.mesh.tensor > 1:
+            plan = resolve_plan(model, self.settings.tensor_parallel.plan, self.mesh.tensor)
+            problems = stage_boundary_problems(pieces, plan)
+            if problems:  # raised on every rank: every rank sees every stage
+                raise ConfigError(problems)
+            tensor_plan = {name: style for name, style in plan.items() if name in held}
+        if self.mesh.expert > 1:
+            found = find_expert_modules(model, list(self.settings.expert_modules or ()) or None)
+            expert_patterns = [name for name in found if name in held]  # exact names: globs without *
+            if not expert_patterns:
+                raise ConfigError([f"expert_parallel: pipeline stage(s) {', '.join(str(i + 1) for i in self.stage_indices)} "
+                                   "hold no module of experts to split; cut the model so that every stage holds "
+                                   "some (pipeline.split), or set expert_parallel.size: 1"])
         names = {id(p): name for name, p in self.module.named_parameters()}
-        self.parallelize(self.module, tensor_plan={name: style for name, style in plan.items() if name in held},
-                         transform=False)
+        self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns, transform=False)
         repoint_optimizer(self.optimizer, names, self.module)
 
     def _shard_stages(self) -> None:
@@ -150,8 +161,10 @@ class PipelineParallel(TorchStrategy):
         names = {id(p): name for name, p in self.module.named_parameters()}
         mesh = self.groups.sharding_mesh()  # 2-D (replicas, shard group) on a hybrid mesh
         gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
+        # the experts' slices are kept out (reduced over their own replicas at the boundary)
+        ignored = {"ignored_params": {e.param for e in self.group_held.parameters}} if self.group_held.holds_any else {}
         for stage in self.stage_modules:
-            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3)
+            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3, **ignored)
             if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
                 all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
                 stage.set_custom_all_gather(all_gather)
@@ -332,6 +345,8 @@ class PipelineParallel(TorchStrategy):
     def reduce_gradients(self):
         if not self.sharded:  # sharded: the schedule reduce-scattered them after the window's last backward
             self.average_gradients()
+        else:
+            self.reduce_group_held_gradients()
 
     def held_tensors(self):
         held = super().held_tensors()
@@ -346,12 +361,13 @@ class PipelineParallel(TorchStrategy):
     # -- checkpoints: a DCP checkpoint keyed by the model's own names (each stage writes and
     # reads its own entries), so it loads on any data-parallel size, and on any pipeline size.
     def load_training_state(self, directory):
-        load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order)
+        load_training_state(self.module, self.optimizer, directory, model_keys=self._key_order,
+                            group_held=self.group_held)
 
     def _stage_state(self) -> dict:
-        """This rank's stages' state, whole (sharded or tensor-split entries gathered)."""
-        return {key: value.full_tensor() if isinstance(value, DTensor) else value
-                for key, value in self.module.state_dict().items()}
+        """This rank's stages' state, whole (sharded or tensor-split entries gathered, experts' slices joined)."""
+        return self.group_held.whole({key: value.full_tensor() if isinstance(value, DTensor) else value
+                                      for key, value in self.module.state_dict().items()})
 
     def full_state_dict(self):
         self.check_replicas("full_state_dict()")
