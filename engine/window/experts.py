@@ -192,7 +192,11 @@ class ExpertBalance(EngineHook):
             return
         why = ("moe.load_balance: global: the model computed a load-balancing term in a forward of the manual loop "
                "(eng(x), eng.backward, eng.step), where the window's other micro-batches are not known before this "
-               "backward; train with eng.train_batch(batch, loss_fn), which counts the whole window first, or set "
+               "backward, and the term's gradient through this micro-batch's routers needs their counts (keeping it "
+               "for later would hold every micro-batch's activations until the window's last forward). Train with "
+               "eng.train_batch(batch, loss_fn), which is exact: it counts the whole window first (one forward "
+               "without gradients per micro-batch, about a third of a step more; none in one process under "
+               "activation checkpointing, which holds the window's checkpoints instead), or set "
                "moe.load_balance: micro_batch to keep the model's per-forward term")
         with hf.computing_here(self.hf_modules), scoped(_Refused(why)):
             yield
