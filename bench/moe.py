@@ -2,6 +2,7 @@
 activations a window holds, one process.
 
     python bench/moe.py [--rounds 5] [--steps 2]
+    python -m launch --nproc-per-node 2 bench/moe.py     # data 2: each rank half the global batch
 
 Workload: a Hugging Face Mixtral (transformers, random init, fp32): 4 layers, hidden 128, 8 experts
 top-2, output_router_logits, router_aux_loss_coef 0.02; global batch 16 rows of 128 tokens,
@@ -12,7 +13,10 @@ accumulation 4, AdamW, ``m(**b).loss``. Variants, without and with activation ch
 copy of the baseline whose ratio is the run's noise floor. Times are
 interleaved medians (bench/common.py). "Held activations" is the most bytes of tensors saved for
 backward alive at once during a window (parameters excluded; storages counted once; bytes, not
-timed). Results: bench/results/moe.json.
+timed); "peak" adds the bytes of parameters, gradients and optimizer state this rank holds (what a
+window holds at most: those and its saved activations). On several ranks ``hold_forwards`` runs
+where the holder reduces after the window (ZeRO 0 here; ``auto`` chooses it under checkpointing),
+and only with checkpointing. Results: bench/results/moe.json, moe_w<W>.json.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 
 import engine
 from bench.common import adamw, interleaved, save
-from engine.memory import format_bytes
+from engine.distributed.process_group import init_distributed, strip_local_rank_arg
+from engine.memory import format_bytes, storage_bytes
 
 GLOBAL_BATCH, ACCUMULATION, SEQ, VOCAB = 16, 4, 128, 512
 
@@ -99,35 +104,53 @@ VARIANTS = {  # name: (load_balance, global_counts, checkpointing, forwards per 
 
 
 def main(argv=None) -> None:
+    strip_local_rank_arg(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
+    info = init_distributed()
     torch.set_num_threads(1)
-    model, batch = mixtral(), lm_batch()
-    engines, held = {}, {}
+    model, whole = mixtral(), lm_batch()
+    share = GLOBAL_BATCH // info.world_size
+    batch = {key: value[info.rank * share:(info.rank + 1) * share] for key, value in whole.items()}
+    engines, held, peaks = {}, {}, {}
     for name, (balance, counts, checkpointing, _) in VARIANTS.items():
+        if counts == "hold_forwards" and info.world_size > 1 and not checkpointing:
+            continue  # auto would not choose it there; measured with checkpointing
         eng = engine.initialize(copy.deepcopy(model), {
             "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": ACCUMULATION,
             "moe": {"load_balance": balance, "global_counts": counts},
             "activation_checkpointing": {"enabled": checkpointing}}, optimizer=adamw)
         eng.train_batch(batch, hf_loss)  # optimizer state exists from here on
         held[name] = HeldActivations(eng.module).measure(lambda: eng.train_batch(batch, hf_loss))
+        state = [t for per_param in eng.optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
+        static = storage_bytes([*eng.module.parameters(), *(p.grad for p in eng.module.parameters()
+                                                            if p.grad is not None), *state])
+        peaks[name] = static + held[name]
         engines[name] = eng
     times = interleaved({name: (lambda eng=eng: eng.train_batch(batch, hf_loss)) for name, eng in engines.items()},
-                        rounds=args.rounds, steps=args.steps, warmup=1)
+                        rounds=args.rounds, steps=args.steps, warmup=1, distributed=info.world_size > 1)
     rows = []
     for name, (_, _, checkpointing, forwards) in VARIANTS.items():
+        if name not in engines:
+            continue
         base = "micro_batch, checkpointing" if checkpointing else "micro_batch"
         rows.append({"variant": name, "seconds": times[name], "ratio": times[name] / times[base],
                      "held_activation_bytes": held[name], "held_ratio": held[name] / held[base],
+                     "peak_bytes": peaks[name], "peak_ratio": peaks[name] / peaks[base],
                      "forwards_per_micro_batch": forwards})
-    print(f"{'variant':40} {'s/step':>8} {'ratio':>6} {'held activations':>18} {'ratio':>6} forwards")
-    for row in rows:
-        print(f"{row['variant']:40} {row['seconds']:8.3f} {row['ratio']:6.3f} "
-              f"{format_bytes(row['held_activation_bytes']):>18} {row['held_ratio']:6.2f} {row['forwards_per_micro_batch']}")
-    print("results:", save("moe", {"rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH,
-                                   "accumulation": ACCUMULATION, "sequence": SEQ, "rows": rows}))
+    if info.rank == 0:
+        print(f"{info.world_size} rank(s)")
+        print(f"{'variant':40} {'s/step':>8} {'ratio':>6} {'held activations':>18} {'ratio':>6} {'peak':>10} "
+              f"{'ratio':>6} forwards")
+        for row in rows:
+            print(f"{row['variant']:40} {row['seconds']:8.3f} {row['ratio']:6.3f} "
+                  f"{format_bytes(row['held_activation_bytes']):>18} {row['held_ratio']:6.2f} "
+                  f"{format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:6.2f} {row['forwards_per_micro_batch']}")
+        print("results:", save(f"moe_w{info.world_size}" if info.world_size > 1 else "moe",
+                               {"rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH,
+                                "accumulation": ACCUMULATION, "sequence": SEQ, "rows": rows}))
 
 
 if __name__ == "__main__":

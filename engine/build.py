@@ -112,9 +112,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1,
                                     packing=config.packing)
-    experts = expert_balance(model, config.moe, single_process=dist_info.world_size == 1,
-                             checkpointing=setup.checkpointing is not None, runner_runs_micro_steps=pipeline is not None,
-                             all_reduce_sum=strategy.all_reduce_sum)
+    experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
+                             runner_runs_micro_steps=pipeline is not None)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

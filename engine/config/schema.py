@@ -340,8 +340,8 @@ class MoeConfig(Section):
     load_balance: Literal["global", "micro_batch"] = "global"
     # How global learns the window's router counts before its backwards: a counting forward first
     # (no memory, one more forward), every forward held before the backwards (no extra FLOPs, holds
-    # the window's activations; one process), or auto (held under activation checkpointing in one
-    # process, counted otherwise).
+    # the window's activations; one process or ZeRO 0 / 1, reduced at the boundary), or auto (held
+    # under activation checkpointing where the holder allows it, counted otherwise).
     global_counts: Literal["auto", "count_forward", "hold_forwards"] = "auto"
     # Aux-loss-free balancing (DeepSeek-V3): each boundary moves every router's
     # e_score_correction_bias by this much towards even load (0 = off).

@@ -118,6 +118,23 @@ class Strategy(ABC):
     def prepare_micro_step(self, closes_window: bool) -> None:
         """Called before a micro-step's forward: whether its backward closes the window."""
 
+    @property
+    def can_reduce_after_window(self) -> bool:
+        """Whether this holder can reduce a window's gradients after its last backward only, so that
+        every forward of a window may run before its backwards (``reduce_after_window``): one process,
+        or a holder that overrides it."""
+        return self.world_size == 1
+
+    def reduce_after_window(self) -> None:
+        """From now on, reduce each window's gradients at its boundary only (no reduction inside a
+        window's backwards). Only where ``can_reduce_after_window``."""
+
+    @property
+    def reduces_after_window(self) -> bool:
+        """Whether no backward inside a window reduces gradients over ranks now (so a window's
+        forwards may all run before its backwards)."""
+        return self.world_size == 1
+
     def release_gathered_parameters(self) -> None:
         """After forwards without a backward (evaluation): free parameters a sharded model
         gathered and would otherwise keep until its next backward."""

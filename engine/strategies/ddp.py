@@ -75,6 +75,15 @@ class DataParallel(TorchStrategy):
     def optimizer_step(self):
         self.owned.step()
 
+    can_reduce_after_window = True  # ZeRO 0 / 1 hold whole gradients: deferring costs no memory
+
+    def reduce_after_window(self):
+        self._defer_reduction = True
+
+    @property
+    def reduces_after_window(self) -> bool:
+        return self._defer_reduction
+
     def enable_failure_guard(self):
         super().enable_failure_guard()
         # No collective inside a window at all: the all-reduce runs after the window's vote,

@@ -11,10 +11,12 @@ learn the window's assignments Cᵢ and rows R before any backward (``moe.global
   micro-batch. No memory beyond one micro-batch; one more forward per micro-batch.
 * ``hold_forwards``: every micro-batch's forward first, their graphs held, the all-reduce, then
   every backward. No extra FLOPs; holds every micro-batch's activations at once (under
-  activation checkpointing: every micro-batch's checkpoints). One process only (a data-parallel
-  strategy plans each forward's gradient synchronisation for the backward that follows it).
-* ``auto``: ``hold_forwards`` in one process under activation checkpointing (the memory it
-  holds is the checkpoints'), ``count_forward`` otherwise.
+  activation checkpointing: every micro-batch's checkpoints). Where the strategy can reduce the
+  window's gradients after its last backward (one process, ZeRO 0 / 1: ``Strategy.reduce_after_window``,
+  which it is then asked to do; not ZeRO 2 / 3, whose memory profile reduces into shards after every
+  micro-step, nor a pipeline's schedule).
+* ``auto``: ``hold_forwards`` under activation checkpointing where the strategy allows it (the
+  memory it holds is the checkpoints'), ``count_forward`` otherwise.
 
 The micro-batch's term then carries the gradient of the global term through its own router
 probabilities (``engine.experts.balance``), divided by the weight the engine gives the loss it
@@ -140,7 +142,7 @@ class ExpertBalance(EngineHook):
     load of aux-loss-free routers over the window and moves their bias at its boundary; keeps the
     window's router load for the monitor."""
 
-    def __init__(self, model: torch.nn.Module, *, load_balance: str, global_counts: str, single_process: bool,
+    def __init__(self, model: torch.nn.Module, *, load_balance: str, global_counts: str, can_hold_forwards: bool,
                  checkpointing: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                  bias_update_speed: float = 0.0):
         found = hf.find(model)
@@ -156,13 +158,14 @@ class ExpertBalance(EngineHook):
         self.load_balance = load_balance
         # Whether the windows need the counts first: a term is computed in every training forward.
         self.computes_terms = self.own_terms or (bool(found.modules) and found.router_logits_by_default)
-        if global_counts == "hold_forwards" and not single_process:
+        if global_counts == "hold_forwards" and not can_hold_forwards:
             raise EngineUsageError(
-                "moe.global_counts: hold_forwards runs every forward of a window before its backwards, which "
-                "the data-parallel strategies cannot pair with their gradient synchronisation: it works in one "
-                "process; use count_forward (or auto) on several")
+                "moe.global_counts: hold_forwards runs every forward of a window before its backwards, so the "
+                "window's gradients can be reduced only after its last backward; ZeRO stages 2 and 3 reduce them "
+                "into shards after every micro-step (their memory profile), and a pipeline runs its own schedule: "
+                "use count_forward (or auto), or ZeRO stage 0 or 1")
         if global_counts == "auto":
-            global_counts = "hold_forwards" if single_process and checkpointing else "count_forward"
+            global_counts = "hold_forwards" if can_hold_forwards and checkpointing else "count_forward"
         self.global_counts = global_counts
         self._all_reduce_sum = all_reduce_sum
         self.bias_routers = BiasRouters(model, bias_update_speed)
@@ -344,16 +347,16 @@ class ExpertBalance(EngineHook):
                         "used the counting forward's assignments", difference)
 
 
-def expert_balance(model: torch.nn.Module, section, *, single_process: bool, checkpointing: bool,
-                   runner_runs_micro_steps: bool,
-                   all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> ExpertBalance | NoRouters:
+def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: bool,
+                   runner_runs_micro_steps: bool) -> ExpertBalance | NoRouters:
     """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``;
     ``NoRouters`` for a model without a load-balancing term (its windows run as any other's).
     ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
     engine, so no counting forward or held forward can come first."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
-                            single_process=single_process, checkpointing=checkpointing,
-                            all_reduce_sum=all_reduce_sum, bias_update_speed=section.bias_update_speed)
+                            can_hold_forwards=strategy.can_reduce_after_window and not runner_runs_micro_steps,
+                            checkpointing=checkpointing, all_reduce_sum=strategy.all_reduce_sum,
+                            bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return NoRouters()
     if runner_runs_micro_steps and (experts.balances_globally or experts.bias_routers.updating):
@@ -361,4 +364,6 @@ def expert_balance(model: torch.nn.Module, section, *, single_process: bool, che
             "moe.load_balance: global (or moe.bias_update_speed) under a pipeline: the stages' schedule runs the window's micro-batches "
             "itself, so the router counts of the whole window are not known before its first backward; set "
             "moe.load_balance: micro_batch and moe.bias_update_speed: 0, or train without pipeline.stages")
+    if experts.balances_globally and experts.global_counts == "hold_forwards":
+        strategy.reduce_after_window()  # every forward of a window runs before its backwards
     return experts

@@ -153,7 +153,7 @@ class WindowMachine:
         elif self.strategy.forward_communicates:
             self.agree(FORWARD)  # before the forward's collectives (ZeRO-3 gathers parameters there)
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
-        window.forwarded = True
+        window.forwarded += 1
         window.training_forwards += 1
 
     def planned(self, split) -> None:
@@ -201,6 +201,11 @@ class WindowMachine:
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
                 "so that gradient synchronisation is planned for this micro-step"
             )
+        if window.forwarded > 1 and not self.strategy.reduces_after_window:
+            raise EngineUsageError(
+                f"backward() after {window.forwarded} forwards through the engine: each micro-step is forward, "
+                "eng.backward(loss), eng.step(), since the engine plans each forward's gradient synchronisation for "
+                "the backward that follows it")
         window.check_same_kind(item_weighted)
         planned = window.planned_steps or planned_default
         if window.micro_steps + 1 >= planned and not self.chooses_micro_size \
@@ -238,7 +243,7 @@ class WindowMachine:
             window.counts.append(units)
         window.exact_counts = window.exact_counts or exact_counts or item_weighted
         window.backward_since_step = True
-        window.forwarded, window.forwards = False, []
+        window.forwarded, window.forwards = max(0, window.forwarded - 1), []
         self.micro_steps += 1
 
     def fail(self, error: Exception) -> None:

@@ -178,17 +178,36 @@ def test_a_term_of_another_definition_is_refused_under_global():
     assert not moe_engine(model, moe={"load_balance": "micro_batch"}).experts.routes
 
 
-def test_a_pipeline_refuses_global_balance():
+class _Holder:
+    """What expert_balance asks of a strategy: whether it can reduce after a window, and to do so."""
+
+    def __init__(self, can: bool):
+        self.can_reduce_after_window, self.deferred = can, False
+
+    def reduce_after_window(self):
+        self.deferred = True
+
+    @staticmethod
+    def all_reduce_sum(tensor):
+        return tensor
+
+
+def test_a_pipeline_refuses_global_balance_and_sharded_stages_refuse_held_forwards():
     from engine.config.schema import MoeConfig
     from engine.window.experts import expert_balance
     with pytest.raises(engine.EngineUsageError, match="under a pipeline.*micro_batch"):
-        expert_balance(hf_moe(), MoeConfig(), single_process=False, checkpointing=False, runner_runs_micro_steps=True,
-                       all_reduce_sum=lambda tensor: tensor)
-    assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), single_process=False,
-                          checkpointing=False, runner_runs_micro_steps=True, all_reduce_sum=lambda tensor: tensor).routes
-    with pytest.raises(engine.EngineUsageError, match="hold_forwards .* one process"):
-        expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), single_process=False,
-                       checkpointing=False, runner_runs_micro_steps=False, all_reduce_sum=lambda tensor: tensor)
+        expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False, runner_runs_micro_steps=True)
+    assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), strategy=_Holder(True),
+                          checkpointing=False, runner_runs_micro_steps=True).routes
+    with pytest.raises(engine.EngineUsageError, match="hold_forwards .* ZeRO stages 2 and 3 reduce them"):
+        expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), strategy=_Holder(False),
+                       checkpointing=False, runner_runs_micro_steps=False)
+    # auto under checkpointing: held where the holder can reduce after the window, which it is then told to
+    for can, counts in ((True, "hold_forwards"), (False, "count_forward")):
+        holder = _Holder(can)
+        assert expert_balance(hf_moe(), MoeConfig(), strategy=holder, checkpointing=True,
+                              runner_runs_micro_steps=False).global_counts == counts
+        assert holder.deferred == can
 
 
 def test_a_model_without_routers_runs_its_windows_as_before():
@@ -230,6 +249,16 @@ def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
 
 
 # -- two data ranks ----------------------------------------------------------------------------
+def held_scenario(rank, world, stage):
+    """Every forward of a window held before its backwards on 2 data ranks (ZeRO 0 / 1 reduce after the
+    window), under activation checkpointing where auto chooses it."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    eng = trained(model, batches, hf_loss, accumulation=2, zero_optimization={"stage": stage},
+                  activation_checkpointing={"enabled": True})
+    return {"counts": eng.experts.global_counts, "exact": max_param_diff(eng.full_state_dict(), expected)}
+
+
 def data_parallel_scenario(rank, world, stage, padded):
     model, batches = hf_moe(), lm_batches(2, 8, padded=padded)
     coef = model.config.router_aux_loss_coef
@@ -284,6 +313,7 @@ def two_ranks():
     scenarios = {(stage, padded): functools.partial(data_parallel_scenario, stage=stage, padded=padded)
                  for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
+    scenarios |= {("held", stage): functools.partial(held_scenario, stage=stage) for stage in (0, 1, 3)}
     scenarios["example"] = example_scenario
     scenarios["short data"] = short_data_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
@@ -301,6 +331,14 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
         assert result["per micro-batch"] > 1e3 * tolerance, (rank, result)
         assert result["running average"] > 1e3 * tolerance, (rank, result)
     assert results[0]["load"] == results[1]["load"]  # the window's load over both ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_two_data_ranks_hold_the_forwards_under_checkpointing_where_the_stage_reduces_after_the_window(two_ranks):
+    for stage, counts in ((0, "hold_forwards"), (1, "hold_forwards"), (3, "count_forward")):
+        for rank, result in enumerate(two_ranks[("held", stage)]):
+            assert result["counts"] == counts and result["exact"] < HF_TOL, (stage, rank, result)
 
 
 # -- aux-loss-free balancing ------------------------------------------------------------------
