@@ -47,7 +47,7 @@ class RingExchange:
         self.documents: torch.Tensor | None = None  # the whole sequence's documents (packed rows)
 
     def check_causal(self, causal: bool, what: str) -> None:
-        refuse_non_causal_over_padding(self.padded and not causal, what, self.shards.chunks)
+        refuse_non_causal_over_padding(self.padded, causal, what, self.shards.chunks)
 
     def check_heads(self, heads: int, what: str) -> None:
         """Ring attention splits the sequence, not the heads: any count works."""
@@ -66,7 +66,6 @@ class RingExchange:
         parts = [self.shards.positions(length, index, query.device) for index in range(self.shards.size)]
         masks = BlockMasks(parts, self.shards.index, causal, self.documents)
         return _RingAttention.apply(query, key, value, self, masks, scale)
-
 
     def hugging_face_attention(self, inner, implementation: str, activity: Activity):
         """A transformers attention function: ring attention while ``activity`` is on, ``inner``
@@ -95,8 +94,9 @@ class RingExchange:
         dropout = kwargs.get("dropout_p", rest[1] if len(rest) > 1 else 0.0)
         if dropout:
             raise EngineUsageError(
-                f"context_parallel (ring): {what} calls scaled_dot_product_attention with dropout_p {dropout}: ring attention does "
-                "not drop attention probabilities; pass dropout_p=0, or use context_parallel.method: ulysses")
+                f"context_parallel (ring): {what} calls scaled_dot_product_attention with dropout_p {dropout}: ring "
+                "attention does not drop attention probabilities; pass dropout_p=0, or use context_parallel.method: "
+                "ulysses")
         return self.attend(query, key, value, scale=kwargs.get("scale"), causal=causal)
 
 

@@ -38,9 +38,10 @@ from engine.errors import EngineUsageError
 SELF_MASKING = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def refuse_non_causal_over_padding(refused: bool, what: str, chunks: int) -> None:
-    """Raise when attention that is not causal meets padding the engine added (it would attend to it)."""
-    if refused:
+def refuse_non_causal_over_padding(padded: bool, causal: bool, what: str, chunks: int) -> None:
+    """Raise when attention that is not causal meets padding the engine added (``padded``: the real
+    tokens would attend to it)."""
+    if padded and not causal:
         raise EngineUsageError(
             f"context_parallel: {what} attends without a causal mask, and this micro-batch's sequences were "
             f"padded on the right to cut into {chunks} equal chunks: the real tokens would attend to "
@@ -66,7 +67,7 @@ class UlyssesExchange:
         return self._orders[key]
 
     def check_causal(self, causal: bool, what: str) -> None:
-        refuse_non_causal_over_padding(self.padded and not causal, what, self.shards.chunks)
+        refuse_non_causal_over_padding(self.padded, causal, what, self.shards.chunks)
 
     def hugging_face_attention(self, inner, implementation: str, activity: "Activity"):
         return hugging_face_attention(inner, implementation, self, activity)

@@ -146,9 +146,10 @@ class PipelineParallel(TorchStrategy):
             found = find_expert_modules(model, list(self.settings.expert_modules or ()) or None)
             expert_patterns = [name for name in found if name in held]  # exact names: globs without *
             if not expert_patterns:
-                raise ConfigError([f"expert_parallel: pipeline stage(s) {', '.join(str(i + 1) for i in self.stage_indices)} "
-                                   "hold no module of experts to split; cut the model so that every stage holds "
-                                   "some (pipeline.split), or set expert_parallel.size: 1"])
+                stages = ", ".join(str(i + 1) for i in self.stage_indices)
+                raise ConfigError([f"expert_parallel: pipeline stage(s) {stages} hold no module of experts to split; "
+                                   "cut the model so that every stage holds some (pipeline.split), or set "
+                                   "expert_parallel.size: 1"])
         names = {id(p): name for name, p in self.module.named_parameters()}
         self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns, transform=False)
         repoint_optimizer(self.optimizer, names, self.module)
