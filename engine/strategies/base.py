@@ -129,12 +129,6 @@ class Strategy(ABC):
         """From now on, reduce each window's gradients at its boundary only (no reduction inside a
         window's backwards). Only where ``can_reduce_after_window``."""
 
-    @property
-    def reduces_after_window(self) -> bool:
-        """Whether no backward inside a window reduces gradients over ranks now (so a window's
-        forwards may all run before its backwards)."""
-        return self.world_size == 1
-
     def release_gathered_parameters(self) -> None:
         """After forwards without a backward (evaluation): free parameters a sharded model
         gathered and would otherwise keep until its next backward."""

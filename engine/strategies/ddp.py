@@ -80,10 +80,6 @@ class DataParallel(TorchStrategy):
     def reduce_after_window(self):
         self._defer_reduction = True
 
-    @property
-    def reduces_after_window(self) -> bool:
-        return self._defer_reduction
-
     def enable_failure_guard(self):
         super().enable_failure_guard()
         # No collective inside a window at all: the all-reduce runs after the window's vote,

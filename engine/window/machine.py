@@ -201,11 +201,7 @@ class WindowMachine:
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
                 "so that gradient synchronisation is planned for this micro-step"
             )
-        if window.forwarded > 1 and not self.strategy.reduces_after_window:
-            raise EngineUsageError(
-                f"backward() after {window.forwarded} forwards through the engine: each micro-step is forward, "
-                "eng.backward(loss), eng.step(), since the engine plans each forward's gradient synchronisation for "
-                "the backward that follows it")
+
         window.check_same_kind(item_weighted)
         planned = window.planned_steps or planned_default
         if window.micro_steps + 1 >= planned and not self.chooses_micro_size \

@@ -31,7 +31,9 @@ class Window:
     tokens: TokenCost | None = None  # the window's micro-batches, when split by tokens
     failure: Exception | None = None  # loss_fn failed on this rank in a window run to its end (a pipeline)
     backward_since_step: bool = False
-    forwarded: int = 0  # training forwards not yet back-propagated (a window's held forwards: several)
+    # training forwards not yet back-propagated: a window's held forwards are several; a forward whose
+    # loss the script dropped (its own error caught) stays counted, as it always did
+    forwarded: int = 0
     training_forwards: int = 0  # forwards for a backward, failed ones included
     forwards: list = field(default_factory=list)  # this micro-step's forwards, as the window split records them
 
