@@ -24,6 +24,8 @@ checkpointing; otherwise the recomputation would write its keys and values a sec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.utils.checkpoint
 
@@ -164,21 +166,51 @@ def apply_compile(blocks: list[torch.nn.Module], request) -> None:
                                       backend=request.backend, fullgraph=request.fullgraph)
 
 
-def transform_model(module: torch.nn.Module, checkpointing, compile) -> CheckpointSwitch | None:
-    """Checkpoint, then compile, ``module``'s blocks as the setup asks (each may be None: off).
-    A compiled block that is also checkpointed compiles its checkpointed forward. Returns the
-    switch of ``activation_checkpointing: auto`` (else None)."""
-    switch = None
+@dataclass(frozen=True)
+class ModelBlocks:
+    """The blocks the transforms wrap, chosen on a whole model: those to checkpoint (every
+    ``every``-th of the checkpointing blocks) and those to compile (its repeated blocks, or the
+    model itself when it has none)."""
+
+    checkpointed: tuple
+    compiled: tuple
+
+    def held(self, module: torch.nn.Module) -> "ModelBlocks":
+        """Those of the blocks ``module`` holds (a pipeline stage's, chosen on the whole model)."""
+        inside = {id(m) for m in module.modules()}
+        return ModelBlocks(tuple(b for b in self.checkpointed if id(b) in inside),
+                           tuple(b for b in self.compiled if id(b) in inside))
+
+
+def model_blocks(module: torch.nn.Module, checkpointing, compile) -> ModelBlocks:
+    """The blocks of ``module`` that the setup's checkpointing and compile wrap (each may be None: off)."""
+    checkpointed = ()
     if checkpointing is not None:
         blocks = repeated_blocks(module, checkpointing.blocks)
         if not blocks:
             raise ConfigError("activation_checkpointing.blocks: auto found no repeated blocks (no ModuleList or "
                               "Sequential of layers with parameters, no _no_split_modules); name the blocks' "
                               "classes: blocks: [MyBlock]")
+        checkpointed = tuple(blocks[::checkpointing.every])
+    compiled = tuple(repeated_blocks(module, "auto") or [module]) if compile is not None else ()
+    return ModelBlocks(checkpointed, compiled)
+
+
+def transform_blocks(blocks: ModelBlocks, checkpointing, compile) -> CheckpointSwitch | None:
+    """Checkpoint, then compile, ``blocks`` as the setup asks. A compiled block that is also
+    checkpointed compiles its checkpointed forward. Returns the switch of
+    ``activation_checkpointing: auto`` (else None)."""
+    switch = None
+    if blocks.checkpointed:
         if checkpointing.automatic:
-            switch = apply_switchable_checkpointing(blocks, checkpointing.every)
+            switch = apply_switchable_checkpointing(list(blocks.checkpointed))
         else:
-            apply_activation_checkpointing(blocks, checkpointing.every)
-    if compile is not None:
-        apply_compile(repeated_blocks(module, "auto") or [module], compile)
+            apply_activation_checkpointing(list(blocks.checkpointed))
+    if blocks.compiled:
+        apply_compile(list(blocks.compiled), compile)
     return switch
+
+
+def transform_model(module: torch.nn.Module, checkpointing, compile) -> CheckpointSwitch | None:
+    """:func:`transform_blocks` on the blocks :func:`model_blocks` finds in ``module``."""
+    return transform_blocks(model_blocks(module, checkpointing, compile), checkpointing, compile)

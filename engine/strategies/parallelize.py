@@ -9,9 +9,9 @@ the model is cut first and each rank applies the same steps to the stages it hol
 plan is resolved on the whole model (its names) and given here for the layers held.
 
 The model transforms run last but for the data sharding, as torchtitan orders them: they wrap
-block forwards (``engine.strategies.model_transforms``), which commutes with the tensor split (module hooks
-and parameters), and under a pipeline they are applied to the whole model before its cut, where
-its repeated blocks are found (a Hugging Face model's ``_no_split_modules`` is the root's).
+block forwards (``engine.strategies.model_transforms``). Under a pipeline the blocks are chosen on the
+whole model before its cut (a Hugging Face model's ``_no_split_modules`` is the root's, and
+``every``-th counts over all of them) and each stage's holder hands the ones it holds here.
 A new dimension is one more guarded step here and the module that implements it.
 """
 
@@ -24,7 +24,7 @@ import torch
 from engine.context.parallel import ContextParallel
 from engine.distributed.group_held import NO_GROUP_HELD, GroupHeldParameters
 from engine.experts.parallel import ExpertShards
-from engine.strategies.model_transforms import CheckpointSwitch, transform_model
+from engine.strategies.model_transforms import CheckpointSwitch, ModelBlocks, model_blocks, transform_blocks
 from engine.config.setup import Setup
 from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
 
@@ -38,13 +38,14 @@ class Parallelized(NamedTuple):
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
-                expert_patterns: list[str] | None = None, transform: bool = True) -> Parallelized:
-    """Apply the setup's model-parallel dimensions, then (``transform``) activation checkpointing
-    and compile, to ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
+                expert_patterns: list[str] | None = None, blocks: ModelBlocks | None = None) -> Parallelized:
+    """Apply the setup's model-parallel dimensions, then activation checkpointing and compile, to
+    ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
     stage's), else the setup's, resolved on ``module``; ``expert_patterns``: the modules of experts
     found on the whole model (a pipeline stage's names are the model's), else the setup's or the
-    model's own plan, found on ``module``. Returns the switch of
+    model's own plan, found on ``module``; ``blocks``: those to checkpoint and compile, chosen on the
+    whole model (a pipeline stage's), else found on ``module``. Returns the switch of
     ``activation_checkpointing: auto`` (else None), the context dimension's split (else None) and
     the parameters held apart (the split experts, else ``NO_GROUP_HELD``)."""
     mesh = setup.mesh
@@ -56,9 +57,8 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
     context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
     group_held = apply_expert_parallel(module, setup, groups, expert_patterns) if mesh.expert > 1 else NO_GROUP_HELD
-    if not transform:
-        return Parallelized(None, context, group_held)
-    return Parallelized(transform_model(module, setup.checkpointing, setup.compile), context, group_held)
+    blocks = blocks if blocks is not None else model_blocks(module, setup.checkpointing, setup.compile)
+    return Parallelized(transform_blocks(blocks, setup.checkpointing, setup.compile), context, group_held)
 
 
 def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> ContextParallel:

@@ -8,7 +8,8 @@ then steps the share of the stage's optimizer state it owns, ``engine.strategies
 shard each stage by FSDP2 (ZeRO-2/3). The model is cut first; each rank then applies the same composition
 as without a pipeline (``engine.strategies.parallelize``) to the stages it holds: with a tensor
 dimension, the plan is resolved on the whole model (every pattern must match a module of the
-model, under the model's own names) and its layers held here are split over the tensor group.
+model, under the model's own names) and its layers held here are split over the tensor group; the
+modules of experts and the blocks to checkpoint and compile are likewise found on the whole model.
 A stage may not end on a layer whose output stays split (``tensor_plan.stage_boundary_problems``):
 each rank sends its stage's outputs to the rank of the same tensor index in the next stage.
 
@@ -46,7 +47,7 @@ from engine.adapters.torch_internals import (drop_unreduced_gradients, fsdp_comm
                                              schedules_switch_modes)
 from engine.distributed.collectives import small_sum
 from engine.errors import ConfigError, EngineUsageError
-from engine.strategies.model_transforms import transform_model
+from engine.strategies.model_transforms import ModelBlocks, model_blocks
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
@@ -99,9 +100,9 @@ class PipelineParallel(TorchStrategy):
     # -- the model -------------------------------------------------------------------------
     def setup(self, module, optimizer):
         self.start_equal(module)  # every rank starts from rank 0's model, as under DDP
-        # Checkpoint / compile the blocks before the model is cut: its blocks are found on the whole
-        # model (engine.strategies.parallelize says why this commutes with the rest).
-        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
+        # The blocks to checkpoint and compile are chosen on the whole model, before its cut; each stage
+        # wraps those it holds in the same parallelize as every holder (engine.strategies.parallelize).
+        blocks = model_blocks(module, self.settings.checkpointing, self.settings.compile)
         self._key_order = list(module.state_dict())
         split = self._split = split_model(module, self.num_stages, self.settings.pipeline.split, self.stages_per_rank)
         pieces = split.pieces
@@ -124,16 +125,16 @@ class PipelineParallel(TorchStrategy):
         _release_others(module, [self.module, *self.stage_modules])  # a stage may hold more (rotary embeddings)
         self.optimizer = optimizer
         self.forward_module = self.module
-        if self.mesh.tensor > 1 or self.mesh.expert > 1:
-            self._parallelize_stages(module, pieces)
+        self._parallelize_stages(module, pieces, blocks)
         if self.sharded:
             self._shard_stages()
         # ZeRO 1: each of the stage's data replicas owns a share of its optimizer state
         self.owned = optimizer_state(self, self.module, self.optimizer)
 
-    def _parallelize_stages(self, model: torch.nn.Module, pieces: list) -> None:
-        """The tensor and expert dimensions, on the layers this rank's stages hold, by what the whole
-        model names: its tensor plan, its modules of experts (the stages keep the model's names)."""
+    def _parallelize_stages(self, model: torch.nn.Module, pieces: list, blocks: ModelBlocks) -> None:
+        """The composition every holder applies (``engine.strategies.parallelize``), on the layers this
+        rank's stages hold, by what the whole model names: its tensor plan, its modules of experts,
+        its blocks to checkpoint and compile (the stages keep the model's names and modules)."""
         held = dict(self.module.named_modules())
         tensor_plan = expert_patterns = None
         if self.mesh.tensor > 1:
@@ -151,7 +152,8 @@ class PipelineParallel(TorchStrategy):
                                    "cut the model so that every stage holds some (pipeline.split), or set "
                                    "expert_parallel.size: 1"])
         names = {id(p): name for name, p in self.module.named_parameters()}
-        self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns, transform=False)
+        self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns,
+                         blocks=blocks.held(self.module))
         repoint_optimizer(self.optimizer, names, self.module)
 
     def _shard_stages(self) -> None:
