@@ -116,9 +116,9 @@ def model_loss(model, batch):
     return model(**batch).loss
 
 
-def gpt():
+def gpt(heads=4):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=12, block_size=WIDTH, n_layer=2, n_head=4, n_embd=16)).double()
+    return GPT(GPTConfig(vocab_size=12, block_size=WIDTH, n_layer=2, n_head=heads, n_embd=4 * heads)).double()
 
 
 def gpt_batches(steps, global_batch=8):
@@ -165,13 +165,14 @@ def packed_script(rank, world, stage=0, breaking=broken.intact, attention="sdpa"
 RING = {"context_parallel": {"size": 2, "method": "ring"}}
 
 
-def gpt_script(rank, world, stage=0, loss=token_loss_sum, extra=None):
-    model, batches = gpt(), gpt_batches(2)
+def gpt_script(rank, world, stage=0, loss=token_loss_sum, extra=None, heads=4):
+    model, batches = gpt(heads), gpt_batches(2)
     expected = reference_train(model, batches, token_loss_mean, sgd)
     eng = engine.initialize(copy.deepcopy(model), config(2, stage=stage, **(extra or {})), optimizer=sgd)
     losses = [eng.train_batch(rank_slice(batch, eng.plan), loss) for batch in batches]
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)), "loss0": losses[0],
-            "expected_loss0": token_loss_mean(model, batches[0]).item()}
+            "expected_loss0": token_loss_mean(model, batches[0]).item(),
+            "methods": sorted(getattr(eng.context.exchange, "chosen", ()))}
 
 
 CHECKPOINTING = {"activation_checkpointing": {"enabled": True}}
@@ -336,6 +337,7 @@ def two_rank_scenarios(directory):
         "llama auto with 1 key/value head: ring": functools.partial(llama_script, kv_heads=1),
         "llama packed rows, ring": functools.partial(packed_script, extra=RING),
         "gpt ring": functools.partial(gpt_script, extra=RING),
+        "gpt with 3 heads, auto: ring": functools.partial(gpt_script, heads=3),
         "saved activation bytes, ring": functools.partial(saved_activation_bytes, extra=RING),
     }
 
@@ -365,6 +367,8 @@ def check(results, llama_data):
                 assert result["diff"] > missed, (name, result["diff"])
                 continue
             assert result["diff"] < tolerance, (name, result["diff"])
+            if "auto: ring" in name and "methods" in result:  # what auto chose per call (a model without a config)
+                assert result["methods"] == ["ring"], result["methods"]
             if "DeepSpeed" in name:
                 assert result["data"] == llama_data
                 continue

@@ -121,3 +121,20 @@ def test_a_block_is_half_a_part_of_scores_away_from_the_diagonal():
     assert [(b.queries, b.keys, b.causal) for b in map(blocks.block, range(3))] == [
         (every, head, False), (every, every, True), (tail, every, False)]
     assert ring.RingBlocks(ContextShards(3, 1), 8, False, None).block(2) == ring.Block(every, every, False, None)
+
+
+def test_what_the_blocks_do_not_compute_is_refused_naming_ulysses():
+    """A Hugging Face attention call with a sliding window shorter than the sequence, a soft cap or
+    sinks: refused before any exchange (Ulysses runs the model's own attention on whole sequences)."""
+    from engine.context.ulysses import Activity
+    from engine.errors import EngineUsageError
+
+    activity = Activity()
+    attention = ring.RingExchange(ContextShards(2, 0), None, [0, 1]).hugging_face_attention(None, "sdpa", activity)
+    query = torch.zeros(1, 4, 8, 8)
+    with activity:
+        for extra, words in (({"sliding_window": 12}, "sliding window of 12 tokens, shorter than the sequence's 16"),
+                             ({"softcap": 30.0}, "soft-capped scores"), ({"s_aux": query}, "attention sinks"),
+                             ({"dropout": 0.1}, "dropout 0.1")):
+            with pytest.raises(EngineUsageError, match=words):
+                attention(torch.nn.Module(), query, query, query, None, **extra)
