@@ -19,8 +19,8 @@ model's SDPA in the same exchange (``engine.context.ulysses.UlyssesExchange``'s 
 the ratio), backward of each micro-batch's token sum, one
 all-reduce of the gradients per window, divides by the window's token count, steps. With
 ``--method ring`` a third variant, ``gathered``, is that hand loop with the attention written the
-simple way: every rank's keys and values all-gathered through autograd
-(``torch.distributed.nn.functional.all_gather``: its backward sums their gradients back), the
+simple way: every rank's keys and values all-gathered (differentiably: the backward sends each
+rank the gradients of its part, an all-to-all, and sums them), the
 part's queries over the whole sequence by SDPA with the causal mask of global positions; its
 activations are measured too (it saves the whole sequence's keys and values per layer). Variants
 interleaved, the slowest rank's time, median over rounds; tokens/s counts every padded
@@ -48,11 +48,10 @@ import torch.nn.functional as F
 import engine
 from bench.common import interleaved, save
 from bench.tensor_parallel import cpu_interleaved
-from torch.distributed.nn.functional import all_gather
-
 from engine.context.ring import RingExchange
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange
+from engine.distributed.collectives import all_to_all
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.memory import storages
 from examples.gpt import GPT, GPTConfig
@@ -96,6 +95,22 @@ def saved_bytes(run, parameters) -> int:
     return total
 
 
+class GatheredAlongSequence(torch.autograd.Function):
+    """Every rank's (..., part, d) concatenated along the sequence; the backward returns each rank the
+    sum over ranks of the gradients of its part."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = torch.stack(grad.chunk(dist.get_world_size(), dim=-2))
+        return all_to_all(pieces, None).sum(dim=0)
+
+
 class GatheredExchange:
     """Ring attention's simplest alternative: the keys and values of every rank gathered (autograd
     differentiates the all-gather), this part's queries over the whole sequence, causal by position."""
@@ -108,7 +123,7 @@ class GatheredExchange:
 
     def sdpa(self, what, func, query, key, value, *rest, **kwargs):
         length = query.shape[-2] * self.shards.size
-        keys, values = (torch.cat(all_gather(t.contiguous()), dim=-2) for t in (key, value))
+        keys, values = (GatheredAlongSequence.apply(t) for t in (key, value))
         allowed = self.shards.positions(length)[:, None] >= self.shards.gathered_positions(length)[None, :]
         return func(query, keys, values, attn_mask=allowed, scale=kwargs.get("scale"))
 
