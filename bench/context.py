@@ -202,7 +202,8 @@ def main(argv=None):
         if args.method == "ring":
             gathered = HandContext(length, info.rank, size, "gathered")
             runs["gathered"] = lambda: gathered.step(batch)
-            memory[-1]["gathered_bytes"] = saved_bytes(lambda: gathered.loss(micro)[0], list(gathered.model.parameters()))
+            memory[-1]["gathered_bytes"] = saved_bytes(lambda: gathered.loss(micro)[0],
+                                                       list(gathered.model.parameters()))
             memory[-1]["gathered_ratio"] = memory[-1]["gathered_bytes"] / alone
         times = interleaved(runs, rounds=args.rounds, steps=args.steps, distributed=True)
         cpu = cpu_interleaved(runs, rounds=args.rounds, steps=args.steps)
@@ -224,8 +225,8 @@ def main(argv=None):
                   f"{m['ratio']:.2f} | {s['engine_tokens_per_s']:12.0f} {s['hand_tokens_per_s']:11.0f} "
                   f"{s['ratio']:17.3f} {s['cpu_ratio']:9.3f}")
             if "gathered_bytes" in m:
-                print(f"        gathered by hand: activations {m['gathered_bytes'] / 2**20:.1f} MiB ({m['gathered_ratio']:.2f}), "
-                      f"{s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
+                print(f"        gathered by hand: activations {m['gathered_bytes'] / 2**20:.1f} MiB "
+                      f"({m['gathered_ratio']:.2f}), {s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
         name = "context" if args.method == "ulysses" else f"context_{args.method}"
         save(f"{name}_w{info.world_size}", {"method": args.method, "load_average": load, "rows": ROWS, "micro_batch": MICRO,
                                              "memory": memory, "speed": speed})
