@@ -146,11 +146,11 @@ class Block:
 class RingBlocks:
     """The blocks of one rank's ring (module docstring): which queries meet which keys of part j."""
 
-    def __init__(self, shards: ContextShards, part: int, causal: bool, documents: torch.Tensor | None):
-        self.shards, self.part, self.causal, self.documents = shards, part, causal, documents
+    def __init__(self, shards: ContextShards, part_length: int, causal: bool, documents: torch.Tensor | None):
+        self.shards, self.part_length, self.causal, self.documents = shards, part_length, causal, documents
 
     def block(self, part: int) -> Block:
-        everything, chunk = slice(0, self.part), self.part // 2
+        everything, chunk = slice(0, self.part_length), self.part_length // 2
         index = self.shards.index
         if not self.causal:
             queries, keys, causal = everything, everything, False
@@ -159,10 +159,10 @@ class RingBlocks:
         elif part < index:  # an earlier rank's: its head chunk lies before all of ours, its tail after
             queries, keys, causal = everything, slice(0, chunk), False
         else:  # a later rank's: both its chunks lie after our head chunk and before our tail chunk
-            queries, keys, causal = slice(chunk, self.part), everything, False
+            queries, keys, causal = slice(chunk, self.part_length), everything, False
         if self.documents is None:
             return Block(queries, keys, causal, None)
-        length = self.part * self.shards.size
+        length = self.part_length * self.shards.size
         mine = self.shards.positions(length, device=self.documents.device)[queries]
         theirs = self.shards.positions(length, part, self.documents.device)[keys]
         allowed = (self.documents[:, mine, None] == self.documents[:, None, theirs])[:, None]
