@@ -80,7 +80,7 @@ class PipelineWindows(WindowRunner):
         self.routers = StageRouters.of(strategy.stage_modules, self.model_loss.router_term,
                                        counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0) \
             if balance_globally else None
-        self._window_term: torch.Tensor | None = None  # the last stage's λ-less term, while a window runs
+        self._window_term: torch.Tensor | None = None  # the window's term (λ-less) the last stage's loss adds
 
     def _schedule_form(self, batch, loss_fn: LossFn, method: str):
         """``(batch as (inputs, labels), loss_fn(outputs, labels))``. A ``loss_fn(model, micro_batch)`` on a

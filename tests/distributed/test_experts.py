@@ -322,6 +322,11 @@ def pipeline_scenario(rank, world):
         losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
         results[name] = max_param_diff(eng.full_state_dict(), expected)
         results[f"{name} loss"] = abs(losses[0] - first_loss)
+        if name == "exact":  # a loss made of the own loss would still get the term's gradient: refused
+            try:
+                eng.train_batch(rank_slice(batches[0], eng.plan), lambda model, b: model(**b).loss * 1.0)
+            except engine.EngineUsageError as error:
+                results["not the own loss"] = str(error)
         eng.close()
     return results
 
@@ -365,6 +370,7 @@ def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
         assert result["per stage"] > 1e3 * HF_TOL, (rank, result)
         # the reported loss is the full batch's, its term the window's (transformers' float32 cross entropy)
         assert result["exact loss"] < 1e-6, (rank, result)
+        assert "returned something else than the model's .loss" in result["not the own loss"], (rank, result)
 
 
 @pytest.mark.distributed
