@@ -360,7 +360,8 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return NoRouters()
-    if runner_runs_micro_steps and ((experts.balances_globally and experts.own_terms) or experts.bias_routers.updating):
+    own_term_globally = experts.balances_globally and experts.own_terms
+    if runner_runs_micro_steps and (own_term_globally or experts.bias_routers.updating):
         raise EngineUsageError(
             "moe.load_balance: global with an engine.LoadBalancingLoss of the model's own (or moe.bias_update_speed) "
             "under a pipeline: the stages run parts of the model, not its forward where the term is added to the "

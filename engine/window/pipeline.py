@@ -155,7 +155,8 @@ class PipelineWindows(WindowRunner):
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), self.strategy.device)
                 routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start)
-            with engine.windows.measured_forwards(), routing:  # a recorded window: every micro-batch's saved activations count
+            # a recorded window: every micro-batch's saved activations count
+            with engine.windows.measured_forwards(), routing:
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=engine.windows.fingerprint_batch)
