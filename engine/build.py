@@ -104,7 +104,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         # automatic micro size chooses A per window
         chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
         pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
-                                   own_loss)
+                                   own_loss, balance_globally=config.moe.load_balance == "global")
         schedule_steps = strategy.fitting_micro_batches
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None

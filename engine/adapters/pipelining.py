@@ -2,7 +2,7 @@
 kept off this rank's own pair, and its backward of one micro-batch handed to a guard
 (``engine.strategies.stage_failures``). Imported only where a pipeline runs.
 
-Seven methods are overridden, none documented as stable (docs/compatibility.md):
+Nine methods are overridden, none documented as stable (docs/compatibility.md):
 
 * ``_get_init_p2p_neighbors_ops()``: the messages torch 2.11's multi-stage schedules send each
   neighbouring stage before their first step, to open the connections (2.13 replaced it, for a
@@ -14,12 +14,16 @@ Seven methods are overridden, none documented as stable (docs/compatibility.md):
 * ``get_fwd_recv_ops`` / ``get_fwd_send_ops`` / ``get_bwd_recv_ops`` / ``get_bwd_send_ops``
   (a micro-batch index): the point-to-point messages of one micro-batch, which every schedule
   asks its stage for (2.11 to 2.15), here preceded by ``before_first_message`` (and, for the
-  first gradient receive, by ``before_first_gradient_wait``).
+  first gradient receive, by ``before_first_gradient_wait``);
+* ``_forward_metadata_inference`` (torch 2.13) / ``_shape_inference`` (before): the forward a stage
+  runs once per schedule to learn its shapes, marked on the stage's module (``learning_shapes``)
+  so that what counts the micro-batches' forwards (``engine.window.stage_routers``) leaves it out.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import contextlib
+from typing import Callable, Iterator, Protocol
 
 from torch.distributed.pipelining import PipelineStage
 
@@ -64,11 +68,29 @@ class NeighbourStage(PipelineStage):
         self._call_once("before_first_message")
         return super().get_bwd_send_ops(*args, **kwargs)
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with _learning_shapes(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):
+        with _learning_shapes(self.submod):
+            return super()._shape_inference(*args, **kwargs)
+
     def _call_once(self, hook: str) -> None:
         call = getattr(self, hook)
         if call is not None:
             setattr(self, hook, None)
             call()
+
+
+@contextlib.contextmanager
+def _learning_shapes(module) -> Iterator[None]:
+    """Inside the block ``module.learning_shapes`` is True: its forwards learn the schedule's shapes."""
+    module.learning_shapes = True
+    try:
+        yield
+    finally:
+        module.learning_shapes = False
 
 
 class GuardedPipelineStage(NeighbourStage):

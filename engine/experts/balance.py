@@ -146,6 +146,36 @@ def deferred_term(mine: RouterCounts, num_experts: int, coefficients: Callable[[
     return value + _DeferredCoefficients.apply(mine.probabilities.sum(0), coefficients)
 
 
+class _TermGradient(torch.autograd.Function):
+    """Passes ``carrier`` on; its backward gives ``probabilities`` the gradient ``coefficients``, whatever
+    gradient the carrier receives."""
+
+    @staticmethod
+    def forward(ctx, carrier, probabilities, coefficients):
+        ctx.coefficients = coefficients
+        return carrier.clone()  # a new tensor: a stage's output may be detached in place (zero-bubble)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.coefficients, None
+
+
+def with_term_gradient(carrier: torch.Tensor, mine: RouterCounts, coefficients: torch.Tensor) -> torch.Tensor:
+    """``carrier`` (a tensor the loss depends on), through which the backward also adds Σᵢ coefficientsᵢ ·
+    ∂S_k,ᵢ: the gradient of the window's term through these rows' router probabilities (pooled over
+    their layers), for a term computed outside the loss (a pipeline stage's routers, whose loss is
+    on another rank). ``coefficients`` (E,): the term's E · Cᵢ / R² of the window times its weight."""
+    probabilities = mine.probabilities.sum(0)
+    return _TermGradient.apply(carrier, probabilities, coefficients.to(probabilities.dtype))
+
+
+def pooled(counts: RouterCounts) -> RouterCounts:
+    """The statistics summed over the layers: one "layer" (1, E) holding Σ_layers C, S and R. The term
+    pools its layers, so this is all a window needs of rows whose layers are spread over stages."""
+    return RouterCounts(counts.assignments.sum(0, keepdim=True), counts.probabilities.sum(0, keepdim=True),
+                        counts.rows.sum(0, keepdim=True))
+
+
 def stack_counts(terms: Sequence[RouterCounts]) -> torch.Tensor:
     """The statistics of a micro-step's terms, flat (float64), to be summed over micro-steps and ranks."""
     return torch.cat([torch.cat([t.assignments.reshape(-1), t.probabilities.detach().reshape(-1), t.rows.reshape(-1)])

@@ -205,11 +205,15 @@ class PlanStage(nn.Module):
                 output = self.model(**{self._input: hidden}, use_cache=False)
                 value = output.logits
             else:
-                base = self.model.get_submodule(self._base_name) if self._base_name else self.model
-                output = base(**{self._input: hidden}, use_cache=False)
+                output = self.base_model()(**{self._input: hidden}, use_cache=False)
                 value = output.last_hidden_state
         self._output_type = type(output)
         return owned_outputs(value) if self._own_outputs else value
+
+    def base_model(self) -> nn.Module:
+        """This stage's copy of the base model (its output holds the stage's router logits, when the
+        model records them)."""
+        return self.model.get_submodule(self._base_name) if self._base_name else self.model
 
     def model_outputs(self, value: torch.Tensor):
         """What the model itself returns, around the last stage's output (``outputs.logits``)."""

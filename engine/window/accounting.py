@@ -17,7 +17,9 @@ ranks (data × context) of each rank's accumulated gradient, so:
   1/holders of its samples and tokens from each;
 * **evaluation's totals** (:func:`evaluation_terms`): Σ loss × share and Σ units, divided once;
 * **a load-balancing term's factor** (:func:`term_factors`): the inverse of the weight its loss
-  gets, N / n for a mean, U for a sum, U / c for a model's own mean over c items read as a sum.
+  gets, N / n for a mean, U for a sum, U / c for a model's own mean over c items read as a sum;
+  and the weight of a term's gradient added beside the loss (:meth:`Accounting.outside_loss_weight`):
+  U · W / G.
 
 Every runner (plain, pipeline, router counting, context) and evaluation asks this module; none re-derives
 a weight.
@@ -83,6 +85,13 @@ class Accounting:
     def micro_step_weight(self, samples: int, item_weighted: bool) -> float:
         """What a micro-batch's loss is multiplied by before its backward, in every window runner."""
         return share(samples, item_weighted) * self.ranks / self.weighting_batch()
+
+    def outside_loss_weight(self, units):
+        """What a load-balancing term's gradient added beside the loss (a pipeline stage's routers,
+        ``engine.window.stage_routers``) is multiplied by so that it enters the window's gradient once:
+        the window's U items over every rank × W / G, which the boundary's G / U and the ranks'
+        average undo."""
+        return units * self.ranks / self.weighting_batch()
 
     def boundary_multiplier(self, item_weighted: bool, units, samples: int):
         """What the reduced gradient is multiplied by at the boundary to be the global mean (None: the

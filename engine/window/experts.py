@@ -352,18 +352,22 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
     """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``;
     ``NoRouters`` for a model without a load-balancing term (its windows run as any other's).
     ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
-    engine, so no counting forward or held forward can come first."""
+    engine: it counts a Hugging Face model's routers over its stages itself
+    (``engine.window.stage_routers``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             can_hold_forwards=strategy.can_reduce_after_window and not runner_runs_micro_steps,
                             checkpointing=checkpointing, all_reduce_sum=strategy.all_reduce_sum,
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return NoRouters()
-    if runner_runs_micro_steps and (experts.balances_globally or experts.bias_routers.updating):
+    own_term_globally = experts.balances_globally and experts.own_terms
+    if runner_runs_micro_steps and (own_term_globally or experts.bias_routers.updating):
         raise EngineUsageError(
-            "moe.load_balance: global (or moe.bias_update_speed) under a pipeline: the stages' schedule runs the window's micro-batches "
-            "itself, so the router counts of the whole window are not known before its first backward; set "
-            "moe.load_balance: micro_batch and moe.bias_update_speed: 0, or train without pipeline.stages")
+            "moe.load_balance: global with an engine.LoadBalancingLoss of the model's own (or moe.bias_update_speed) "
+            "under a pipeline: the stages run parts of the model, not its forward where the term is added to the "
+            "loss (a Hugging Face model's term is counted over its stages: its .loss adds it), and the bias moves "
+            "by the load of a window the stages' schedule does not count; set moe.load_balance: micro_batch and "
+            "moe.bias_update_speed: 0, or train without pipeline.stages")
     if experts.balances_globally and experts.global_counts == "hold_forwards":
         strategy.reduce_after_window()  # every forward of a window runs before its backwards
     return experts

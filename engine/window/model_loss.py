@@ -27,13 +27,16 @@ A routed model's ``.loss`` includes its load-balancing term λ·aux: read as a s
 is multiplied by the micro-batch's count too, which the term's factor divides out
 (``engine.window.accounting.term_factors``, from :func:`mean_items`). Under a pipeline no rank
 holds the whole model: the last stage hands ``loss_fn(model, micro_batch)`` a :class:`LastStageModel`
-whose call applies the model's own loss function to the stage's logits.
+whose call applies the model's own loss function to the stage's logits; a routed model's term is then
+the window's (``moe.load_balance: global``: the stages exchange their router counts first,
+``engine.window.stage_routers``), its coefficient λ read from the model (:class:`RouterTerm`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -75,6 +78,28 @@ ITEMS: dict[str, tuple[Callable, bool]] = {
 }
 
 
+@dataclass(frozen=True)
+class RouterTerm:
+    """How a Hugging Face mixture-of-experts language model adds its routers' term to ``.loss``:
+    ``coefficient · load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``."""
+
+    num_experts: int
+    top_k: int
+    coefficient: float
+
+
+def router_term_of(model: torch.nn.Module) -> RouterTerm | None:
+    """The term ``model``'s ``.loss`` adds (its config has ``output_router_logits``), read from the
+    attributes its forward passes (Mixtral, Qwen2/3-MoE, OLMoE: ``num_experts``,
+    ``num_experts_per_tok``, ``router_aux_loss_coef``); None when it adds none or names them otherwise."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return None
+    values = [getattr(model, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if not all(isinstance(value, (int, float)) for value in values):
+        return None
+    return RouterTerm(int(values[0]), int(values[1]), float(values[2]))
+
+
 def mean_items(loss) -> tuple[object, object] | None:
     """``(multiplier, items)`` when ``loss`` is a model's own mean loss as the engine marked it
     (``loss × multiplier`` is its sum over ``items``), else None."""
@@ -96,6 +121,7 @@ class ModelLoss:
         self.loss_type = getattr(model, "loss_type", None)
         self._count, self._honours_num_items, self._takes_cache = count, honours_num_items, takes_cache
         self._loss_function = model.loss_function  # transformers' function of this loss type
+        self.router_term = router_term_of(model)
 
     def call_arguments(self, kwargs: dict) -> dict:
         """``kwargs`` for the model: rows carrying ``position_ids`` (packed documents) run without the
@@ -115,22 +141,30 @@ class ModelLoss:
         setattr(loss, _MARK, (multiplier, items))
 
 
-    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, window_term: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """Under a pipeline: the model's own loss of the last stage's ``logits`` and ``kwargs``'
         labels, as the whole model's forward computes it (causal language models: no other loss
-        type's head runs on the last stage alone)."""
+        type's head runs on the last stage alone); a routed model's adds λ · ``window_term``, the
+        window's load-balancing term (its gradient reaches every stage's routers beside the loss)."""
         if self._count is not _causal_targets:
             raise EngineUsageError(
                 f"under a pipeline the last stage applies the model's own loss for causal language models; "
                 f"{type(self.config).__name__}'s loss type is {self.loss_type}: write loss_fn(outputs, labels) "
                 "returning (loss_sum, num_items), and give batches (inputs, labels)")
-        if getattr(self.config, "output_router_logits", False):
+        routed = getattr(self.config, "output_router_logits", False)
+        if routed and (self.router_term is None or window_term is None):
             raise EngineUsageError(
-                "under a pipeline the last stage holds the logits only, not the routers' load-balancing term that "
-                "the model's own .loss adds (output_router_logits is true): write loss_fn(outputs, labels) for the "
-                "language-model part as (loss_sum, num_items), or train without pipeline.stages")
+                "under a pipeline the last stage holds the logits only, not the routers of the other stages, whose "
+                "load-balancing term the model's own .loss adds (output_router_logits is true): the stages exchange "
+                "their router counts for the window's term in train_batch under moe.load_balance: global (for a "
+                "model that names num_experts, num_experts_per_tok and router_aux_loss_coef, as Mixtral, "
+                "Qwen2/3-MoE and OLMoE do), never for one micro-batch's term (moe.load_balance: micro_batch, or "
+                "eval_batch); set moe.load_balance: global to train, or write loss_fn(outputs, labels) for the "
+                "language-model part as (loss_sum, num_items)")
         extra = {key: kwargs[key] for key in ("shift_labels", "num_items_in_batch") if key in kwargs}
-        return self._loss_function(logits, kwargs["labels"], vocab_size=self.config.vocab_size, **extra)
+        loss = self._loss_function(logits, kwargs["labels"], vocab_size=self.config.vocab_size, **extra)
+        return loss + self.router_term.coefficient * window_term.to(loss.device) if routed else loss
 
 
 class NoModelLoss:
@@ -145,7 +179,9 @@ class NoModelLoss:
     def observe(self, kwargs: dict, output) -> None:
         pass
 
-    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    router_term = None
+
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, window_term=None) -> torch.Tensor:
         raise EngineUsageError(NO_LAST_STAGE_LOSS)
 
 
@@ -159,10 +195,11 @@ class LastStageModel:
     """What ``loss_fn(model, micro_batch)`` is handed on a pipeline's last stage, where no rank holds
     the whole model: called with the micro-batch (``m(**micro_batch)``), it returns the last stage's
     outputs, with the model's own ``.loss`` of their logits and the labels given (marked with its
-    items, as a whole model's forward through the engine would be)."""
+    items, as a whole model's forward through the engine would be). ``window_term``: a routed model's
+    load-balancing term over the window (``engine.window.stage_routers``), or None."""
 
-    def __init__(self, outputs, model: ModelLoss | NoModelLoss):
-        self._outputs, self._model = outputs, model
+    def __init__(self, outputs, model: ModelLoss | NoModelLoss, window_term: torch.Tensor | None = None):
+        self._outputs, self._model, self._window_term = outputs, model, window_term
 
     def __call__(self, *args, **kwargs):
         outputs = self._outputs
@@ -170,7 +207,7 @@ class LastStageModel:
             return outputs
         if not isinstance(getattr(outputs, "logits", None), torch.Tensor):
             raise EngineUsageError(NO_LAST_STAGE_LOSS)
-        loss = self._model.last_stage_loss(outputs.logits, kwargs)
+        loss = self._model.last_stage_loss(outputs.logits, kwargs, self._window_term)
         outputs = type(outputs)(loss=loss, logits=outputs.logits)
         self._model.observe(kwargs, outputs)
         return outputs

@@ -38,16 +38,19 @@ step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.batching.microbatch import batch_size
-from engine.window.accounting import evaluation_terms, loss_and_units
+from engine.state.rng import restore_rng_state, rng_state
+from engine.window.accounting import evaluation_terms, loss_and_units, loss_tensor
 from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, model_call_refused,
                                        written_for_model)
-from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss
+from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss, mean_items
+from engine.window.stage_routers import NOT_OWN_LOSS, StageRouters, row_weights
 from engine.window.records import MIXED_KINDS
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
@@ -63,15 +66,21 @@ class PipelineWindows(WindowRunner):
     calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
 
     def __init__(self, strategy: PipelineParallel, accumulation: int | None,
-                 model_loss: ModelLoss | NoModelLoss | None = None):
+                 model_loss: ModelLoss | NoModelLoss | None = None, balance_globally: bool = False):
         """``accumulation``: the plan's, checked against the schedule; None when a token budget
         chooses it per window (as many as the schedule runs) or the automatic micro size does
         (``runs_plan``). ``model_loss``: the model's own loss, which the last stage applies for a
-        ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``)."""
+        ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``). ``balance_globally``
+        (``moe.load_balance: global``): a routed model's term is the window's, its stages' router
+        counts exchanged first (``engine.window.stage_routers``)."""
         if accumulation is not None:
             strategy.check_accumulation(accumulation)
         self.strategy = strategy
         self.model_loss = model_loss or NoModelLoss()
+        self.routers = StageRouters.of(strategy.stage_modules, self.model_loss.router_term,
+                                       counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0) \
+            if balance_globally else None
+        self._window_term: torch.Tensor | None = None  # the window's term (λ-less) the last stage's loss adds
 
     def _schedule_form(self, batch, loss_fn: LossFn, method: str):
         """``(batch as (inputs, labels), loss_fn(outputs, labels))``. A ``loss_fn(model, micro_batch)`` on a
@@ -96,12 +105,14 @@ class PipelineWindows(WindowRunner):
                 f"{method}(): the attention_mask has padding before real tokens (left padding, or rows packed with "
                 "gaps); under a pipeline attention runs causal over the whole row without a mask: pad on the right")
         model = self.model_loss
-        return (batch["input_ids"], batch), lambda outputs, micro_batch: loss_fn(LastStageModel(outputs, model), micro_batch)
+        return (batch["input_ids"], batch), lambda outputs, micro_batch: loss_fn(
+            LastStageModel(outputs, model, self._window_term), micro_batch)
 
     def runs_plan(self, plan) -> bool:
         return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
+        routed = self.routers is not None and written_for_model(loss_fn)  # the model's own loss, with its term
         batch, loss_fn = self._schedule_form(batch, loss_fn, "train_batch")
         inputs = batch[0]
         split = engine.window_split.split(batch, engine.plan)
@@ -140,11 +151,17 @@ class PipelineWindows(WindowRunner):
         if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
         try:
-            with engine.windows.measured_forwards():  # a recorded window: every micro-batch's saved activations count
+            routing = contextlib.nullcontext()
+            if routed:  # the window's router counts over every stage, before its first backward
+                weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), self.strategy.device)
+                routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start)
+            # a recorded window: every micro-batch's saved activations count
+            with engine.windows.measured_forwards(), routing:
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=engine.windows.fingerprint_batch)
         finally:  # (a schedule that failed before its first message)
+            self._window_term = None
             confirm_start()
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
@@ -153,6 +170,55 @@ class PipelineWindows(WindowRunner):
             engine.windows.record(output, samples)
         if failure is not None:
             engine.windows.fail(failure)
+
+    def _count_routers(self, engine: Engine, inputs, pieces, sizes, loss_fn, weights, confirm_start):
+        """The counting schedule (``engine.window.stage_routers``): every stage's router counts and the last
+        stage's items over the window, summed over the world; sets the last stage's term and returns the
+        training schedule's context, in which each stage's routers get the term's gradient."""
+        routers, strategy = self.routers, self.strategy
+        # per micro-batch on the last stage: (items, not the own loss); a schedule's shape inference may
+        # call loss_fn once more with micro-batch 0's index, which its own call then replaces
+        counted: list = [(0, False)] * len(pieces)
+        failure: Exception | None = None
+
+        def count_units(outputs, index):
+            nonlocal failure
+            k = int(index[0])
+            if sizes[k] and not strategy.stage_failed and failure is None:
+                try:
+                    output = loss_fn(strategy.model_outputs(_rows(outputs, sizes[k])), pieces[k][0][1])
+                    loss, count, item_weighted = loss_and_units(output, sizes[k])
+                    check_scalar_loss(loss)
+                    counted[k] = (count, not item_weighted or mean_items(loss_tensor(output)) is None)
+                except Exception as error:  # raised after the counts' reduction, on every rank
+                    if not strategy.keep_failure(error):
+                        failure = error
+            return _zero_from(outputs)
+
+        saved = rng_state()  # the training schedule's forwards draw the same numbers
+        self._window_term = torch.zeros((), dtype=torch.float64)
+        try:
+            with torch.no_grad(), routers.counting(weights):
+                strategy.run_schedule(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
+        finally:
+            restore_rng_state(saved)
+            self._window_term = None
+        confirm_start()  # the ranks' position check, before the window's first collective
+        units = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # items U, not the own loss, failed
+        if strategy.holds_last_stage and routers.counts_here:  # one rank of each replica adds its loss
+            units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
+            units[1] = float(any(not_own for _, not_own in counted))
+        units[2] = float(failure is not None or strategy.stage_failed)
+        total = strategy.sum_over_world(torch.cat([routers.window_counts().to(units.device), units]))
+        if total[-1] > 0:
+            strategy.raise_stage_failure()
+            raise failure or failed_on_another_rank("window")
+        if total[-2] > 0:
+            raise EngineUsageError(NOT_OWN_LOSS)
+        scale = strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=units.device), 1.0)
+        aux, coefficients = routers.window_term(total[:-3], engine.accounting.outside_loss_weight(total[-3]) * scale)
+        self._window_term = aux
+        return routers.training(weights, coefficients)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
@@ -216,6 +282,10 @@ def _inputs_and_labels(batch, method: str):
         f"{method}(): under a pipeline a batch is a pair (inputs, labels): the first stage is called with "
         "inputs (a tensor, or a tuple of tensors: several arguments), loss_fn(outputs, labels) runs on the last "
         f"stage; got {type(batch).__name__}")
+
+
+def _rows_of(inputs) -> int:
+    return (inputs if isinstance(inputs, torch.Tensor) else inputs[0]).shape[0]
 
 
 def _rows(outputs, n: int):

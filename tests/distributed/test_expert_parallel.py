@@ -299,19 +299,19 @@ def four_ranks_scenario(rank, world, root):
     eng.train_batch(rank_slice(batches[1], eng.plan), hf_loss)
     results["tensor 2 resumed on data 4"] = max_param_diff(eng.full_state_dict(), expected)
     eng.close()
-    # pipeline 2 × experts 2: each stage's experts split over its two data ranks (a model trained without
-    # its router term: under a pipeline the last stage cannot see the other stages' routers)
-    plain = hf_moe(output_router_logits=False)
+    # pipeline 2 × experts 2: each stage's experts split over its two data ranks, the router term of the
+    # global batch (the stages' counts summed over the pipeline and data ranks before the first backward)
     pipeline = {"pipeline": {"stages": 2}}
-    expected = reference(plain, batches, hf_loss)
+    expected = reference(model, batches, hf_loss)
     results.update({f"pipeline 2 {name}": value for name, value in differences(
-        plain, batches, hf_loss, expected, [("exact", broken.intact),
-                                            ("averaged", broken.experts_averaged_over_the_expert_group)],
+        model, batches, hf_loss, expected, [("exact", broken.intact),
+                                            ("averaged", broken.experts_averaged_over_the_expert_group),
+                                            ("weight without ranks", broken.moe_pipeline_weight_without_ranks)],
         stage=3, **pipeline).items()})
-    eng = trained(plain, batches[:1], hf_loss, stage=1, **pipeline)
+    eng = trained(model, batches[:1], hf_loss, stage=1, **pipeline)
     eng.save_checkpoint(root + "-pipeline")
     eng.close()
-    eng = ep_engine(hf_moe(seed=1, output_router_logits=False), expert=1, stage=0)
+    eng = ep_engine(hf_moe(seed=1), expert=1, stage=0)
     eng.load_checkpoint(root + "-pipeline")
     eng.train_batch(rank_slice(batches[1], eng.plan), hf_loss)
     results["pipeline 2 resumed on data 4"] = max_param_diff(eng.full_state_dict(), expected)
@@ -333,6 +333,7 @@ def test_expert_2_by_data_2_by_tensor_2_and_by_pipeline_2_on_4_ranks(tmp_path):
         assert result["tensor 2 expert slice"] < 0.5, (rank, result)  # half the heads, half the experts, ZeRO 3
         assert result["pipeline 2 exact"] < TOL and result["pipeline 2 resumed on data 4"] < TOL, (rank, result)
         assert result["pipeline 2 averaged"] > MISSES, (rank, result)
+        assert result["pipeline 2 weight without ranks"] > MISSES, (rank, result)
 
 
 # -- one process: finding experts, the config ------------------------------------------------------

@@ -192,11 +192,17 @@ class _Holder:
         return tensor
 
 
-def test_a_pipeline_refuses_global_balance_and_sharded_stages_refuse_held_forwards():
+def test_a_pipeline_refuses_a_term_of_ones_own_and_sharded_stages_refuse_held_forwards():
     from engine.config.schema import MoeConfig
     from engine.window.experts import expert_balance
-    with pytest.raises(engine.EngineUsageError, match="under a pipeline.*micro_batch"):
-        expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False, runner_runs_micro_steps=True)
+    # a Hugging Face model's term is counted over the stages by the pipeline's runner
+    assert expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
+                          runner_runs_micro_steps=True).routes
+    with pytest.raises(engine.EngineUsageError, match="LoadBalancingLoss of the model's own .*under a pipeline"):
+        expert_balance(OwnMoE(), MoeConfig(), strategy=_Holder(True), checkpointing=False, runner_runs_micro_steps=True)
+    with pytest.raises(engine.EngineUsageError, match="bias_update_speed.*under a pipeline"):
+        expert_balance(deepseek_v3(), MoeConfig(bias_update_speed=0.01), strategy=_Holder(True), checkpointing=False,
+                       runner_runs_micro_steps=True)
     assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), strategy=_Holder(True),
                           checkpointing=False, runner_runs_micro_steps=True).routes
     with pytest.raises(engine.EngineUsageError, match="hold_forwards .* ZeRO stages 2 and 3 reduce them"):
@@ -303,6 +309,28 @@ def short_data_scenario(rank, world):
     return None, time.monotonic() - started
 
 
+def pipeline_scenario(rank, world):
+    """Pipeline 2 (1F1B, one Mixtral layer per stage) under global balance, the model's own loss on right-
+    padded rows: the stages exchange their router counts before the window's first backward."""
+    model, batches = hf_moe(), lm_batches(2, 8, padded=True)
+    expected = reference(model, batches, hf_loss)
+    with float64_term(model), torch.no_grad():
+        first_loss = float(hf_loss(copy.deepcopy(model), batches[0]))
+    results = {}
+    for name, breaking in [("exact", broken.intact), ("per stage", broken.moe_term_per_stage)]:
+        eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2}))
+        losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        results[f"{name} loss"] = abs(losses[0] - first_loss)
+        if name == "exact":  # a loss made of the own loss would still get the term's gradient: refused
+            try:
+                eng.train_batch(rank_slice(batches[0], eng.plan), lambda model, b: model(**b).loss * 1.0)
+            except engine.EngineUsageError as error:
+                results["not the own loss"] = str(error)
+        eng.close()
+    return results
+
+
 def example_scenario(rank, world):
     from examples import moe
     return moe.main([])["difference"]
@@ -315,6 +343,7 @@ def two_ranks():
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     scenarios |= {("held", stage): functools.partial(held_scenario, stage=stage) for stage in (0, 1, 3)}
     scenarios["example"] = example_scenario
+    scenarios["pipeline"] = pipeline_scenario
     scenarios["short data"] = short_data_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -331,6 +360,17 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
         assert result["per micro-batch"] > 1e3 * tolerance, (rank, result)
         assert result["running average"] > 1e3 * tolerance, (rank, result)
     assert results[0]["load"] == results[1]["load"]  # the window's load over both ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
+    for rank, result in enumerate(two_ranks["pipeline"]):
+        assert result["exact"] < HF_TOL, (rank, result)
+        assert result["per stage"] > 1e3 * HF_TOL, (rank, result)
+        # the reported loss is the full batch's, its term the window's (transformers' float32 cross entropy)
+        assert result["exact loss"] < 1e-6, (rank, result)
+        assert "returned something else than the model's .loss" in result["not the own loss"], (rank, result)
 
 
 @pytest.mark.distributed

@@ -280,6 +280,24 @@ def moe_bias_from_this_rank(eng):
     return eng
 
 
+def moe_term_per_stage(eng):
+    """Global balance under a pipeline without the stages' exchange of router counts: each stage's routers
+    get the gradient of a term over their own counts (C and R of its layers on this rank), the last stage's
+    loss the value of its own."""
+    routers = eng.window_runner.routers
+    window_term = routers.window_term
+    routers.window_term = lambda counts, weight: window_term(routers.window_counts().to(counts.device), weight)
+    return eng
+
+
+def moe_pipeline_weight_without_ranks(eng):
+    """The weight of a term's gradient added beside a pipeline's loss with a divisor missing the data
+    dimension: U / G instead of U · W / G (exact on one data rank only)."""
+    accounting = eng.accounting
+    accounting.outside_loss_weight = lambda units: units / accounting.weighting_batch()
+    return eng
+
+
 def experts_averaged_over_the_expert_group(eng):
     """Expert parallelism: each expert gradient averaged over its expert group (as if it were a dense
     gradient the group's ranks each computed) instead of summed: N times too small."""

@@ -1,0 +1,176 @@
+"""Global load balancing under a pipeline: every stage's router counts, exchanged before the window's
+first backward.
+
+Hugging Face's term pools the routers of every layer, aux = E · Σᵢ Cᵢ · Sᵢ / R² (C, S, R summed
+over the layers and rows: ``engine.experts.balance``), and a stage holds some of the layers: no
+rank sees the others' routers, and under 1F1B the last stage's first backward comes before the
+first stage's later forwards. So a window under ``moe.load_balance: global`` runs:
+
+1. **the counting schedule**: every micro-batch forward through the stages without gradients
+   (random generators saved and restored, so dropout and router jitter draw the same numbers
+   again); each stage adds its routers' C, S and R, pooled over its layers, each row weighted by
+   the micro-batch's attention mask (and 0 on the rows that only pad a micro-batch to the
+   schedule's shape); the last stage calls ``loss_fn`` for the items each micro-batch's own loss
+   stands for. One small sum over the world (every stage, data and context rank; one rank of each
+   tensor group) gives every rank the window's C, R, S and items U.
+2. **the training schedule**: each stage's base-model output carries the term's gradient into its
+   own routers' probabilities (``balance.with_term_gradient``): λ · E · Cᵢ / R², times the weight
+   that makes a gradient added beside the loss enter the window's once
+   (``Accounting.outside_loss_weight``: U · W / G) and the loss scale. The last stage's loss is the
+   model's own, plus λ · aux of the window: weighted as each micro-batch's loss is (its items / U),
+   those values add up to λ · aux once, so the reported loss is the global batch's.
+
+Cost: one forward of the window without gradients (about a third of a step), the pipeline's bubble
+once more, and one reduction of 2E + 6 numbers. The alternative of holding the forwards (GPipe
+runs every forward before any backward) would save the forward but not the bubble, and 1F1B and
+the interleaved schedules could not use it.
+
+The model's own loss carries the term (``loss_fn(model, micro_batch)`` returning ``m(**b).loss``):
+a ``loss_fn(outputs, labels)`` sees the logits alone and adds no term, so nothing is counted for
+it; a ``loss_fn(model, micro_batch)`` returning something else than the own loss is refused (the
+term's gradient would reach the routers whatever the loss made of its value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Iterator, Sequence
+
+import torch
+
+from engine.errors import EngineUsageError
+from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
+                                    with_term_gradient)
+from engine.window.model_loss import RouterTerm
+
+log = logging.getLogger("engine")
+
+NOT_OWN_LOSS = (
+    "moe.load_balance: global under a pipeline: the routers' term of the window enters through the model's own "
+    "loss, and loss_fn(model, micro_batch) returned something else than the model's .loss (its term's gradient "
+    "reaches every stage's routers beside the loss, whatever loss_fn made of its value): return "
+    "model(**micro_batch).loss unchanged, or write loss_fn(outputs, labels) for the language-model part "
+    "(without the term), or set moe.load_balance: micro_batch and model.config.output_router_logits = False")
+
+
+class StageRouters:
+    """The routers of this rank's pipeline stages (Hugging Face stages: ``base_model()`` returns
+    their copy of the base model, whose output holds the stage's ``router_logits``)."""
+
+    def __init__(self, stages: Sequence, term: RouterTerm, counts_here: bool):
+        """``counts_here``: whether this rank adds its counts to the window's sum (one rank of each
+        tensor group: its ranks see the same rows and routers)."""
+        self.term = term
+        self.counts_here = counts_here
+        self._mode: str | None = None
+        self._weights: list[torch.Tensor] = []
+        self._forwards = [0] * len(stages)
+        self._sum: RouterCounts | None = None  # this rank's stages over the window, pooled
+        self._coefficients: torch.Tensor | None = None
+        self._trained: torch.Tensor | None = None  # the training forwards' assignments, pooled
+        self.routing_differences = 0.0  # assignments the training forwards chose otherwise than the counting one
+        self._stages = list(stages)
+        for index, stage in enumerate(stages):
+            stage.base_model().register_forward_hook(functools.partial(self._forward_seen, index))
+
+    @staticmethod
+    def of(stages: Sequence, term: RouterTerm | None, counts_here: bool) -> "StageRouters | None":
+        """The stages' routers when the model adds a term and its stages are cut by its own plan."""
+        if term is None or not all(hasattr(stage, "base_model") for stage in stages):
+            return None
+        return StageRouters(stages, term, counts_here)
+
+    @contextlib.contextmanager
+    def counting(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        """A counting schedule: each stage's forward of micro-batch k adds its routers' counts over the
+        rows of ``weights[k]`` ((rows, sequence) weights: attention mask, 0 on padding rows)."""
+        self._sum = None
+        with self._running("count", weights):
+            yield
+
+    def window_counts(self) -> torch.Tensor:
+        """This rank's part of the window's [C (E), S (E), R], float64, for the sum over the world."""
+        experts = self.term.num_experts
+        if self._sum is None or not self.counts_here:
+            return torch.zeros(2 * experts + 1, dtype=torch.float64)
+        total = self._sum
+        return torch.cat([total.assignments[0], total.probabilities[0], total.rows]).double()
+
+    def window_term(self, counts: torch.Tensor, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the window's summed ``counts`` ([C, S, R]): (its term aux, the gradient's coefficients
+        λ · E · Cᵢ / R² × ``weight``, what a gradient beside the loss is multiplied by)."""
+        experts = self.term.num_experts
+        window = RouterCounts(counts[:experts][None], counts[experts:2 * experts][None], counts[2 * experts:])
+        return term_value(window, experts), self.term.coefficient * gradient_coefficients(window, experts) * weight
+
+    @contextlib.contextmanager
+    def training(self, weights: list[torch.Tensor], coefficients: torch.Tensor) -> Iterator[None]:
+        """The training schedule: each stage's output carries the term's gradient into its routers."""
+        self._coefficients, self._trained = coefficients, None
+        try:
+            with self._running("train", weights):
+                yield
+        finally:
+            self._coefficients = None
+        counted, trained = self._sum, self._trained
+        if counted is not None and trained is not None:  # one host read, after the schedule
+            self._check_routing(float((counted.assignments - trained).abs().sum()))
+
+    @contextlib.contextmanager
+    def _running(self, mode: str, weights: list[torch.Tensor]) -> Iterator[None]:
+        self._mode, self._weights, self._forwards = mode, weights, [0] * len(self._forwards)
+        try:
+            yield
+        finally:
+            self._mode, self._weights = None, []
+        if any(count != len(weights) for count in self._forwards):  # not after a failure: raised above
+            raise EngineUsageError(
+                f"moe.load_balance: global under a pipeline: the stages ran {self._forwards} forwards with router "
+                f"logits in a schedule of {len(weights)} micro-batches: every forward of a stage must record its "
+                "routers' logits (model.config.output_router_logits = True, not changed per call)")
+
+    def _forward_seen(self, index: int, module, args, output):
+        """The hook on stage ``index``'s base model: count its routers, or attach their term's gradient."""
+        logits = getattr(output, "router_logits", None)
+        if self._mode is None or not isinstance(logits, tuple) or not logits:
+            return None
+        if getattr(self._stages[index], "learning_shapes", False):  # the schedule's shape inference
+            return None
+        k = self._forwards[index]
+        self._forwards[index] += 1
+        if k >= len(self._weights):
+            return None  # reported after the schedule
+        counts = pooled(router_counts(tuple(logits), self.term.num_experts, self.term.top_k, self._weights[k]))
+        if self._mode == "count":
+            self._sum = counts.detached() if self._sum is None else RouterCounts(
+                self._sum.assignments + counts.assignments, self._sum.probabilities + counts.probabilities.detach(),
+                self._sum.rows + counts.rows)
+            return None
+        self._trained = counts.assignments if self._trained is None else self._trained + counts.assignments
+        output.last_hidden_state = with_term_gradient(output.last_hidden_state, counts, self._coefficients)
+        return output
+
+    def _check_routing(self, difference: float) -> None:
+        self.routing_differences += difference
+        if difference:
+            log.warning("moe.load_balance: global under a pipeline: the training forwards assigned %g top-k slot(s) "
+                        "to other experts than the counting forward of the same micro-batches (a nondeterministic "
+                        "kernel, or randomness outside torch's, Python's and NumPy's generators): the "
+                        "load-balancing gradient used the counting forward's assignments", difference)
+
+
+def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:
+    """Each micro-batch's router weights, (``rows``, sequence): its attention mask (1 where it gives
+    none) on its real rows, 0 on the rows that pad it to the schedule's shape."""
+    weights = []
+    for (piece, _), size in zip(pieces, sizes):
+        ids, batch = piece
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        weight = torch.zeros(rows, ids.shape[-1], dtype=torch.float64, device=device)
+        if size:
+            weight[:size] = mask[:size].to(device=device, dtype=torch.float64) if isinstance(mask, torch.Tensor) else 1
+        weights.append(weight)
+    return weights
