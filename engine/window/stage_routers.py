@@ -46,7 +46,6 @@ from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled,
                                     with_term_gradient)
 from engine.window.model_loss import RouterTerm
 
-
 NOT_OWN_LOSS = (
     "moe.load_balance: global under a pipeline: the routers' term of the window enters through the model's own "
     "loss, and loss_fn(model, micro_batch) returned something else than the model's .loss (its term's gradient "
