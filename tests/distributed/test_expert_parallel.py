@@ -336,6 +336,24 @@ def test_expert_2_by_data_2_by_tensor_2_and_by_pipeline_2_on_4_ranks(tmp_path):
         assert result["pipeline 2 weight without ranks"] > MISSES, (rank, result)
 
 
+def eight_ranks_scenario(rank, world):
+    """Pipeline 2 × tensor 2 × data 2, experts split over the 2 data ranks of each (stage, tensor index),
+    the global batch's router term (every stage's counts summed before the first backward), ZeRO 3."""
+    split, batches = hf_moe(kv_heads=2), lm_batches(2, 8)
+    expected = reference(split, batches, hf_loss)
+    return differences(split, batches, hf_loss, expected,
+                       [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group)],
+                       stage=3, pipeline={"stages": 2}, tensor_parallel={"size": 2})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_expert_2_by_pipeline_2_by_tensor_2_by_data_2_on_8_ranks():
+    for rank, result in enumerate(run_scenarios({"eight": eight_ranks_scenario}, world_size=8, timeout=280)["eight"]):
+        assert result["exact"] < TOL, (rank, result)
+        assert result["averaged"] > MISSES, (rank, result)
+
+
 # -- one process: finding experts, the config ------------------------------------------------------
 def test_the_hugging_face_plan_names_the_experts():
     model = hf_moe()
