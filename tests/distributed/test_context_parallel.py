@@ -352,7 +352,7 @@ def two_rank_scenarios(directory):
         "llama": llama_script,
         "llama manual loop": functools.partial(llama_script, manual=True),
         "llama zero3": functools.partial(llama_script, stage=3),
-        "llama checkpointing": functools.partial(llama_script, extra=CHECKPOINTING),
+        "llama checkpointing zero1": functools.partial(llama_script, stage=1, extra=CHECKPOINTING),
         "llama mean per shard": functools.partial(llama_script, breaking=broken.context_shard_means),
         "llama shift after split": functools.partial(llama_script, breaking=broken.context_shift_after_split),
         "gpt sum": gpt_script,
@@ -360,7 +360,7 @@ def two_rank_scenarios(directory):
         "gpt checkpointing": functools.partial(gpt_script, extra=CHECKPOINTING),
         "gpt compiled": functools.partial(gpt_script, extra={"compile": {"enabled": True, "backend": "aot_eager"}}),
         "llama token budget": llama_token_budget,
-        "llama eager attention": functools.partial(llama_script, attention="eager"),
+        "llama eager attention zero2": functools.partial(llama_script, stage=2, attention="eager"),
         "llama rows of 14 tokens, padded by the engine": functools.partial(llama_script, width=14),
         "llama resumed without context": functools.partial(resume_without_context, directory=directory),
         "different rows": different_rows,
@@ -600,7 +600,7 @@ def test_what_context_does_not_compose_with_yet_is_refused():
                 "a part of every sequence",
                 "train_micro_batch_size_per_gpu: 'auto' is not available"):
         assert key in text, text
-    assert "pipeline.stages" not in text, text  # context × pipeline runs (the four-rank test)
+    assert "with context_parallel.size 2 yet" not in text, text  # context × pipeline runs (the four-rank test)
 
 
 def test_auto_picks_ulysses_where_the_heads_divide_and_ring_where_they_do_not(tmp_path):
