@@ -20,8 +20,8 @@ both report the same problems, all at once:
 * pipeline: what cannot run under more than one stage yet (another backend, offload,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
-* context parallelism: what it does not compose with yet (another backend, a pipeline
-  dimension, the automatic micro size);
+* context parallelism: what it does not compose with (another backend, the automatic micro
+  size);
 * expert parallelism: the same, and offload;
 * context parallelism refuses ``moe.load_balance: micro_batch`` (a rank sees a part of every sequence);
 * hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
@@ -102,7 +102,7 @@ def _automatic_checkpointing_problems(config: Config) -> list[str]:
 
 
 def _context_problems(config: Config) -> list[str]:
-    """What ``context_parallel.size`` > 1 does not run with yet (docs/context_parallel.md)."""
+    """What ``context_parallel.size`` > 1 does not run with (docs/context_parallel.md)."""
     size = config.context_parallel.size
     if size == 1:
         return []
@@ -110,9 +110,6 @@ def _context_problems(config: Config) -> list[str]:
     if config.backend != "torch":
         problems.append(f"backend: {config.backend} is not available {where}: Microstep's context parallelism (and "
                         "DeepSpeed's sequence_parallel_size, read as it) runs on backend: torch; set backend: torch")
-    if config.pipeline.stages > 1:
-        problems.append(f"pipeline.stages: {config.pipeline.stages} is not available {where} yet (a stage's "
-                        "schedule moves whole sequences between ranks); use one of the two")
     if config.moe.load_balance == "micro_batch":
         problems.append(f"moe.load_balance: micro_batch is not available {where}: each rank's forward sees a part of "
                         "every sequence, so a model's own per-forward load-balancing term would be its part's, not "

@@ -107,6 +107,9 @@ class WholeSequences:
     def item_weighted(self, output):
         return output
 
+    def part_positions(self, part: torch.Tensor) -> None:
+        return None
+
 
 class ContextParallel:
     """One rank's context group: splits batches, wraps the model's attention, weighs its losses."""
@@ -136,6 +139,13 @@ class ContextParallel:
     def apply(self, model: torch.nn.Module) -> None:
         """Wrap ``model``'s attention in the exchange and its forward in the shard's positions,
         in place (no wrapper module: parameter names and checkpoints do not change)."""
+        self.apply_attention(model)
+        self._wrap_positions(model)
+
+    def apply_attention(self, model: torch.nn.Module) -> None:
+        """Wrap ``model``'s attention in the exchange, in place. Alone (without :meth:`apply`'s
+        positions) under a pipeline: the stages, copies of the model's module tree sharing its
+        configuration and attention, each ask :meth:`part_positions` for their call."""
         hugging_face = _attention_implementation(model) is not None
         if self.labels == "auto":
             self.shift = hugging_face and getattr(model, "loss_type", None) == "ForCausalLM"
@@ -144,7 +154,6 @@ class ContextParallel:
             self._wrap_hugging_face(model)
         else:
             self._wrap_attention_modules(model)
-        self._wrap_positions(model)
 
     def _wrap_hugging_face(self, model) -> None:
         from transformers import AttentionInterface  # an optional dependency: only for its models
@@ -202,19 +211,27 @@ class ContextParallel:
                         "sequence, and a model that numbers its positions itself starts every part at 0. Add a "
                         "position_ids argument if the model has position embeddings", type(model).__name__)
             return
-        activity, shards, caches = self.activity, self.shards, "use_cache" in parameters
+        activity, caches = self.activity, "use_cache" in parameters
 
         def run(*args, **kwargs):
             if activity.on and caches and kwargs.get("use_cache") is None:
                 kwargs["use_cache"] = False
-            if activity.on and kwargs.get("position_ids") is None:
-                inputs = kwargs.get("input_ids", args[0] if args else None)
-                if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
-                    length = inputs.shape[1] * shards.size
-                    kwargs["position_ids"] = shards.positions(length, device=inputs.device).expand(inputs.shape[0], -1)
+            if kwargs.get("position_ids") is None:
+                positions = self.part_positions(kwargs.get("input_ids", args[0] if args else None))
+                if positions is not None:
+                    kwargs["position_ids"] = positions
             return forward(*args, **kwargs)
 
         model.forward = run
+
+    def part_positions(self, part) -> torch.Tensor | None:
+        """The places in the whole sequence of the tokens of ``part`` (this rank's part of a batch's
+        rows: ids ``(rows, length)`` or hidden states ``(rows, length, ...)``), one row per row, while
+        the engine runs a micro-step; None otherwise."""
+        if not (self.activity.on and isinstance(part, torch.Tensor) and part.dim() >= 2):
+            return None
+        length = part.shape[1] * self.shards.size
+        return self.shards.positions(length, device=part.device).expand(part.shape[0], -1)
 
     # -- batches and losses (the engine's calls) -----------------------------------------------
     def running(self):

@@ -23,12 +23,15 @@ weighted and summed over the window, both its gradient and its value are the win
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from engine.errors import EngineUsageError
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -192,3 +195,13 @@ def unstack_counts(flat: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> lis
                                   parts[2 * size:]))
         start += 2 * size + layers
     return terms
+
+
+def warn_routing_difference(where: str, difference: float) -> None:
+    """Say that the training forwards of a window assigned ``difference`` top-k slots otherwise than
+    its counting forward (``where``: which way of counting), whose assignments the gradient used."""
+    if difference:
+        log.warning("%s: the training forwards assigned %g top-k slot(s) to other experts than the counting forward "
+                    "of the same micro-batches (a nondeterministic kernel, or randomness outside torch's, Python's "
+                    "and NumPy's generators): the load-balancing gradient used the counting forward's assignments",
+                    where, difference)

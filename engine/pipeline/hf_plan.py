@@ -66,6 +66,8 @@ def plan_of(model: nn.Module) -> list[str] | None:
 class PlanSplit:
     """The stages of a Hugging Face model cut by its pipeline plan."""
 
+    hands_positions = True  # each stage runs the model's forward: it can be given the part's positions
+
     def __init__(self, model: nn.Module, plan: list[str], stages: int, split, per_rank: int = 1):
         self.model = model
         self.base_name = _base_name(model)
@@ -192,6 +194,9 @@ class PlanStage(nn.Module):
         # With the automatic micro size's failure guard: the forward runs through it
         # (engine.strategies.stage_failures), which stands in for it after a failure.
         self.failures = None
+        # Under context parallelism: the places in the whole sequence of the part's tokens
+        # (engine.context.parallel.ContextParallel.part_positions); None: the model numbers them.
+        self.part_positions = _own_positions
 
     def forward(self, hidden):
         if self.failures is not None:
@@ -200,12 +205,16 @@ class PlanStage(nn.Module):
 
     def run_model(self, hidden):
         """``hidden``: the input_ids on the first stage (PlanSplit.check_inputs), else the hidden states."""
+        arguments = {self._input: hidden, "use_cache": False}
+        positions = self.part_positions(hidden)
+        if positions is not None:
+            arguments["position_ids"] = positions
         with self._forward_context():
             if self._runs_head:
-                output = self.model(**{self._input: hidden}, use_cache=False)
+                output = self.model(**arguments)
                 value = output.logits
             else:
-                output = self.base_model()(**{self._input: hidden}, use_cache=False)
+                output = self.base_model()(**arguments)
                 value = output.last_hidden_state
         self._output_type = type(output)
         return owned_outputs(value) if self._own_outputs else value
@@ -220,6 +229,11 @@ class PlanStage(nn.Module):
         if self._output_type is None:
             return value
         return self._output_type(**{"logits" if self._runs_head else "last_hidden_state": value})
+
+
+def _own_positions(part: torch.Tensor) -> None:
+    """Whole sequences: the model numbers the positions itself."""
+    return None
 
 
 def _parameter_count(module: nn.Module) -> int:

@@ -221,6 +221,9 @@ class StageModule(nn.Module):
 class SequenceSplit:
     """A model cut as a sequence of parts (``sequence_of``, ``cut``): each stage a :class:`StageModule`."""
 
+    # a stage is called with the previous stage's output alone: nothing carries a sequence part's positions
+    hands_positions = False
+
     def __init__(self, model: nn.Module, stages: int, split, per_rank: int = 1):
         self.pieces = cut(sequence_of(model), stages, split, per_rank)
 

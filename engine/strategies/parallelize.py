@@ -38,14 +38,18 @@ class Parallelized(NamedTuple):
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
-                expert_patterns: list[str] | None = None, blocks: ModelBlocks | None = None) -> Parallelized:
+                expert_patterns: list[str] | None = None, blocks: ModelBlocks | None = None,
+                attention_model: torch.nn.Module | None = None) -> Parallelized:
     """Apply the setup's model-parallel dimensions, then activation checkpointing and compile, to
     ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
     stage's), else the setup's, resolved on ``module``; ``expert_patterns``: the modules of experts
     found on the whole model (a pipeline stage's names are the model's), else the setup's or the
     model's own plan, found on ``module``; ``blocks``: those to checkpoint and compile, chosen on the
-    whole model (a pipeline stage's), else found on ``module``. Returns the switch of
+    whole model (a pipeline stage's), else found on ``module``; ``attention_model``: the model whose
+    attention the context dimension wraps when it is not ``module`` (a pipeline cut by a Hugging Face
+    model's plan: the whole model, whose configuration and attention its stages share; the stages
+    hand their parts' positions themselves). Returns the switch of
     ``activation_checkpointing: auto`` (else None), the context dimension's split (else None) and
     the parameters held apart (the split experts, else ``NO_GROUP_HELD``)."""
     mesh = setup.mesh
@@ -55,20 +59,25 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
         else:  # the whole model: checked against what it computed before the split (issue 33)
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
-    context = apply_context_parallel(module, setup, groups) if mesh.context > 1 else None
+    context = apply_context_parallel(module, setup, groups, attention_model) if mesh.context > 1 else None
     group_held = apply_expert_parallel(module, setup, groups, expert_patterns) if mesh.expert > 1 else NO_GROUP_HELD
     blocks = blocks if blocks is not None else model_blocks(module, setup.checkpointing, setup.compile)
     return Parallelized(transform_blocks(blocks, setup.checkpointing, setup.compile), context, group_held)
 
 
-def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups) -> ContextParallel:
+def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups,
+                           attention_model: torch.nn.Module | None = None) -> ContextParallel:
     """Split each sequence over the mesh's ``context`` dimension: the model's attention wrapped in
     the exchange, its forward in the part's positions (``engine.context.parallel``); the engine
-    splits each batch and weighs each loss with what this returns."""
+    splits each batch and weighs each loss with what this returns. With ``attention_model`` (a
+    pipeline's whole model): its attention only, the stages asking the context for positions."""
     section = setup.context_parallel
     context = ContextParallel(setup.mesh, groups, method=section.method, labels=section.labels,
                               check_micro_batches=section.check_micro_batches)
-    context.apply(module)
+    if attention_model is None:
+        context.apply(module)
+    else:
+        context.apply_attention(attention_model)
     return context
 
 

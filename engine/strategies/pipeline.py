@@ -153,8 +153,25 @@ class PipelineParallel(TorchStrategy):
                                    "expert_parallel.size: 1"])
         names = {id(p): name for name, p in self.module.named_parameters()}
         self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns,
-                         blocks=blocks.held(self.module))
+                         blocks=blocks.held(self.module), attention_model=self._attention_model(model))
+        if self.context is not None:  # each stage hands its part's positions to the model's forward
+            for stage in self.stage_modules:
+                stage.part_positions = self.context.part_positions
         repoint_optimizer(self.optimizer, names, self.module)
+
+    def _attention_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """Under context parallelism: the whole model, whose attention the context wraps (its stages
+        share the model's configuration and attention modules); None without a context dimension."""
+        if self.mesh.context == 1:
+            return None
+        if not self._split.hands_positions:  # raised on every rank
+            raise ConfigError([
+                f"context_parallel.size {self.mesh.context} under a pipeline: {type(model).__name__} is cut as a "
+                "chain of modules, each stage called with the previous stage's output alone, which cannot carry "
+                "the places in the whole sequence of a rank's part (position embeddings would number every part "
+                "from 0); use a Hugging Face model with a pipeline plan (each stage runs the model's forward, "
+                "handed its part's position_ids), or one of pipeline.stages and context_parallel.size"])
+        return model
 
     def _shard_stages(self) -> None:
         """ZeRO 2 / 3: each stage sharded by FSDP2 over its data replicas. torch's schedules let a

@@ -32,7 +32,6 @@ forwards report each micro-batch's own term (the coefficients arrive after the f
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -48,7 +47,6 @@ from engine.window.accounting import term_factors
 from engine.window.model_loss import mean_items
 from engine.state.rng import restore_rng_state, rng_state
 
-log = logging.getLogger("engine")
 
 class _Counting(Scope):
     """The counting forward: statistics kept, the micro-batch's value returned (no graph)."""
@@ -340,11 +338,7 @@ class ExpertBalance(EngineHook):
 
     def _check_routing(self, difference: float) -> None:
         self.routing_differences += difference
-        if difference:
-            log.warning("moe.global_counts: count_forward: the training forwards assigned %g top-k slot(s) to other "
-                        "experts than the counting forward of the same micro-batches (a nondeterministic kernel, or "
-                        "randomness outside torch's, Python's and NumPy's generators): the load-balancing gradient "
-                        "used the counting forward's assignments", difference)
+        balance.warn_routing_difference("moe.global_counts: count_forward", difference)
 
 
 def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: bool,

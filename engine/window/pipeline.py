@@ -89,6 +89,12 @@ class PipelineWindows(WindowRunner):
         outputs with the model's own loss (``LastStageModel``)."""
         if not written_for_model(loss_fn):
             _inputs_and_labels(batch, method)
+            if self.strategy.mesh.context > 1:
+                raise EngineUsageError(
+                    f"{method}(): under a pipeline with context_parallel.size {self.strategy.mesh.context} each rank "
+                    "holds a part of every sequence, whose labels and real tokens the engine reads from a mapping "
+                    "batch (input_ids, labels -100 at padding): give the batch as that mapping and loss_fn(model, "
+                    "micro_batch) returning the model's own loss (m(**micro_batch).loss)")
             return batch, outputs_loss_of(loss_fn)
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise model_call_refused(loss_fn)
@@ -116,7 +122,7 @@ class PipelineWindows(WindowRunner):
         batch, loss_fn = self._schedule_form(batch, loss_fn, "train_batch")
         inputs = batch[0]
         split = engine.window_split.split(batch, engine.plan)
-        pieces = list(split.pieces)
+        pieces = _sequence_parts(engine.context, list(split.pieces))
         sizes = [n for _, n in pieces]
         # The position check is waited for before this rank's first message of the schedule, not
         # before the schedule: the first stage's first forward hides its wait.
@@ -148,15 +154,15 @@ class PipelineWindows(WindowRunner):
             return loss * engine.accounting.micro_step_weight(sizes[k], item_weighted)
 
         rows = engine.window_split.schedule_rows()
-        if rows is not None or any(n != sizes[0] for n in sizes):  # not the batch's own equal chunks
-            inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)
+        if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
+            inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), self.strategy.device)
                 routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start)
             # a recorded window: every micro-batch's saved activations count
-            with engine.windows.measured_forwards(), routing:
+            with engine.windows.measured_forwards(), routing, engine.context.running():
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=engine.windows.fingerprint_batch)
@@ -198,7 +204,7 @@ class PipelineWindows(WindowRunner):
         saved = rng_state()  # the training schedule's forwards draw the same numbers
         self._window_term = torch.zeros((), dtype=torch.float64)
         try:
-            with torch.no_grad(), routers.counting(weights):
+            with torch.no_grad(), routers.counting(weights), engine.context.running():
                 strategy.run_schedule(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
         finally:
             restore_rng_state(saved)
@@ -225,7 +231,7 @@ class PipelineWindows(WindowRunner):
         samples (default: the plan's)."""
         batch, loss_fn = self._schedule_form(batch, loss_fn, "eval_batch")
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
-        pieces = list(engine.window_split.eval_pieces(batch, engine.plan, size))
+        pieces = _sequence_parts(engine.context, list(engine.window_split.eval_pieces(batch, engine.plan, size)))
         # as many as the schedule runs: the last one repeated with 0 samples
         pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
@@ -253,7 +259,7 @@ class PipelineWindows(WindowRunner):
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), engine.context.running():
                 self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces],
                                                          engine.window_split.schedule_rows()),
                                            len(pieces), loss_only, train=False)
@@ -273,6 +279,20 @@ class PipelineWindows(WindowRunner):
 # what the last stage's loss reads of a mapping batch (transformers' loss keywords); attention_mask: the
 # rows are padded on the right and attention is causal, so it changes no real token's output
 _LAST_STAGE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
+
+
+def _sequence_parts(context, pieces: list) -> list:
+    """Each micro-batch ``((input_ids, batch), samples)`` as this rank's part of its sequences under
+    context parallelism (``engine.context.parallel.ContextParallel.shard``: labels shifted before the
+    split, the part's ``num_items_in_batch``, which the last stage's own loss divides by); whole
+    sequences: as they are."""
+    if context.size == 1:
+        return pieces
+    parts = []
+    for (_, micro_batch), samples in pieces:
+        part = context.shard(micro_batch)
+        parts.append(((part["input_ids"], part), samples))
+    return parts
 
 
 def _inputs_and_labels(batch, method: str):

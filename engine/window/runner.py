@@ -46,6 +46,7 @@ class Engine(Protocol):
     window_split: Any  # how a window is cut (``engine.batching.window_split``)
     windows: Windows  # the window machine
     accounting: Any  # the window's weights (``engine.window.accounting.Accounting``: ``micro_step_weight``)
+    context: Any  # the sequences' split over context ranks (``engine.context.parallel``; size 1: whole)
 
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Run a whole training window itself (the plain runner)."""

@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Mapping
 from typing import Iterator, Sequence
 
 import torch
 
 from engine.errors import EngineUsageError
+from engine.experts import balance
 from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
                                     with_term_gradient)
 from engine.window.model_loss import RouterTerm
-
-log = logging.getLogger("engine")
 
 NOT_OWN_LOSS = (
     "moe.load_balance: global under a pipeline: the routers' term of the window enters through the model's own "
@@ -155,11 +153,7 @@ class StageRouters:
 
     def _check_routing(self, difference: float) -> None:
         self.routing_differences += difference
-        if difference:
-            log.warning("moe.load_balance: global under a pipeline: the training forwards assigned %g top-k slot(s) "
-                        "to other experts than the counting forward of the same micro-batches (a nondeterministic "
-                        "kernel, or randomness outside torch's, Python's and NumPy's generators): the "
-                        "load-balancing gradient used the counting forward's assignments", difference)
+        balance.warn_routing_difference("moe.load_balance: global under a pipeline", difference)
 
 
 def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:

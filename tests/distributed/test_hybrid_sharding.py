@@ -18,8 +18,11 @@ import engine
 from engine.distributed.mesh import DATA_SHARDING
 from engine.strategies.fsdp import FullyShardedDataParallel
 from tests.distributed.test_context_parallel import GPT_TOL, gpt_script
+from tests.distributed.test_expert_parallel import differences, reference
 from tests.distributed.test_mesh3d import batches, reference_token_mean, token_mean
+from tests.support import broken
 from tests.support.dist_utils import run_distributed, run_scenarios
+from tests.support.moe_models import hf_loss, hf_moe, lm_batches
 from tests.support.pipeline_helpers import data_share, reference_run
 from tests.support.reference import max_param_diff, mlp, mse, rank_slice, regression_batches, sgd, state
 from tests.support.scenarios import clipped_reference, halving_schedule
@@ -27,6 +30,7 @@ from tests.support.tp_models import PLAN, TinyTransformer
 
 TOL = 1e-10
 MISSED = 1e-4
+TOL_HF, MISSED_HF = 1e-7, 1e-7  # a Hugging Face model: its cross entropy in float32
 CLIP = 0.05
 WIDTH, LAYERS = 16, 4
 MODEL_BYTES = LAYERS * (WIDTH * WIDTH + WIDTH) * 8  # float64
@@ -135,6 +139,16 @@ def held_per_rank(rank, world, stage, shard_size):
     return {"params": local_bytes(list(eng.strategy.module.parameters())), "optimizer": local_bytes(moments)}
 
 
+def experts_hybrid(rank, world):
+    """A Mixtral with its global router term, padded rows: the experts split over 2 of the 4 data ranks,
+    the rest sharded in groups of 2 (ZeRO 3) replicated across them, activation checkpointing on."""
+    model, windows = hf_moe(), lm_batches(2, 8, padded=True)
+    expected = reference(model, windows, hf_loss)
+    return differences(model, windows, hf_loss, expected,
+                       [("exact", broken.intact), ("micro-batch term", broken.moe_micro_batch_term)],
+                       zero_optimization={"stage": 3, "shard_size": 2}, activation_checkpointing={"enabled": True})
+
+
 def checkpoint_across(rank, world, directory):
     """Saved with shard_size 2 (ZeRO 3) after two steps, resumed by plain ZeRO 3 and by ZeRO 2 with
     shard_size 2: the third step equals the uninterrupted hybrid run's; and plain into hybrid."""
@@ -196,6 +210,7 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
         ("held", 2, None): functools.partial(held_per_rank, stage=2, shard_size=None),
         "checkpoints": functools.partial(checkpoint_across, directory=str(tmp_path)),
         "save for two": functools.partial(save_for_two, directory=str(tmp_path)),
+        "experts": experts_hybrid,
     }
     results = run_scenarios(scenarios, world_size=4, timeout=360)
     for key in [("clipped", 3), ("clipped", 2), ("clipped", "3 deferred")]:
@@ -215,6 +230,8 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
             assert results[("held", stage, None)][rank]["optimizer"] == 2 * MODEL_BYTES // 4
     for key, diffs in results["checkpoints"][0].items():
         assert all(per_rank[key] < TOL for per_rank in results["checkpoints"]), (key, diffs)
+    for found in results["experts"]:  # hybrid × experts × global balance × checkpointing
+        assert found["exact"] < TOL_HF and found["micro-batch term"] > MISSED_HF, found
     two = run_distributed(resume_on_two, world_size=2, args=(str(tmp_path),), timeout=120)
     assert all(diff < TOL for diff in two), two
 
@@ -242,11 +259,11 @@ def composed(rank, world, dims):
 def test_hybrid_sharding_under_tensor_pipeline_and_context_on_eight_ranks():
     results = run_scenarios({"tensor": functools.partial(composed, dims={"tensor_parallel": {"size": 2, "plan": PLAN}}),
                              "pipeline": functools.partial(composed, dims={"pipeline": {"stages": 2,
-                                                                                        "split": ["layers.1"]}})},
+                                                                                        "split": ["layers.1"]}}),
+                             # context 2 × data 4 (replicate 2 × shard 2): each shard group holds 2 data × 2 context ranks
+                             "context": functools.partial(gpt_script, stage=3, extra={
+                                 "zero_optimization": {"stage": 3, "shard_size": 2}})},
                             world_size=8, timeout=240)
+    assert all(found["diff"] < GPT_TOL for found in results.pop("context")), results
     for key, per_rank in results.items():
         assert all(found["diff"] < TOL and found["mesh"] == (2, 2) for found in per_rank), (key, per_rank)
-    # context 2 × data 4 (replicate 2 × shard 2): each shard group holds 2 data × 2 context ranks
-    context = run_scenarios({"gpt": functools.partial(gpt_script, stage=3, extra={
-        "zero_optimization": {"stage": 3, "shard_size": 2}})}, world_size=8, timeout=240)["gpt"]
-    assert all(found["diff"] < GPT_TOL for found in context), context

@@ -156,6 +156,14 @@ def context_shard_means(eng):
     return eng
 
 
+def context_ranks_left_out(eng):
+    """Context parallelism whose micro-step weights count the data ranks only (W = data, not data ×
+    context): the gradients averaged over data × context ranks are not multiplied back by the
+    parts that add up to one sequence."""
+    eng.accounting.ranks //= eng.context.size
+    return eng
+
+
 def context_shift_after_split(eng):
     """Context parallelism with the labels shifted inside each rank's part after the split
     (counts local to the shard): the target across each seam is lost and the tail chunk's
