@@ -27,8 +27,9 @@ activations are 1/N of one process's, whatever the length, and the heads need no
 to the queries' in each block only.
 
 A block runs PyTorch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
-backward, which take and give the log-sum-exp) on the CPU, and the same equations written in
-matmuls (:class:`MatmulBlocks`) on other devices. Works on any backend (point-to-point sends round
+backward, which take and give the log-sum-exp; a private op, reached through
+``engine.adapters.torch_internals.fused_cpu_attention``) on the CPU, and the same equations written in
+matmuls (:class:`MatmulBlocks`) on other devices and on a torch without that kernel. Works on any backend (point-to-point sends round
 the group, gloo included) and any model whose attention the context module can reach: a Hugging
 Face model through its attention interface (the model's implementation is replaced by this one:
 dropout, sliding windows, soft caps and attention sinks inside attention are refused), any other
@@ -37,15 +38,19 @@ through its ``scaled_dot_product_attention`` calls.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
+from engine.adapters.torch_internals import FusedCpuAttention, fused_cpu_attention
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import Activity, refuse_non_causal_over_padding
 from engine.distributed.collectives import pass_along
 from engine.errors import EngineUsageError
+
+log = logging.getLogger("engine")
 
 # What a Hugging Face model may hand its attention function that changes what attention computes
 # and that a ring's blocks do not (the value that changes nothing: None).
@@ -172,21 +177,20 @@ class RingBlocks:
 
 
 class FusedCpuBlocks:
-    """A block through PyTorch's fused CPU attention kernel, which gives the log-sum-exp and takes
-    it back in its backward."""
+    """A block through PyTorch's fused CPU attention kernel (``engine.adapters.torch_internals``),
+    which gives the log-sum-exp and takes it back in its backward."""
 
-    @staticmethod
-    def forward(query, key, value, block: Block, scale: float):
+    def __init__(self, kernel: FusedCpuAttention):
+        self.kernel = kernel
+
+    def forward(self, query, key, value, block: Block, scale: float):
         mask = _additive(block.allowed, query.dtype)
-        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, block.causal, attn_mask=mask, scale=scale)
+        output, logsumexp = self.kernel.forward(query, key, value, 0.0, block.causal, attn_mask=mask, scale=scale)
         return output, _nothing_seen(logsumexp, block.allowed)
 
-    @staticmethod
-    def backward(grad_output, query, key, value, output, logsumexp, block: Block, scale: float):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output, query, key, value, output, logsumexp, 0.0, block.causal,
-            attn_mask=_additive(block.allowed, query.dtype), scale=scale)
+    def backward(self, grad_output, query, key, value, output, logsumexp, block: Block, scale: float):
+        return self.kernel.backward(grad_output, query, key, value, output, logsumexp, 0.0, block.causal,
+                                    attn_mask=_additive(block.allowed, query.dtype), scale=scale)
 
 
 class MatmulBlocks:
@@ -222,7 +226,23 @@ class MatmulBlocks:
 
 
 def block_kernel(device: torch.device):
-    return FusedCpuBlocks if device.type == "cpu" else MatmulBlocks
+    """How a block is computed on ``device``: the fused CPU kernel where this torch has it, matmuls
+    elsewhere (and, said once, on a torch without it)."""
+    global _told_matmul_fallback
+    if device.type != "cpu":
+        return MatmulBlocks
+    kernel = fused_cpu_attention()
+    if kernel is not None:
+        return FusedCpuBlocks(kernel)
+    if not _told_matmul_fallback:
+        _told_matmul_fallback = True
+        log.warning("context_parallel ring: torch %s has no fused CPU attention kernel with its log-sum-exp "
+                    "(aten._scaled_dot_product_flash_attention_for_cpu): the ring's blocks run in matmuls, the same "
+                    "result, slower", torch.__version__)
+    return MatmulBlocks
+
+
+_told_matmul_fallback = False
 
 
 def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

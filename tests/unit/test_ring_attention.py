@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 import engine.context.ring as ring
+from engine.adapters.torch_internals import fused_cpu_attention
 from engine.context.sharding import ContextShards, document_ids
 from tests.support import broken
 
 LENGTH = 24  # cuts into 2 × size equal chunks for sizes 2, 3 and 4
 TOLERANCE = 1e-12
 MISSED = 1e-3
-KERNELS = {"fused CPU kernel": ring.FusedCpuBlocks, "matmul blocks": ring.MatmulBlocks}
+KERNELS = {"fused CPU kernel": ring.FusedCpuBlocks(fused_cpu_attention()), "matmul blocks": ring.MatmulBlocks}
 
 
 class ThreadRing(ring.RingExchange):
@@ -105,6 +106,18 @@ def test_the_ring_equals_attention_over_the_whole_sequence(monkeypatch, kernel, 
     monkeypatch.setattr(ring, "block_kernel", lambda device: KERNELS[kernel])
     for name, (causal, documents) in MASKS.items():
         assert ring_differences(size, kv_heads, causal, documents) < TOLERANCE, (kernel, size, kv_heads, name)
+
+
+def test_a_torch_without_the_fused_cpu_kernel_runs_the_blocks_in_matmuls(monkeypatch, caplog):
+    assert isinstance(ring.block_kernel(torch.device("cpu")), ring.FusedCpuBlocks)  # this torch has it
+    monkeypatch.setattr(ring, "fused_cpu_attention", lambda: None)
+    monkeypatch.setattr(ring, "_told_matmul_fallback", False)
+    with caplog.at_level("WARNING", logger="engine"):
+        assert ring.block_kernel(torch.device("cpu")) is ring.MatmulBlocks
+        assert ring.block_kernel(torch.device("cpu")) is ring.MatmulBlocks
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "no fused CPU attention kernel" in caplog.records[0].message
+    assert ring_differences(2, 1, True, None) < TOLERANCE  # the fallback is exact too
 
 
 def test_a_merge_without_the_rescale_misses(monkeypatch):
