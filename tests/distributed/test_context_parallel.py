@@ -279,12 +279,12 @@ def mixtral_script(rank, world, breaking=broken.intact, extra=None, directory=No
             "expected_loss0": expected_loss0}
 
 
-def resume_without_context(rank, world, directory):
-    """A checkpoint saved under context 2 (data 1) resumed under context 1 (data 2): the files
-    do not depend on the context size."""
+def resume_without_context(rank, world, directory, saved_under=None):
+    """A checkpoint saved under context 2 (data 1 on 2 ranks; ``saved_under``: with another dimension)
+    resumed on plain data ranks: the files do not depend on the context size."""
     model, batches = llama(), padded_rows(2)
     expected = reference_train(model, batches, model_loss, sgd)
-    split = engine.initialize(copy.deepcopy(model), config(2), optimizer=sgd)
+    split = engine.initialize(copy.deepcopy(model), config(2, **(saved_under or {})), optimizer=sgd)
     split.train_batch(rank_slice(batches[0], split.plan), model_loss)
     split.save_checkpoint(directory)
     plain = engine.initialize(copy.deepcopy(model), config(1), optimizer=sgd)
@@ -421,7 +421,7 @@ PIPELINE_2 = {"pipeline": {"stages": 2}}
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
 @needs_transformers
-def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch_reference():
+def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch_reference(tmp_path):
     """Each rank holds half the heads (tensor) of half of every sequence (context): a Llama with 4
     key/value heads (1 per rank), the GPT's MLPs split by the automatic plan. Or each rank holds one
     stage (pipeline) of half of every sequence: each stage's context pair splits the sequence, the
@@ -433,7 +433,9 @@ def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch
                  "llama pipeline 2 zero3 ring": functools.partial(
                      llama_script, stage=3, extra={**PIPELINE_2, **RING}),
                  "llama pipeline 2 context ranks left out of the weights": functools.partial(
-                     llama_script, breaking=broken.context_ranks_left_out, extra=PIPELINE_2)}
+                     llama_script, breaking=broken.context_ranks_left_out, extra=PIPELINE_2),
+                 "llama pipeline 2 resumed on 4 data ranks": functools.partial(
+                     resume_without_context, directory=str(tmp_path / "pipeline"), saved_under=PIPELINE_2)}
     check(run_scenarios(scenarios, world_size=4, timeout=480), llama_data=1)
 
 
