@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -252,6 +253,85 @@ def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
     eng = trained(model, batches, hf_loss, activation_checkpointing={"enabled": True})
     assert eng.experts.global_counts == "hold_forwards"
     assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
+
+
+class HeldAtCounts:
+    """Bytes a window holds when its counts are all-reduced (every forward held, no backward run yet):
+    the tensors saved for backward and the tensors of the forwards' outputs still alive, each storage
+    once, parameters excluded."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.parameters = {p.untyped_storage().data_ptr() for p in eng.module.parameters()}
+        self.saved: dict[int, list] = {}  # storage address -> [bytes, saved tensors alive on it]
+        self.outputs: list = []  # weak references to the forwards' output tensors
+        self.held = None
+        all_reduce = eng.experts._all_reduce_sum
+
+        def measured(counts):
+            self.held = self.now()
+            return all_reduce(counts)
+
+        eng.experts._all_reduce_sum = measured
+
+    def pack(self, tensor):
+        address = tensor.untyped_storage().data_ptr()
+        if address not in self.parameters:
+            entry = self.saved.setdefault(address, [tensor.untyped_storage().nbytes(), 0])
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, address)
+        return tensor
+
+    def _release(self, address):
+        self.saved[address][1] -= 1
+        if not self.saved[address][1]:
+            del self.saved[address]
+
+    def loss_fn(self, model, batch):
+        """The model's whole output, its tensors watched."""
+        out = model(**batch)
+        self.outputs += [weakref.ref(t) for t in out.values() if torch.is_tensor(t)]
+        self.outputs += [weakref.ref(t) for t in out.router_logits]
+        return out
+
+    def now(self) -> int:
+        alive = {address: size for address, (size, _) in self.saved.items()}
+        for ref in self.outputs:
+            if ref() is not None:
+                alive[ref().untyped_storage().data_ptr()] = ref().untyped_storage().nbytes()
+        return sum(size for address, size in alive.items() if address not in self.parameters)
+
+    def window(self, batch):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+            self.eng.train_batch(batch, self.loss_fn)
+        return self.held
+
+
+def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log_probabilities():
+    """Held forwards under activation checkpointing: the output head and its cross entropy are recomputed
+    at the backward from the head's input (engine.window.held_forward), and the output is dropped but for
+    its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits and the
+    log-probabilities of every held micro-batch (each tokens × vocabulary), and training stays exact,
+    with a loss read from .logits as well."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    held = {}
+    for name, breaking in [("kept", broken.intact), ("everything", broken.moe_held_forward_keeps_everything)]:
+        eng = breaking(moe_engine(copy.deepcopy(model), activation_checkpointing={"enabled": True}))
+        held[name] = HeldAtCounts(eng).window(batches[0])
+    tokens, vocab = 2 * batches[0]["input_ids"].shape[1], model.config.vocab_size  # a micro-batch: 2 rows
+    logits = tokens * vocab * model.dtype.itemsize
+    log_probabilities = tokens * vocab * torch.float32.itemsize  # transformers' cross entropy runs in float32
+    assert held["everything"] - held["kept"] >= 4 * (logits + log_probabilities), held  # 4 forwards held
+
+    def with_logits(model, batch):  # the logits' own graph reaches the head beside the recomputed loss
+        out = model(**batch)
+        return out.loss + 0.1 * out.logits.pow(2).mean()
+
+    for loss_fn, full_batch_loss_fn in ((lambda model, batch: model(**batch), hf_loss), (with_logits, with_logits)):
+        expected = reference(model, batches, full_batch_loss_fn)
+        eng = trained(model, batches, loss_fn, activation_checkpointing={"enabled": True})
+        assert eng.experts.global_counts == "hold_forwards"
+        assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
 
 
 # -- two data ranks ----------------------------------------------------------------------------
