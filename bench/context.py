@@ -1,5 +1,6 @@
 """Context parallelism (Ulysses or ring): activation memory per rank against sequence length, and
-time per optimizer step of the engine against the same step written by hand.
+time per optimizer step of the engine against the same step written by hand (and, for ring, against
+ring attention's simplest alternative: keys and values all-gathered).
 
     python -m launch --nproc-per-node 2 bench/context.py [--method ulysses|ring] [--rounds 6] [--steps 2]
 
@@ -16,7 +17,12 @@ PyTorch directly — slices each row's head and tail chunks, numbers their posit
 model's SDPA in the same exchange (``engine.context.ulysses.UlyssesExchange``'s all-to-all, or
 ``engine.context.ring.RingExchange``'s ring attention, so that only the engine's own overhead is in
 the ratio), backward of each micro-batch's token sum, one
-all-reduce of the gradients per window, divides by the window's token count, steps. Variants
+all-reduce of the gradients per window, divides by the window's token count, steps. With
+``--method ring`` a third variant, ``gathered``, is that hand loop with the attention written the
+simple way: every rank's keys and values all-gathered (differentiably: the backward sends each
+rank the gradients of its part, an all-to-all, and sums them), the
+part's queries over the whole sequence by SDPA with the causal mask of global positions; its
+activations are measured too (it saves the whole sequence's keys and values per layer). Variants
 interleaved, the slowest rank's time, median over rounds; tokens/s counts every padded
 position of the global batch. CPU time per step (mean over ranks, median over rounds) as well:
 on a shared machine, what each variant computes without the time spent waiting for a core.
@@ -45,6 +51,7 @@ from bench.tensor_parallel import cpu_interleaved
 from engine.context.ring import RingExchange
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange
+from engine.distributed.collectives import all_to_all
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.memory import storages
 from examples.gpt import GPT, GPTConfig
@@ -88,6 +95,39 @@ def saved_bytes(run, parameters) -> int:
     return total
 
 
+class GatheredAlongSequence(torch.autograd.Function):
+    """Every rank's (..., part, d) concatenated along the sequence; the backward returns each rank the
+    sum over ranks of the gradients of its part."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = torch.stack(grad.chunk(dist.get_world_size(), dim=-2))
+        return all_to_all(pieces, None).sum(dim=0)
+
+
+class GatheredExchange:
+    """Ring attention's simplest alternative: the keys and values of every rank gathered (autograd
+    differentiates the all-gather), this part's queries over the whole sequence, causal by position."""
+
+    def __init__(self, shards: ContextShards):
+        self.shards = shards
+
+    def check_causal(self, causal: bool, what: str) -> None:
+        assert causal, what
+
+    def sdpa(self, what, func, query, key, value, *rest, **kwargs):
+        length = query.shape[-2] * self.shards.size
+        keys, values = (GatheredAlongSequence.apply(t) for t in (key, value))
+        allowed = self.shards.positions(length)[:, None] >= self.shards.gathered_positions(length)[None, :]
+        return func(query, keys, values, attn_mask=allowed, scale=kwargs.get("scale"))
+
+
 class HandContext:
     """The context-parallel step written directly: shard, positions, exchanged SDPA, sum, all-reduce, step."""
 
@@ -95,8 +135,10 @@ class HandContext:
         self.model = model(length)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.shards = ContextShards(size, rank)
-        exchange = RingExchange(self.shards, None, list(range(size))) if method == "ring" \
-            else UlyssesExchange(self.shards, None)
+        exchanges = {"ring": lambda: RingExchange(self.shards, None, list(range(size))),
+                     "ulysses": lambda: UlyssesExchange(self.shards, None),
+                     "gathered": lambda: GatheredExchange(self.shards)}
+        exchange = exchanges[method]()
         for block in self.model.blocks:
             forward = block.attn.forward
 
@@ -107,14 +149,19 @@ class HandContext:
             block.attn.forward = attention
         self.positions = self.shards.positions(length)
 
+    def loss(self, micro):
+        """The token sum of this rank's part of a micro-batch, and its count."""
+        tokens, labels = self.shards.split(micro["tokens"]), self.shards.split(micro["labels"])
+        logits = self.model(tokens, position_ids=self.positions.expand(tokens.shape[0], -1))
+        return (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"),
+                (labels != -100).sum())
+
     def step(self, batch):
         count = torch.zeros((), dtype=torch.float64)
         for start in range(0, ROWS, MICRO):
-            tokens = self.shards.split(batch["tokens"][start:start + MICRO])
-            labels = self.shards.split(batch["labels"][start:start + MICRO])
-            logits = self.model(tokens, position_ids=self.positions.expand(tokens.shape[0], -1))
-            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum").backward()
-            count += (labels != -100).sum()
+            loss, tokens = self.loss({k: v[start:start + MICRO] for k, v in batch.items()})
+            loss.backward()
+            count += tokens
         grads = [p.grad for p in self.model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads] + [count.float().reshape(1)])
         dist.all_reduce(flat)
@@ -152,6 +199,12 @@ def main(argv=None):
                        "ratio": split / alone})
         hand = HandContext(length, info.rank, size, args.method)
         runs = {"engine": lambda: eng.train_batch(batch, token_sum), "hand": lambda: hand.step(batch)}
+        if args.method == "ring":
+            gathered = HandContext(length, info.rank, size, "gathered")
+            runs["gathered"] = lambda: gathered.step(batch)
+            memory[-1]["gathered_bytes"] = saved_bytes(lambda: gathered.loss(micro)[0],
+                                                       list(gathered.model.parameters()))
+            memory[-1]["gathered_ratio"] = memory[-1]["gathered_bytes"] / alone
         times = interleaved(runs, rounds=args.rounds, steps=args.steps, distributed=True)
         cpu = cpu_interleaved(runs, rounds=args.rounds, steps=args.steps)
         tokens = ROWS * length
@@ -159,6 +212,9 @@ def main(argv=None):
                       "engine_tokens_per_s": tokens / times["engine"], "hand_tokens_per_s": tokens / times["hand"],
                       "ratio": times["engine"] / times["hand"], "engine_cpu_s": cpu["engine"],
                       "hand_cpu_s": cpu["hand"], "cpu_ratio": cpu["engine"] / cpu["hand"]})
+        if "gathered" in runs:
+            speed[-1].update({"gathered_s": times["gathered"], "gathered_tokens_per_s": tokens / times["gathered"],
+                              "gathered_cpu_s": cpu["gathered"], "gathered_cpu_ratio": cpu["engine"] / cpu["gathered"]})
         eng.close()
     if info.rank == 0:
         load = os.getloadavg()
@@ -168,6 +224,9 @@ def main(argv=None):
             print(f"{m['length']:6d}  {m['context_1_bytes'] / 2**20:16.1f} MiB {m['context_2_bytes'] / 2**20:6.1f} MiB "
                   f"{m['ratio']:.2f} | {s['engine_tokens_per_s']:12.0f} {s['hand_tokens_per_s']:11.0f} "
                   f"{s['ratio']:17.3f} {s['cpu_ratio']:9.3f}")
+            if "gathered_bytes" in m:
+                print(f"        gathered by hand: activations {m['gathered_bytes'] / 2**20:.1f} MiB "
+                      f"({m['gathered_ratio']:.2f}), {s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
         name = "context" if args.method == "ulysses" else f"context_{args.method}"
         save(f"{name}_w{info.world_size}", {"method": args.method, "load_average": load, "rows": ROWS, "micro_batch": MICRO,
                                              "memory": memory, "speed": speed})

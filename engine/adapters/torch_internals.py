@@ -15,6 +15,7 @@ checked in each version for each. What ``check`` decides at ``engine.initialize`
 from __future__ import annotations
 
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
 import torch._utils
@@ -129,6 +130,25 @@ def _required():
     # overridden by engine.adapters.pipelining (a pipeline's failure guard)
     yield "PipelineStage.backward_maybe_with_nosync", hasattr(PipelineStage, "backward_maybe_with_nosync")
     yield "autograd.graph.Node._sequence_nr", hasattr(torch.autograd.graph.Node, "_sequence_nr")
+
+
+# -- attention ---------------------------------------------------------------------------------
+class FusedCpuAttention(NamedTuple):
+    """PyTorch's fused CPU attention kernel, which gives the log-sum-exp of every query's scores and
+    takes it back in its backward (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+    ``_backward``: private ops, signatures checked in torch 2.11–2.14, docs/compatibility.md)."""
+
+    forward: Callable
+    backward: Callable
+
+
+def fused_cpu_attention() -> FusedCpuAttention | None:
+    """The fused CPU kernel's two ops, or None where this torch lacks either (ring attention's blocks
+    then run in matmuls: the same equations, slower)."""
+    ops = torch.ops.aten
+    forward = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return FusedCpuAttention(forward, backward) if forward is not None and backward is not None else None
 
 
 # -- autograd ----------------------------------------------------------------------------------

@@ -17,12 +17,12 @@ both report the same problems, all at once:
   process count satisfies, ``micro_batch_tokens`` with the keys it cannot be combined with),
   ``sequence_keys`` without ``micro_batch_tokens``;
 * ``packing: true``: needs ``micro_batch_tokens``, refused under a pipeline;
-* pipeline: what cannot run under more than one stage yet (another backend, offload,
+* pipeline: what cannot run under more than one stage (another backend, zero-bubble at ZeRO 3,
   batches whose micro-batches neither the plan nor a token budget fixes);
 * ``activation_checkpointing: auto``: needs the automatic micro size, which chooses it;
 * context parallelism: what it does not compose with (another backend, the automatic micro
   size);
-* expert parallelism: the same, and offload;
+* expert parallelism: the same (another backend, the automatic micro size);
 * context parallelism refuses ``moe.load_balance: micro_batch`` (a rank sees a part of every sequence);
 * hybrid sharding (``engine.config.sharding``): a shard group size at ZeRO 2 / 3 on backend torch
   only, one value however it is spelled.
@@ -50,7 +50,6 @@ def check_without_model(config: Config) -> list[str]:
     problems += _batch_problems(config)
     problems += _packing_problems(config)
     problems += _pipeline_problems(config)
-    problems += _tensor_problems(config)
     problems += _mesh_precision_problems(config)
     problems += _automatic_checkpointing_problems(config)
     problems += _expert_problems(config)  # [moe]
@@ -78,9 +77,6 @@ def _expert_problems(config: Config) -> list[str]:
                         "model's experts as they are on backend: torch; set backend: torch")
     problems += _automatic_micro_size_refused(config, where, "inside an expert leaves its expert group waiting in "
                                               "the all-to-all")
-    if config.backend == "torch" and torch_sections(config).offload.to_host:
-        problems.append(f"zero_optimization: offload is not available {where} (the experts are kept out of FSDP2, "
-                        "which offloads); remove offload_param / offload_optimizer")
     return problems
 
 
@@ -127,18 +123,6 @@ def _automatic_micro_size_refused(config: Config, where: str, stall: str) -> lis
         return []
     return [f"train_micro_batch_size_per_gpu: {mode!r} is not available {where} (a rank that runs out of memory "
             f"{stall}); give a number"]
-
-
-def _tensor_problems(config: Config) -> list[str]:
-    size = config.tensor_parallel.size
-    if size == 1:
-        return []
-    problems = []
-    if config.backend == "torch" and torch_sections(config).offload.to_host:
-        problems.append(f"zero_optimization: offload is not available under tensor_parallel.size {size} yet (FSDP2's "
-                        "host offload of tensor-split DTensor shards is not built or tested); remove "
-                        "offload_param / offload_optimizer, or set tensor_parallel.size: 1")
-    return problems
 
 
 def _mesh_precision_problems(config: Config) -> list[str]:
@@ -197,10 +181,6 @@ def _pipeline_problems(config: Config) -> list[str]:
         problems.append("pipeline.schedule: zero_bubble does not train exactly with ZeRO stage 3 (torch's zero-bubble "
                         "V schedule computes wrong weight gradients on stages resharded after their forward); use "
                         "zero_optimization.stage 2, or another schedule")
-    if config.zero_optimization.stage >= 2 and torch_sections(config).offload.to_host:
-        problems.append(f"zero_optimization: offload is not available under a pipeline of {stages} stages yet (FSDP2's "
-                        "host offload of each stage's shards inside torch's schedules is not built or tested); "
-                        "remove offload_param / offload_optimizer, or set pipeline.stages: 1")
     problems += _automatic_micro_size_problems(config)
     if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
         problems.append(f"pipeline.stages: a pipeline of {stages} stages runs the plan's micro-batches; give "
@@ -225,10 +205,11 @@ def _automatic_micro_size_problems(config: Config) -> list[str]:
         problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} is not available with micro_batch_tokens (the "
                         "token budget chooses each window's micro-batches for the schedule, which the automatic size "
                         "would replace by a fixed plan); give a number")
-    if config.zero_optimization.stage >= 2:
-        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} runs with zero_optimization.stage 0 only "
-                        "(a stage that runs out of memory skips its layers for the rest of the window, which FSDP's "
-                        "collectives inside them do not allow); use stage 0, or give a number")
+    if config.zero_optimization.stage >= 2 or (config.backend == "torch" and torch_sections(config).offload.to_host):
+        problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} runs on stages FSDP2 does not shard "
+                        "(zero_optimization.stage 0 or 1 without offload: a stage that runs out of memory skips its "
+                        "layers for the rest of the window, which FSDP's collectives inside them do not allow); use "
+                        "stage 0, or give a number")
     if config.tensor_parallel.size > 1:
         problems.append(f"train_micro_batch_size_per_gpu: 'auto' {where} is not available with tensor_parallel.size "
                         f"{config.tensor_parallel.size} (the layers a failed stage skips hold tensor-parallel "

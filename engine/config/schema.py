@@ -317,8 +317,9 @@ class ContextParallelConfig(Section):
     """Context parallelism (``engine.context``): every sequence split over ``size`` ranks.
     ``method``: ulysses (all-to-all between sequence and heads around attention; any attention
     implementation, any device; the heads must divide by ``size``), ring (keys and values passed
-    round the group, blockwise attention merged by log-sum-exp: any head count, any device; dropout
-    inside attention refused) or auto (ulysses where a Hugging Face model's heads divide, else ring). ``labels``: auto (a Hugging Face causal LM shifts its
+    round the group, blockwise attention merged by log-sum-exp: any head count, any device; dropout,
+    sliding windows, soft caps and sinks inside attention refused) or auto (ulysses where the query
+    and key/value heads divide, else ring). ``labels``: auto (a Hugging Face causal LM shifts its
     labels itself: they are shifted before the split; other models' labels are taken as already
     aligned with their positions), shift, or aligned. DeepSpeed's top-level
     ``sequence_parallel_size`` is read as ``size`` (Ulysses)."""

@@ -200,13 +200,12 @@ def mesh_layout(config: Config, world_size: int) -> MeshLayout:
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:
     if config.backend == "deepspeed":
         return "deepspeed"
-    if mesh.pipeline > 1:  # offload under a pipeline is refused by engine.config.checks (ZeRO 1: owned state)
-        sharded = config.zero_optimization.stage >= 2
+    if mesh.pipeline > 1:  # each stage sharded by FSDP2 at ZeRO 2 / 3 and wherever it offloads
         if mesh.tensor > 1:
-            return "tensor_pipeline_fsdp" if sharded else "tensor_pipeline"
-        return "pipeline_fsdp" if sharded else "pipeline"
-    if mesh.tensor > 1:  # offload under a tensor mesh is refused by engine.config.checks
-        return ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[config.zero_optimization.stage]
+            return "tensor_pipeline_fsdp" if mesh.data_sharded else "tensor_pipeline"
+        return "pipeline_fsdp" if mesh.data_sharded else "pipeline"
+    if mesh.tensor > 1:
+        return "tensor_fsdp" if mesh.data_sharded else ("tensor", "tensor_zero1")[config.zero_optimization.stage]
     if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)
         return "fsdp"
     if mesh.world_size == 1:

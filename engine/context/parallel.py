@@ -18,8 +18,9 @@ shard's tokens (a Hugging Face ``.loss``) is turned back into its sum with the s
 Which implementation: ``ulysses`` (``engine.context.ulysses``: an all-to-all trades sequence for
 heads, any attention kernel runs on whole sequences) or ``ring`` (``engine.context.ring``: keys and
 values go round the group, blockwise attention merged by log-sum-exp; no limit on the heads, 1/N
-of the activations); ``auto`` (:func:`auto_method`) is Ulysses where a Hugging Face model's heads
-divide over the context size, ring where they do not.
+of the activations); ``auto`` (:func:`auto_method`) is Ulysses where the query and key/value heads
+divide over the context size, ring where they do not: decided once at ``apply`` from a Hugging Face
+model's config, per attention call from its heads for any other model (:class:`AutoExchange`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,45 @@ def auto_method(heads: list[int], size: int) -> str:
     """``auto``: Ulysses (one all-to-all each way, any attention kernel) where the heads divide over
     the context ranks, ring attention (no limit on the heads) where they do not."""
     return "ulysses" if all(count % size == 0 for count in heads) else "ring"
+
+
+class AutoExchange:
+    """``auto`` for a model whose heads show only in its ``scaled_dot_product_attention`` calls (no
+    Hugging Face config): each call goes to Ulysses where its query and key/value heads divide over
+    the context size, to ring attention where they do not (the same shapes on every rank of the
+    group: the same choice); each choice logged once."""
+
+    def __init__(self, ulysses: UlyssesExchange, ring: RingExchange):
+        self.ulysses, self.ring = ulysses, ring
+        self.chosen: set[str] = set()  # the methods calls went to
+
+    @property
+    def padded(self) -> bool:
+        return self.ring.padded
+
+    @padded.setter
+    def padded(self, padded: bool) -> None:
+        self.ulysses.padded = self.ring.padded = padded
+
+    @property
+    def documents(self) -> torch.Tensor | None:
+        return self.ring.documents
+
+    @documents.setter
+    def documents(self, documents: torch.Tensor | None) -> None:
+        self.ulysses.documents = self.ring.documents = documents
+
+    def check_causal(self, causal: bool, what: str) -> None:
+        self.ring.check_causal(causal, what)
+
+    def sdpa(self, what: str, func, query, key, value, *rest, **kwargs):
+        heads = [query.shape[-3], key.shape[-3]]
+        method = auto_method(heads, self.ulysses.shards.size)
+        if method not in self.chosen:
+            self.chosen.add(method)
+            log.info("context_parallel.method auto: %s for %s (%d query, %d key/value heads over context size %d)",
+                     method, what, *heads, self.ulysses.shards.size)
+        return (self.ring if method == "ring" else self.ulysses).sdpa(what, func, query, key, value, *rest, **kwargs)
 
 
 class WholeSequences:
@@ -147,6 +187,8 @@ class ContextParallel:
         model.set_attn_implementation(name)
 
     def _wrap_attention_modules(self, model) -> None:
+        if self.method == "auto":
+            self.exchange = AutoExchange(self._exchange("ulysses"), self._exchange("ring"))
         modules = _outermost(model, lambda m: type(m).__name__.endswith("Attention"))
         if not modules:
             raise ConfigError([

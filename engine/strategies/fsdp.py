@@ -33,6 +33,7 @@ the host; the gathered parameters live on the device while a unit computes.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ from engine.strategies.model_transforms import container_layers, outermost_conta
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.sharded_calls import ShardedCallCheck
 from engine.strategies.deferral import ReductionDeferral
+
+log = logging.getLogger("engine")
 
 
 def _parameter_count(module: torch.nn.Module) -> int:
@@ -98,6 +101,24 @@ def _prefetch(units: list[FSDPModule], sizes: list[int], budget: int) -> None:
         unit.set_modules_to_backward_prefetch(preceding)
 
 
+def host_offload_policy(offload, device: torch.device) -> OffloadPolicy:
+    """FSDP2's policy for ``zero_optimization.offload_*`` (``engine.config.offload.TorchOffload``): the
+    shards, their gradients and the optimizer state on the host — pinned only where an accelerator
+    copies from them — or nothing offloaded."""
+    if not offload.to_host:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=offload.pin_memory and device.type != "cpu")
+
+
+def note_held_apart_stay(policy: OffloadPolicy, held) -> None:
+    """Say once that host offload leaves the parameters held apart (``held``: split experts, each rank's
+    slice whole and outside FSDP2's shards) and their optimizer state on the device."""
+    if isinstance(policy, CPUOffloadPolicy) and held.holds_any:
+        log.info("zero_optimization offload: the experts' slices (%d parameter(s), held apart from FSDP2's shards: "
+                 "expert_parallel splits them instead) and their optimizer state stay on the device; FSDP2 offloads "
+                 "the rest", len(held.parameters))
+
+
 def _local_bytes(param: torch.Tensor, element_size: int | None = None) -> int:
     """Bytes of this rank's piece of ``param`` (elements of ``element_size`` bytes; None: its own)."""
     piece = param.to_local() if hasattr(param, "to_local") else param
@@ -121,10 +142,8 @@ class FullyShardedDataParallel(TorchStrategy):
         # This rank's bytes (a tensor split holds a piece of each split layer).
         trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
         everything = sum(_local_bytes(p, self.precision.compute_itemsize) for p in module.parameters())
-        offload = self.settings.offload
-        # Pinned host memory needs an accelerator to copy to.
-        self.offload_policy = CPUOffloadPolicy(pin_memory=offload.pin_memory and self.device.type != "cpu") \
-            if offload.to_host else OffloadPolicy()
+        self.offload_policy = host_offload_policy(self.settings.offload, self.device)
+        note_held_apart_stay(self.offload_policy, self.group_held)
         inner, root = self.precision.fsdp_policies()
         # Parameters held apart stay whole on their ranks: their gradients are reduced over their own replicas.
         held = self.group_held

@@ -51,6 +51,7 @@ from engine.strategies.model_transforms import ModelBlocks, model_blocks
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
+from engine.strategies.fsdp import host_offload_policy, note_held_apart_stay
 from engine.strategies.stage_failures import StageFailures
 from engine.experts.parallel import find_expert_modules
 from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
@@ -75,7 +76,9 @@ class PipelineParallel(TorchStrategy):
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         mesh = self.mesh
-        self.sharded = setup.stage >= 2  # each stage sharded by FSDP2 over its data replicas
+        # each stage sharded by FSDP2 over its data replicas (ZeRO 2 / 3, and wherever it offloads)
+        self.sharded = mesh.data_sharded
+        self.offload_policy = host_offload_policy(setup.offload, self.device)
         self.schedule_class, self.stages_per_rank = SCHEDULES[setup.pipeline.schedule]
         self.num_stages = mesh.pipeline * self.stages_per_rank
         self.position = mesh.pipeline_rank(self.rank)
@@ -174,7 +177,8 @@ class PipelineParallel(TorchStrategy):
         return model
 
     def _shard_stages(self) -> None:
-        """ZeRO 2 / 3: each stage sharded by FSDP2 over its data replicas. torch's schedules let a
+        """ZeRO 2 / 3 (and host offload): each stage sharded by FSDP2 over its data replicas, with the
+        offload policy where asked. torch's schedules let a
         stage's gradients accumulate unsharded over the window's micro-batches and reduce-scatter
         them (a mean over the replicas) after the last one; stage 3 frees the gathered parameters
         after every forward, stage 2 keeps them."""
@@ -183,8 +187,10 @@ class PipelineParallel(TorchStrategy):
         gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
         # the experts' slices are kept out (reduced over their own replicas at the boundary)
         ignored = {"ignored_params": {e.param for e in self.group_held.parameters}} if self.group_held.holds_any else {}
+        note_held_apart_stay(self.offload_policy, self.group_held)
         for stage in self.stage_modules:
-            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3, **ignored)
+            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3,
+                        offload_policy=self.offload_policy, **ignored)
             if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
                 all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
                 stage.set_custom_all_gather(all_gather)

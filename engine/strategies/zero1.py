@@ -33,9 +33,10 @@ def partition(params: list[torch.nn.Parameter], world_size: int) -> list[int]:
 
 
 def optimizer_state(strategy, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """How a replicated holder's ``optimizer`` steps ``module``: owned shares at ZeRO 1 over more than
-    one replica (:class:`OwnedOptimizerState`), else whole on every rank."""
-    if strategy.settings.stage == 1 and strategy.mesh.size(GRADIENT_REDUCTION) > 1:
+    """How a holder's ``optimizer`` steps ``module``: owned shares at ZeRO 1 over more than one replica
+    (:class:`OwnedOptimizerState`), else whole on every rank (and where FSDP2 shards the data dimension:
+    ZeRO 1 with host offload, whose shards each rank steps)."""
+    if strategy.settings.stage == 1 and strategy.mesh.size(GRADIENT_REDUCTION) > 1 and not strategy.mesh.data_sharded:
         return OwnedOptimizerState(strategy, module, optimizer)
     return WholeOptimizerState(optimizer)
 

@@ -55,14 +55,18 @@ def shard_group_only():
         FullyShardedDataParallel.sharding_mesh = original
 
 
-def clipped(rank, world, stage, defer=False, broken=False):
-    """train_batch with clipping and a scheduler: parameters and the reported norms are the full batch's."""
+def clipped(rank, world, stage, defer=False, broken=False, offload=None, extra=None):
+    """train_batch with clipping and a scheduler: parameters and the reported norms are the full batch's.
+    ``offload``: ``zero_optimization``'s offload keys (FSDP2's host offload of the hybrid shards); ``extra``:
+    more config sections."""
     model, batches = mlp(), regression_batches(3, 16)
     ref = copy.deepcopy(model)
     expected_norms = clipped_reference(ref, batches, CLIP)
+    config = hybrid_config(stage, defer=defer, gradient_clipping=CLIP)
+    config["zero_optimization"].update(offload or {})
+    config.update(extra or {})
     with shard_group_only() if broken else contextlib.nullcontext():
-        eng = engine.initialize(copy.deepcopy(model), hybrid_config(stage, defer=defer, gradient_clipping=CLIP),
-                                optimizer=sgd, lr_scheduler=halving_schedule)
+        eng = engine.initialize(copy.deepcopy(model), config, optimizer=sgd, lr_scheduler=halving_schedule)
     norms = []
     for batch in batches:
         eng.train_batch(rank_slice(batch, eng.plan), mse)
@@ -200,6 +204,9 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
         ("clipped", 3): functools.partial(clipped, stage=3),
         ("clipped", 2): functools.partial(clipped, stage=2),
         ("clipped", "3 deferred"): functools.partial(clipped, stage=3, defer=True),
+        ("clipped", "3 offloaded, compiled"): functools.partial(clipped, stage=3, offload={
+            "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            extra={"compile": {"enabled": True, "backend": "aot_eager"}}),
         ("clipped", "broken"): functools.partial(clipped, stage=3, broken=True),
         ("flush", 3): functools.partial(manual_with_flush, stage=3),
         ("flush", 2): functools.partial(manual_with_flush, stage=2),
@@ -213,7 +220,7 @@ def test_hybrid_sharding_on_four_ranks(tmp_path):
         "experts": experts_hybrid,
     }
     results = run_scenarios(scenarios, world_size=4, timeout=360)
-    for key in [("clipped", 3), ("clipped", 2), ("clipped", "3 deferred")]:
+    for key in [("clipped", 3), ("clipped", 2), ("clipped", "3 deferred"), ("clipped", "3 offloaded, compiled")]:
         for found in results[key]:
             assert found["diff"] < TOL, (key, found["diff"])
             assert found["mesh"] == (2, 2), found["describe"]

@@ -30,7 +30,12 @@ from engine.config.offload import torch_offload
 from engine.distributed.process_group import DistInfo
 from engine.config.setup import resolve_setup
 from engine.strategies import make_strategy
+from tests.distributed.test_context_parallel import GPT_TOL, gpt_script
+from tests.distributed.test_expert_parallel import differences, reference
+from tests.support import broken
 from tests.support.dist_utils import repo_first_on_path, run_scenarios
+from tests.support.moe_models import hf_loss, hf_moe, lm_batches
+from tests.support.pipeline_helpers import mse_outputs
 from tests.support.reference import max_param_diff, mlp, mse, rank_slice, reference_train, regression_batches, sgd, state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,14 +160,19 @@ def test_validate_names_the_problem(tmp_path, capsys):
 STEPS, GLOBAL = 3, 8
 
 
-def offloaded_run(rank, world_size, stage, offload=BOTH):
+def offloaded_run(rank, world_size, stage, offload=BOTH, mesh=None):
+    """``mesh``: a tensor or pipeline dimension's section (the tensor split's DTensors sharded and
+    offloaded by FSDP2; each pipeline stage sharded and offloaded)."""
     eng = engine.initialize(mlp(), {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": 2,
-                                    "zero_optimization": {"stage": stage, "shard_unit_size": 100, **offload}},
+                                    "zero_optimization": {"stage": stage, "shard_unit_size": 100, **offload},
+                                    **(mesh or {})},
                             optimizer=sgd)  # small units: the policy is checked on several
+    loss_fn = mse_outputs if "pipeline" in (mesh or {}) else mse
     for batch in regression_batches(STEPS, GLOBAL):
-        eng.train_batch(rank_slice(batch, eng.plan), mse)
+        eng.train_batch(rank_slice(batch, eng.plan), loss_fn)
     policy = eng.strategy.offload_policy
-    units = [m for m in eng.module.modules() if isinstance(m, FSDPModule)]
+    roots = [eng.module, *getattr(eng.strategy, "stage_modules", [])]  # a pipeline shards its stages
+    units = list({id(m): m for root in roots for m in root.modules() if isinstance(m, FSDPModule)}.values())
     held = [t for t in eng.strategy.held_tensors() if t is not None]
     local = [getattr(t, "_local_tensor", t) for t in held]  # DTensor shards: their local storage
     optimizer_state = [v for s in eng.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -184,16 +194,34 @@ def offloaded():
     # DeepSpeed's ZeRO-Offload as configs write it (HelloDeepSpeed's): the optimizer alone, ZeRO-1
     scenarios["stage1 offload_optimizer"] = functools.partial(offloaded_run, stage=1,
                                                               offload={"offload_optimizer": {"device": "cpu"}})
+    scenarios["tensor 2, stage3"] = functools.partial(offloaded_run, stage=3, mesh={"tensor_parallel": {"size": 2}})
+    scenarios["pipeline 2, stage3"] = functools.partial(offloaded_run, stage=3, mesh={"pipeline": {"stages": 2}})
+    scenarios["pipeline 2, stage1 offload_optimizer"] = functools.partial(
+        offloaded_run, stage=1, offload={"offload_optimizer": {"device": "cpu"}}, mesh={"pipeline": {"stages": 2}})
+    scenarios["experts 2, stage3"] = offloaded_experts
+    # context 2 (the GPT of the context tests), its blocks checkpointed
+    scenarios["context 2, stage3, checkpointing"] = functools.partial(gpt_script, stage=3, extra={
+        "zero_optimization": {"stage": 3, **BOTH}, "activation_checkpointing": {"enabled": True}})
     return run_scenarios(scenarios, world_size=2, timeout=180)
 
 
-@pytest.mark.parametrize("name", ["stage2", "stage3", "stage1 offload_optimizer"])
+def offloaded_experts(rank, world_size):
+    """A Mixtral (its own loss, the global router term) with its experts split over the 2 ranks: FSDP2
+    shards and offloads the dense part, the experts' slices stay where expert_parallel put them."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    return differences(model, batches, hf_loss, reference(model, batches, hf_loss), [("exact", broken.intact)],
+                       zero_optimization={"stage": 3, **BOTH})
+
+
+@pytest.mark.parametrize("name", ["stage2", "stage3", "stage1 offload_optimizer", "tensor 2, stage3",
+                                  "pipeline 2, stage3", "pipeline 2, stage1 offload_optimizer"])
 def test_offloaded_training_holds_everything_on_the_host_and_equals_the_reference(offloaded, name):
     expected = state(reference_train(mlp(), regression_batches(STEPS, GLOBAL), mse, sgd))
     for result in offloaded[name]:
         assert result["policy"] == (CPUOffloadPolicy.__name__, False)  # no accelerator: not pinned
-        # what FSDP2 acts on: every unit sharded with it (on a CPU machine the devices below hold either way)
-        assert len(result["unit_policies"]) > 1
+        # what FSDP2 acts on: every unit sharded with it (on a CPU machine the devices below hold either way;
+        # a pipeline stage is one unit)
+        assert len(result["unit_policies"]) >= (1 if name.startswith("pipeline") else 2)
         assert set(result["unit_policies"]) == {(CPUOffloadPolicy.__name__, False)}
         assert result["devices"] == ["cpu"] and result["param_devices"] == ["cpu"]
         assert result["optimizer_state"][0] > 0 and result["optimizer_state"][1] == ["cpu"]
@@ -213,6 +241,15 @@ diff = max_param_diff(eng.full_state_dict(), state(reference_train(mlp(), batche
 print(eng.strategy.name, type(eng.strategy.offload_policy).__name__, diff < 1e-10)
 eng.close()
 """
+
+
+def test_offload_with_experts_split_offloads_the_rest_and_equals_the_reference(offloaded):
+    assert all(result["exact"] < 1e-8 for result in offloaded["experts 2, stage3"]), offloaded["experts 2, stage3"]
+
+
+def test_offload_under_context_parallelism_with_checkpointing_equals_the_reference(offloaded):
+    results = offloaded["context 2, stage3, checkpointing"]
+    assert all(result["diff"] < GPT_TOL for result in results), results
 
 
 def test_one_process_without_a_launcher_offloads_and_equals_the_reference():

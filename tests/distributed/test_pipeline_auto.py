@@ -188,7 +188,8 @@ def test_pipeline_times_data_an_out_of_memory_on_one_rank_shrinks_all_four():
 
 @pytest.mark.parametrize("extra, problem", [
     ({"train_micro_batch_size_per_gpu": "explore"}, "'explore' is not available under a pipeline"),
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage 0 only"),
+    ({"zero_optimization": {"stage": 3}}, "runs on stages FSDP2 does not shard"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "1 without offload"),
     ({"pipeline": {"stages": 2, "schedule": "zero_bubble"}}, "zero_bubble"),
     ({"auto_memory_limit": 0.5}, "auto_memory_limit: not available"),
 ])

@@ -203,13 +203,13 @@ def context_one_mask_per_row(eng):
     return eng
 
 
-def ring_merge_without_rescale(rows, total, output, scores, value):
-    """Ring attention's block merge (``engine.context.ring.merge_block``) adding each block's
-    exponentials as they are, without rescaling what was summed before to the new row maximum."""
-    peak = torch.maximum(rows, scores.amax(dim=-1))
-    safe = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(scores - safe[..., None])
-    return peak, total + weights.sum(dim=-1), output + torch.matmul(weights, value)
+def ring_merge_without_rescale(output, logsumexp, block_output, block_logsumexp):
+    """Ring attention's block merge (``engine.context.ring.merge_block``) weighing each new block
+    against the merged log-sum-exp but leaving what was summed before as it was (not rescaled by
+    e^(old − new log-sum-exp))."""
+    merged = torch.logaddexp(logsumexp, block_logsumexp)
+    safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+    return output + block_output * torch.exp(block_logsumexp - safe)[..., None], merged
 
 
 def context_positions_reset_per_part(eng):
