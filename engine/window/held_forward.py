@@ -14,8 +14,9 @@ inside one ``torch.utils.checkpoint`` region that starts at the head's input ``x
 saves ``x`` only, the backward recomputes the head and the loss. The logits the model returns keep
 their own graph (a loss the caller builds from ``.logits`` still reaches the head; one more head
 product per forward pays for it), and of an output with a ``.loss`` only that loss is kept for the
-backward (``kept``): the logits, router logits and hidden states are freed. The values are the
-same operations on the same numbers, so gradients are bitwise those of the plain forward. The
+backward (``kept``): its logits and router logits are freed unless the caller keeps them. The
+values are the same operations on the same numbers, so the gradients are bitwise those of the
+plain forward. The
 region applies where the model hands its loss function the head's output itself; a model that
 changes the logits first (a soft cap), or that has no output head with a ``loss_function``, runs
 as written.

@@ -311,8 +311,8 @@ def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log
     """Held forwards under activation checkpointing: the output head and its cross entropy are recomputed
     at the backward from the head's input (engine.window.held_forward), and the output is dropped but for
     its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits and the
-    log-probabilities of every held micro-batch (each tokens × vocabulary), and training stays exact,
-    with a loss read from .logits as well."""
+    log-probabilities of every held micro-batch (each tokens × vocabulary); the parameters are bitwise
+    those of held forwards that keep everything, and exact with a loss read from .logits as well."""
     model, batches = hf_moe(), lm_batches(2, 8)
     held = {}
     for name, breaking in [("kept", broken.intact), ("everything", broken.moe_held_forward_keeps_everything)]:
@@ -322,6 +322,10 @@ def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log
     logits = tokens * vocab * model.dtype.itemsize
     log_probabilities = tokens * vocab * torch.float32.itemsize  # transformers' cross entropy runs in float32
     assert held["everything"] - held["kept"] >= 4 * (logits + log_probabilities), held  # 4 forwards held
+    checkpointed = {"activation_checkpointing": {"enabled": True}}
+    plain = trained(model, batches, hf_loss, broken.moe_held_forward_keeps_everything, **checkpointed)
+    recomputed = trained(model, batches, hf_loss, **checkpointed)
+    assert max_param_diff(recomputed.full_state_dict(), plain.full_state_dict()) == 0  # the same operations
 
     def with_logits(model, batch):  # the logits' own graph reaches the head beside the recomputed loss
         out = model(**batch)
@@ -329,7 +333,7 @@ def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log
 
     for loss_fn, full_batch_loss_fn in ((lambda model, batch: model(**batch), hf_loss), (with_logits, with_logits)):
         expected = reference(model, batches, full_batch_loss_fn)
-        eng = trained(model, batches, loss_fn, activation_checkpointing={"enabled": True})
+        eng = trained(model, batches, loss_fn, **checkpointed)
         assert eng.experts.global_counts == "hold_forwards"
         assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
 
