@@ -339,13 +339,15 @@ def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log
 
 
 # -- two data ranks ----------------------------------------------------------------------------
-def held_scenario(rank, world, stage):
+def held_scenario(rank, world, stage, tensor=1):
     """Every forward of a window held before its backwards on 2 data ranks (ZeRO 0 / 1 reduce after the
-    window), under activation checkpointing where auto chooses it."""
-    model, batches = hf_moe(), lm_batches(2, 8)
+    window), under activation checkpointing where auto chooses it; or on 2 tensor ranks, whose output head
+    gathers its logits (recomputed at the backward with the loss: engine.window.held_forward)."""
+    model, batches = hf_moe(kv_heads=tensor), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
+    split = {"tensor_parallel": {"size": tensor}} if tensor > 1 else {}
     eng = trained(model, batches, hf_loss, accumulation=2, zero_optimization={"stage": stage},
-                  activation_checkpointing={"enabled": True})
+                  activation_checkpointing={"enabled": True}, **split)
     return {"counts": eng.experts.global_counts, "exact": max_param_diff(eng.full_state_dict(), expected)}
 
 
@@ -426,6 +428,7 @@ def two_ranks():
                  for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     scenarios |= {("held", stage): functools.partial(held_scenario, stage=stage) for stage in (0, 1, 3)}
+    scenarios[("held", "tensor 2")] = functools.partial(held_scenario, stage=0, tensor=2)
     scenarios["example"] = example_scenario
     scenarios["pipeline"] = pipeline_scenario
     scenarios["short data"] = short_data_scenario
@@ -459,8 +462,9 @@ def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-def test_two_data_ranks_hold_the_forwards_under_checkpointing_where_the_stage_reduces_after_the_window(two_ranks):
-    for stage, counts in ((0, "hold_forwards"), (1, "hold_forwards"), (3, "count_forward")):
+def test_two_ranks_hold_the_forwards_under_checkpointing_where_the_strategy_reduces_after_the_window(two_ranks):
+    for stage, counts in ((0, "hold_forwards"), (1, "hold_forwards"), (3, "count_forward"),
+                          ("tensor 2", "hold_forwards")):
         for rank, result in enumerate(two_ranks[("held", stage)]):
             assert result["counts"] == counts and result["exact"] < HF_TOL, (stage, rank, result)
 
