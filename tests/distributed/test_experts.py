@@ -307,11 +307,12 @@ class HeldAtCounts:
         return self.held
 
 
-def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log_probabilities():
-    """Held forwards under activation checkpointing: the output head and its cross entropy are recomputed
-    at the backward from the head's input (engine.window.held_forward), and the output is dropped but for
-    its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits and the
-    log-probabilities of every held micro-batch (each tokens × vocabulary); the parameters are bitwise
+def test_a_held_forward_keeps_its_loss_and_the_norms_input_not_the_logits_or_log_probabilities():
+    """Held forwards under activation checkpointing: the final norm, the output head and its cross entropy
+    are recomputed at the backward from the norm's input (engine.window.held_forward), and the output is
+    dropped but for its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits,
+    the log-probabilities (each tokens × vocabulary) and the head's input of every held micro-batch; the
+    parameters are bitwise
     those of held forwards that keep everything, and exact with a loss read from .logits as well."""
     model, batches = hf_moe(), lm_batches(2, 8)
     held = {}
@@ -321,7 +322,8 @@ def test_a_held_forward_keeps_its_loss_and_the_heads_input_not_the_logits_or_log
     tokens, vocab = 2 * batches[0]["input_ids"].shape[1], model.config.vocab_size  # a micro-batch: 2 rows
     logits = tokens * vocab * model.dtype.itemsize
     log_probabilities = tokens * vocab * torch.float32.itemsize  # transformers' cross entropy runs in float32
-    assert held["everything"] - held["kept"] >= 4 * (logits + log_probabilities), held  # 4 forwards held
+    head_input = tokens * model.config.hidden_size * model.dtype.itemsize  # the region starts at the norm's input
+    assert held["everything"] - held["kept"] >= 4 * (logits + log_probabilities + head_input), held  # 4 held
     checkpointed = {"activation_checkpointing": {"enabled": True}}
     plain = trained(model, batches, hf_loss, broken.moe_held_forward_keeps_everything, **checkpointed)
     recomputed = trained(model, batches, hf_loss, **checkpointed)
