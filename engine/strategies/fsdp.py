@@ -33,25 +33,22 @@ the host; the gathered parameters live on the device while a unit computes.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.torch_internals import (
-    drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
+    drop_unreduced_gradients, fsdp_held_tensors, reduce_accumulated_gradients, state_dict_as_held,
 )
 from engine.distributed.collectives import broadcast_
 from engine.strategies.model_transforms import container_layers, outermost_containers
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.sharded_calls import ShardedCallCheck
+from engine.strategies.sharding import ShardingPolicy, host_offload_policy, on_gloo, set_comms, shard
 from engine.strategies.deferral import ReductionDeferral
-
-log = logging.getLogger("engine")
 
 
 def _parameter_count(module: torch.nn.Module) -> int:
@@ -101,24 +98,6 @@ def _prefetch(units: list[FSDPModule], sizes: list[int], budget: int) -> None:
         unit.set_modules_to_backward_prefetch(preceding)
 
 
-def host_offload_policy(offload, device: torch.device) -> OffloadPolicy:
-    """FSDP2's policy for ``zero_optimization.offload_*`` (``engine.config.offload.TorchOffload``): the
-    shards, their gradients and the optimizer state on the host — pinned only where an accelerator
-    copies from them — or nothing offloaded."""
-    if not offload.to_host:
-        return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=offload.pin_memory and device.type != "cpu")
-
-
-def note_held_apart_stay(policy: OffloadPolicy, held) -> None:
-    """Say once that host offload leaves the parameters held apart (``held``: split experts, each rank's
-    slice whole and outside FSDP2's shards) and their optimizer state on the device."""
-    if isinstance(policy, CPUOffloadPolicy) and held.holds_any:
-        log.info("zero_optimization offload: the experts' slices (%d parameter(s), held apart from FSDP2's shards: "
-                 "expert_parallel splits them instead) and their optimizer state stay on the device; FSDP2 offloads "
-                 "the rest", len(held.parameters))
-
-
 def _local_bytes(param: torch.Tensor, element_size: int | None = None) -> int:
     """Bytes of this rank's piece of ``param`` (elements of ``element_size`` bytes; None: its own)."""
     piece = param.to_local() if hasattr(param, "to_local") else param
@@ -143,23 +122,15 @@ class FullyShardedDataParallel(TorchStrategy):
         trainable = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
         everything = sum(_local_bytes(p, self.precision.compute_itemsize) for p in module.parameters())
         self.offload_policy = host_offload_policy(self.settings.offload, self.device)
-        note_held_apart_stay(self.offload_policy, self.group_held)
-        inner, root = self.precision.fsdp_policies()
-        # Parameters held apart stay whole on their ranks: their gradients are reduced over their own replicas.
-        held = self.group_held
-        ignored = {"ignored_params": {e.param for e in held.parameters}} if held.holds_any else {}
-        self.inner_units, unit_sizes = [], []
         module_names = {id(m): name for name, m in module.named_modules()}
-        for group in shard_units(module, self.settings.shard_unit_size):
-            unit_sizes.append(sum(map(_parameter_count, group)))
-            fully_shard(group, mesh=mesh, reshard_after_forward=self.stage == 3, offload_policy=self.offload_policy,
-                        mp_policy=inner, **ignored)
-            self.inner_units.append(group[0])  # the modules of one group share their FSDP state
+        groups = shard_units(module, self.settings.shard_unit_size)
+        unit_sizes = [sum(map(_parameter_count, group)) for group in groups]
+        # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
+        policy = ShardingPolicy(mesh, self.offload_policy, self.group_held, self.precision.fsdp_policies())
+        self.inner_units = shard(policy, [module], groups, unit_reshards=self.stage == 3,
+                                 root_reshards=None if self.stage == 3 else False)[:-1]
         if self.settings.overlap.prefetch_parameters is not None:
             _prefetch(self.inner_units, unit_sizes, self.settings.overlap.prefetch_parameters)
-        # The root: at stage 3 None lets FSDP2 keep its parameters from forward to backward.
-        fully_shard(module, mesh=mesh, reshard_after_forward=None if self.stage == 3 else False,
-                    offload_policy=self.offload_policy, mp_policy=root, **ignored)
         repoint_optimizer(optimizer, names, module)
         # ZeRO 3, until the first window closes: a module called around its unit is named (not under a
         # tensor split, whose parameters are DTensors anyway, nor in compiled blocks, whose graphs the
@@ -168,11 +139,7 @@ class FullyShardedDataParallel(TorchStrategy):
             if self.stage == 3 and self.mesh.tensor == 1 and self.settings.compile is None else None
         self.module = self.forward_module = module
         self.optimizer = optimizer
-        self._gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
-        if self._gloo:
-            self._set_comms(guard=None)
-            if mesh.ndim > 1:  # hybrid: FSDP2's all-reduce over the replicas averages, which gloo cannot
-                module.set_force_sum_reduction_for_comms(True)
+        self._gloo = on_gloo(mesh)
         # Deferring adds the full-size gradient, and at stage 3 the parameters kept gathered.
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self,
                                           extra_bytes=trainable + (everything if self.stage == 3 else 0),
@@ -334,9 +301,7 @@ class FullyShardedDataParallel(TorchStrategy):
 
     def _set_comms(self, guard) -> None:
         for unit in self._units():
-            all_gather, reduce_scatter = fsdp_comms(guard, all_to_all_reduce_scatter=self._gloo)
-            unit.set_custom_all_gather(all_gather)
-            unit.set_custom_reduce_scatter(reduce_scatter)
+            set_comms(unit, guard, all_to_all_reduce_scatter=self._gloo)
 
     def discard_window(self):
         drop_unreduced_gradients(self.module, self._units())

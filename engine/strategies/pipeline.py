@@ -39,19 +39,17 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
-from engine.adapters.torch_internals import (drop_unreduced_gradients, fsdp_comms, fsdp_held_tensors,
-                                             schedules_switch_modes)
+from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_held_tensors, schedules_switch_modes
 from engine.distributed.collectives import small_sum
 from engine.errors import ConfigError, EngineUsageError
 from engine.strategies.model_transforms import ModelBlocks, model_blocks
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
-from engine.strategies.fsdp import host_offload_policy, note_held_apart_stay
+from engine.strategies.sharding import ShardingPolicy, host_offload_policy, shard
 from engine.strategies.stage_failures import StageFailures
 from engine.experts.parallel import find_expert_modules
 from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
@@ -183,20 +181,10 @@ class PipelineParallel(TorchStrategy):
         them (a mean over the replicas) after the last one; stage 3 frees the gathered parameters
         after every forward, stage 2 keeps them."""
         names = {id(p): name for name, p in self.module.named_parameters()}
-        mesh = self.groups.sharding_mesh()  # 2-D (replicas, shard group) on a hybrid mesh
-        gloo = dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
-        # the experts' slices are kept out (reduced over their own replicas at the boundary)
-        ignored = {"ignored_params": {e.param for e in self.group_held.parameters}} if self.group_held.holds_any else {}
-        note_held_apart_stay(self.offload_policy, self.group_held)
-        for stage in self.stage_modules:
-            fully_shard(stage, mesh=mesh, reshard_after_forward=self.settings.stage == 3,
-                        offload_policy=self.offload_policy, **ignored)
-            if gloo:  # gloo has no reduce-scatter of its own (engine.adapters.torch_internals)
-                all_gather, reduce_scatter = fsdp_comms(all_to_all_reduce_scatter=True)
-                stage.set_custom_all_gather(all_gather)
-                stage.set_custom_reduce_scatter(reduce_scatter)
-                if mesh.ndim > 1:  # hybrid: the replicas' all-reduce averages, which gloo cannot
-                    stage.set_force_sum_reduction_for_comms(True)
+        # 2-D (replicas, shard group) on a hybrid mesh; the experts' slices are kept out (reduced over their
+        # own replicas at the boundary); each stage a root of its own
+        policy = ShardingPolicy(self.groups.sharding_mesh(), self.offload_policy, self.group_held)
+        shard(policy, self.stage_modules, root_reshards=self.settings.stage == 3)
         repoint_optimizer(self.optimizer, names, self.module)
 
     def forward(self, *args, **kwargs):
