@@ -66,7 +66,7 @@ def check_without_model(config: Config) -> list[str]:
 
 
 def _expert_problems(config: Config) -> list[str]:
-    """What ``expert_parallel.size`` > 1 does not run with yet (docs/moe.md, "Expert parallelism")."""
+    """What ``expert_parallel.size`` > 1 does not run with (docs/moe.md, "Expert parallelism")."""
     size = config.expert_parallel.size
     if size == 1:
         return []
