@@ -28,6 +28,9 @@ shards). Stage 3 rests sharded.
 Offload (``offload_param`` / ``offload_optimizer``, read by ``engine.config.offload``):
 FSDP2's ``CPUOffloadPolicy`` keeps the shards, their gradients and the optimizer state on
 the host; the gathered parameters live on the device while a unit computes.
+
+``fully_shard`` itself (policies, parameters held apart, gloo's collectives) is wired in
+``engine.strategies.sharding``, which each pipeline stage goes through too.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ stage a root of its own) call :func:`shard`; what differs between them is what t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,7 @@ class ShardingPolicy:
         default_factory=lambda: (MixedPrecisionPolicy(), MixedPrecisionPolicy()))
 
 
-def shard(policy: ShardingPolicy, roots: list[torch.nn.Module], units: list[list[torch.nn.Module]] = (), *,
+def shard(policy: ShardingPolicy, roots: list[torch.nn.Module], units: Sequence[list[torch.nn.Module]] = (), *,
           unit_reshards: bool = True, root_reshards: bool | None = True) -> list[FSDPModule]:
     """Shard ``units`` (groups of modules, each group one FSDP2 unit), then each of ``roots``
     (what the units leave), by ``policy``. ``unit_reshards`` / ``root_reshards``: whether their
