@@ -346,6 +346,11 @@ class ExpertBalance(EngineHook):
     def _keep_load(self, window: list[RouterCounts]) -> None:
         self.last_load = WindowLoad([term.assignments for term in window]) if window else None
 
+    def counted_by_stages(self, assignments: torch.Tensor) -> None:
+        """Under a pipeline: the window's top-k assignments per expert over every rank, pooled over the
+        stages' layers (``engine.window.stage_routers`` counts them), kept for the monitor."""
+        self.last_load = WindowLoad([assignments.reshape(1, -1)])
+
     def _check_routing(self, difference: float) -> None:
         self.routing_differences += difference
         balance.warn_routing_difference("moe.global_counts: count_forward", difference)
