@@ -223,6 +223,7 @@ class PipelineWindows(WindowRunner):
             raise EngineUsageError(NOT_OWN_LOSS)
         scale = strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=units.device), 1.0)
         aux, coefficients = routers.window_term(total[:-3], engine.accounting.outside_loss_weight(total[-3]) * scale)
+        engine.experts.counted_by_stages(routers.window_assignments(total[:-3]))  # the monitor's expert load
         self._window_term = aux
         return routers.training(weights, coefficients)
 
