@@ -10,6 +10,14 @@ dispatched by all-to-all) against none (every rank holds every expert), and a se
 baseline whose ratio is the run's noise floor. Times are interleaved medians, the slowest rank's
 (bench/common.py); tokens/s counts the global batch's tokens.
 
+The engine against the same expert parallelism written by hand (issue 44): both with each
+micro-batch's own load-balancing term (``moe.load_balance: micro_batch``, what a hand loop computes),
+the hand loop reusing the engine's dispatch (``engine.experts.parallel.ExpertShards``: each rank keeps
+its half of the experts, tokens go to their expert's rank by all-to-all), DDP with ``no_sync`` on the
+dense part, the experts' gradients divided by the data ranks (their tokens came from every rank):
+engine / hand is the engine's own overhead, at equal memory (the same parameters, gradients and
+AdamW state per rank).
+
 Bytes, counted (not timed): what one optimizer step's all-to-alls send to other ranks (the rows of
 ``all_to_all_single`` whose destination is another rank, the count exchanges included; forward,
 backward and the counting forward of the global balance), and the parameters plus optimizer state
@@ -34,11 +42,17 @@ import torch.distributed as dist
 import engine
 from bench.common import adamw, interleaved, save
 from bench.moe import SEQ, VOCAB, hf_loss, mixtral
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.adapters.torch_internals import ddp_ignore
+from engine.distributed.mesh import MeshGroups, MeshLayout
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
+from engine.experts.parallel import ExpertShards
 from engine.memory import format_bytes, storage_bytes
 
 GLOBAL_BATCH, ACCUMULATION = 8, 2
 VARIANTS = {"none": 1, "none, second copy (noise floor)": 1, "expert 2": 2}
+ENGINE_TERM, HAND_TERM = "engine expert 2, micro-batch term", "hand expert 2, micro-batch term"
 
 
 def lm_batch() -> dict:
@@ -65,6 +79,30 @@ def counted_all_to_all(total: list[int]):
         yield
     finally:
         dist.all_to_all_single = original
+
+
+def hand_expert_parallel(model, mine: dict):
+    """One optimizer step of expert parallelism written by hand (see the module docstring)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = MeshLayout(world, expert=world)
+    shards = ExpertShards(MeshGroups(layout, "cpu", rank), layout, rank)
+    shards.apply(model, None)
+    ddp_ignore(model, shards.names())
+    ddp = DistributedDataParallel(model)
+    optimizer = adamw(model.parameters())
+    rows = mine["input_ids"].shape[0] // ACCUMULATION
+    micro_batches = [{key: value[i * rows:(i + 1) * rows] for key, value in mine.items()} for i in range(ACCUMULATION)]
+
+    def step():
+        for i, micro_batch in enumerate(micro_batches):
+            with ddp.no_sync() if i < ACCUMULATION - 1 else contextlib.nullcontext():
+                (ddp(**micro_batch).loss / ACCUMULATION).backward()
+        for held in shards.parameters:
+            held.param.grad.div_(world)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def held_by_this_rank(eng) -> int:
@@ -95,8 +133,13 @@ def main(argv=None) -> None:
             eng.train_batch(mine, hf_loss)
         sent[name], held[name] = total[0], held_by_this_rank(eng)
         engines[name] = eng
-    times = interleaved({name: (lambda eng=eng: eng.train_batch(mine, hf_loss)) for name, eng in engines.items()},
-                        rounds=args.rounds, steps=args.steps, warmup=1, distributed=True)
+    runs = {name: (lambda eng=eng: eng.train_batch(mine, hf_loss)) for name, eng in engines.items()}
+    per_micro_batch = engine.initialize(copy.deepcopy(model), {
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": ACCUMULATION,
+        "expert_parallel": {"size": 2}, "moe": {"load_balance": "micro_batch"}}, optimizer=adamw)
+    runs[ENGINE_TERM] = lambda: per_micro_batch.train_batch(mine, hf_loss)
+    runs[HAND_TERM] = hand_expert_parallel(copy.deepcopy(model), mine)
+    times = interleaved(runs, rounds=args.rounds, steps=args.steps, warmup=1, distributed=True)
     tokens = GLOBAL_BATCH * SEQ
     rows = [{"variant": name, "expert_size": expert, "seconds": times[name], "tokens_per_second": tokens / times[name],
              "ratio": times["none"] / times[name], "all_to_all_bytes_sent_per_step": sent[name],
@@ -109,10 +152,14 @@ def main(argv=None) -> None:
             print(f"{row['variant']:34} {row['seconds']:8.3f} {row['tokens_per_second']:9.0f} {row['ratio']:6.3f} "
                   f"{format_bytes(row['all_to_all_bytes_sent_per_step']):>16} "
                   f"{format_bytes(row['parameter_and_optimizer_bytes_per_rank']):>17} {row['held_ratio']:6.2f}")
+        against_hand = times[ENGINE_TERM] / times[HAND_TERM]
+        print(f"{ENGINE_TERM}: {times[ENGINE_TERM]:.3f} s/step; {HAND_TERM}: {times[HAND_TERM]:.3f} s/step; "
+              f"engine / hand {against_hand:.3f}")
         print("results:", save(f"expert_parallel_w{info.world_size}", {
             "rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH, "accumulation": ACCUMULATION,
-            "sequence": SEQ, "rows": rows}))
-    for eng in engines.values():
+            "sequence": SEQ, "rows": rows, "against_hand": {
+                "engine_seconds": times[ENGINE_TERM], "hand_seconds": times[HAND_TERM], "ratio": against_hand}}))
+    for eng in (*engines.values(), per_micro_batch):
         eng.close()
 
 

@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     model, whole = mixtral(), lm_batch()
     share = GLOBAL_BATCH // info.world_size
     batch = {key: value[info.rank * share:(info.rank + 1) * share] for key, value in whole.items()}
-    engines, held, peaks = {}, {}, {}
+    engines, held, statics, peaks = {}, {}, {}, {}
     for name, (balance, counts, checkpointing, _) in VARIANTS.items():
         if counts == "hold_forwards" and info.world_size > 1 and not checkpointing:
             continue  # auto would not choose it there; measured with checkpointing
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
         state = [t for per_param in eng.optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
         static = storage_bytes([*eng.module.parameters(), *(p.grad for p in eng.module.parameters()
                                                             if p.grad is not None), *state])
-        peaks[name] = static + held[name]
+        statics[name], peaks[name] = static, static + held[name]
         engines[name] = eng
     times = interleaved({name: (lambda eng=eng: eng.train_batch(batch, hf_loss)) for name, eng in engines.items()},
                         rounds=args.rounds, steps=args.steps, warmup=1, distributed=info.world_size > 1)
@@ -138,14 +138,16 @@ def main(argv=None) -> None:
         base = "micro_batch, checkpointing" if checkpointing else "micro_batch"
         rows.append({"variant": name, "seconds": times[name], "ratio": times[name] / times[base],
                      "held_activation_bytes": held[name], "held_ratio": held[name] / held[base],
+                     "parameters_gradients_optimizer_bytes": statics[name],
                      "peak_bytes": peaks[name], "peak_ratio": peaks[name] / peaks[base],
                      "forwards_per_micro_batch": forwards})
     if info.rank == 0:
         print(f"{info.world_size} rank(s)")
-        print(f"{'variant':40} {'s/step':>8} {'ratio':>6} {'held activations':>18} {'ratio':>6} {'peak':>10} "
-              f"{'ratio':>6} forwards")
+        print(f"{'variant':40} {'s/step':>8} {'ratio':>6} {'params+grads+AdamW':>18} {'held activations':>18} "
+              f"{'ratio':>6} {'peak':>10} {'ratio':>6} forwards")
         for row in rows:
             print(f"{row['variant']:40} {row['seconds']:8.3f} {row['ratio']:6.3f} "
+                  f"{format_bytes(row['parameters_gradients_optimizer_bytes']):>18} "
                   f"{format_bytes(row['held_activation_bytes']):>18} {row['held_ratio']:6.2f} "
                   f"{format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:6.2f} {row['forwards_per_micro_batch']}")
         print("results:", save(f"moe_w{info.world_size}" if info.world_size > 1 else "moe",

@@ -11,7 +11,9 @@ learn the window's assignments Cᵢ and rows R before any backward (``moe.global
   micro-batch. No memory beyond one micro-batch; one more forward per micro-batch.
 * ``hold_forwards``: every micro-batch's forward first, their graphs held, the all-reduce, then
   every backward. No extra FLOPs; holds every micro-batch's activations at once (under
-  activation checkpointing: every micro-batch's checkpoints). Where the strategy can reduce the
+  activation checkpointing: every micro-batch's checkpoints; of a Hugging Face language model's
+  output head and loss only the head's input, and of its output only the loss:
+  ``engine.window.held_forward``). Where the strategy can reduce the
   window's gradients after its last backward (one process, ZeRO 0 / 1: ``Strategy.reduce_after_window``,
   which it is then asked to do; not ZeRO 2 / 3, whose memory profile reduces into shards after every
   micro-step, nor a pipeline's schedule).
@@ -44,6 +46,7 @@ from engine.experts.bias import BiasRouters
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
 from engine.window.hooks import EngineHook
 from engine.window.accounting import term_factors
+from engine.window.held_forward import HeldForward
 from engine.window.model_loss import mean_items
 from engine.state.rng import restore_rng_state, rng_state
 
@@ -167,6 +170,7 @@ class ExpertBalance(EngineHook):
         self.global_counts = global_counts
         self._all_reduce_sum = all_reduce_sum
         self.bias_routers = BiasRouters(model, bias_update_speed)
+        self.held_forward = HeldForward(model)  # what a held forward keeps until the backwards
         self.last_load: WindowLoad | None = None
         self.routing_differences = 0.0  # assignments the training forwards chose otherwise than the counting one
 
@@ -283,14 +287,20 @@ class ExpertBalance(EngineHook):
         holder = _HeldWindow()
         outputs, counted, sizes = [], [], []
         for k, (micro_batch, samples) in enumerate(pieces):
-            with scoped(_Deferred(holder, k)) as scope:
-                output = forward(micro_batch)
-            outputs.append(output)
-            counted.append([c.detached() for c in scope.calls])
-            sizes.append(self._units(units, output, samples))
+            kept, calls, size = self._held(forward, micro_batch, samples, _Deferred(holder, k), units)
+            outputs.append(kept)
+            counted.append(calls)
+            sizes.append(size)
         holder.window, holder.factors = self._window_and_factors(counted, sizes)
         for output, (_, samples) in zip(outputs, pieces):
             backward(output, samples)
+
+    def _held(self, forward, micro_batch, samples: int, scope: _Deferred, units):
+        """One held forward: what its backward reads of its output (nothing else of the output stays
+        alive), its router counts and its units."""
+        with scoped(scope), self.held_forward.running():
+            output = forward(micro_batch)
+        return self.held_forward.kept(output), [c.detached() for c in scope.calls], self._units(units, output, samples)
 
     # -- counts ----------------------------------------------------------------------------
     @staticmethod
@@ -335,6 +345,11 @@ class ExpertBalance(EngineHook):
 
     def _keep_load(self, window: list[RouterCounts]) -> None:
         self.last_load = WindowLoad([term.assignments for term in window]) if window else None
+
+    def counted_by_stages(self, assignments: torch.Tensor) -> None:
+        """Under a pipeline: the window's top-k assignments per expert over every rank, pooled over the
+        stages' layers (``engine.window.stage_routers`` counts them), kept for the monitor."""
+        self.last_load = WindowLoad([assignments.reshape(1, -1)])
 
     def _check_routing(self, difference: float) -> None:
         self.routing_differences += difference

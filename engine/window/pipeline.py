@@ -223,12 +223,16 @@ class PipelineWindows(WindowRunner):
             raise EngineUsageError(NOT_OWN_LOSS)
         scale = strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=units.device), 1.0)
         aux, coefficients = routers.window_term(total[:-3], engine.accounting.outside_loss_weight(total[-3]) * scale)
+        engine.experts.counted_by_stages(routers.window_assignments(total[:-3]))  # the monitor's expert load
         self._window_term = aux
         return routers.training(weights, coefficients)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
-        samples (default: the plan's)."""
+        samples (default: the plan's). A routed model's own loss (``moe.load_balance: global``) is the
+        whole batch's: its language-model part averaged over the items, plus λ · aux of the batch, the
+        stages' router counts taken in the same schedule and summed in its one reduction."""
+        routed = self.routers is not None and written_for_model(loss_fn)
         batch, loss_fn = self._schedule_form(batch, loss_fn, "eval_batch")
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
         pieces = _sequence_parts(engine.context, list(engine.window_split.eval_pieces(batch, engine.plan, size)))
@@ -236,9 +240,14 @@ class PipelineWindows(WindowRunner):
         pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
         device = self.strategy.device
-        # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed
-        total = torch.zeros(3, dtype=torch.float64, device=device)
+        inputs = _equal_chunks([piece[0] for piece, _ in pieces], engine.window_split.schedule_rows())
+        # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed; not the own loss
+        total = torch.zeros(4, dtype=torch.float64, device=device)
         failure: Exception | None = None
+        counting = contextlib.nullcontext()
+        if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
+            weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), device)
+            counting, self._window_term = self.routers.counting(weights), torch.zeros((), dtype=torch.float64)
 
         def loss_only(outputs, index):
             nonlocal failure
@@ -253,26 +262,32 @@ class PipelineWindows(WindowRunner):
                         failure = error
                     return _zero_from(outputs)
                 total[:2] += torch.stack(evaluation_terms(output, sizes[k]))
+                if routed and mean_items(loss_tensor(output)) is None:
+                    total[3] = 1.0
             return _zero_from(outputs)
 
         module = engine.module
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad(), engine.context.running():
-                self.strategy.run_schedule(_equal_chunks([piece[0] for piece, _ in pieces],
-                                                         engine.window_split.schedule_rows()),
-                                           len(pieces), loss_only, train=False)
+            with torch.no_grad(), engine.context.running(), counting:
+                self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
+            self._window_term = None
         total[2] = float(failure is not None)
+        if routed:  # every stage's router counts ride the same reduction
+            total = torch.cat([total, self.routers.window_counts().to(device)])
         # Summed over every rank: the last stages' totals (the other stages add zeros; a last
         # stage's tensor ranks each add the same, which the quotient cancels).
         total = self.strategy.sum_over_world(total).cpu()
         if total[2] > 0:
             raise failure or failed_on_another_rank("evaluation")
         self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
-        return float(total[0] / total[1])
+        if total[3] > 0:
+            raise EngineUsageError(NOT_OWN_LOSS)
+        mean = float(total[0] / total[1])
+        return mean + float(self.routers.weighted_term(total[4:])) if routed else mean
 
 
 

@@ -47,6 +47,7 @@ class Engine(Protocol):
     windows: Windows  # the window machine
     accounting: Any  # the window's weights (``engine.window.accounting.Accounting``: ``micro_step_weight``)
     context: Any  # the sequences' split over context ranks (``engine.context.parallel``; size 1: whole)
+    experts: Any  # the routers' part (``engine.window.experts``): keeps the window's load for the monitor
 
     def run_window(self, batch, loss_fn: LossFn) -> None:
         """Run a whole training window itself (the plain runner)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -254,14 +255,101 @@ def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
     assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
 
 
-# -- two data ranks ----------------------------------------------------------------------------
-def held_scenario(rank, world, stage):
-    """Every forward of a window held before its backwards on 2 data ranks (ZeRO 0 / 1 reduce after the
-    window), under activation checkpointing where auto chooses it."""
+class HeldAtCounts:
+    """Bytes a window holds when its counts are all-reduced (every forward held, no backward run yet):
+    the tensors saved for backward and the tensors of the forwards' outputs still alive, each storage
+    once, parameters excluded."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.parameters = {p.untyped_storage().data_ptr() for p in eng.module.parameters()}
+        self.saved: dict[int, list] = {}  # storage address -> [bytes, saved tensors alive on it]
+        self.outputs: list = []  # weak references to the forwards' output tensors
+        self.held = None
+        all_reduce = eng.experts._all_reduce_sum
+
+        def measured(counts):
+            self.held = self.now()
+            return all_reduce(counts)
+
+        eng.experts._all_reduce_sum = measured
+
+    def pack(self, tensor):
+        address = tensor.untyped_storage().data_ptr()
+        if address not in self.parameters:
+            entry = self.saved.setdefault(address, [tensor.untyped_storage().nbytes(), 0])
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, address)
+        return tensor
+
+    def _release(self, address):
+        self.saved[address][1] -= 1
+        if not self.saved[address][1]:
+            del self.saved[address]
+
+    def loss_fn(self, model, batch):
+        """The model's whole output, its tensors watched."""
+        out = model(**batch)
+        self.outputs += [weakref.ref(t) for t in out.values() if torch.is_tensor(t)]
+        self.outputs += [weakref.ref(t) for t in out.router_logits]
+        return out
+
+    def now(self) -> int:
+        alive = {address: size for address, (size, _) in self.saved.items()}
+        for ref in self.outputs:
+            if ref() is not None:
+                alive[ref().untyped_storage().data_ptr()] = ref().untyped_storage().nbytes()
+        return sum(size for address, size in alive.items() if address not in self.parameters)
+
+    def window(self, batch):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+            self.eng.train_batch(batch, self.loss_fn)
+        return self.held
+
+
+def test_a_held_forward_keeps_its_loss_and_the_norms_input_not_the_logits_or_log_probabilities():
+    """Held forwards under activation checkpointing: the final norm, the output head and its cross entropy
+    are recomputed at the backward from the norm's input (engine.window.held_forward), and the output is
+    dropped but for its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits,
+    the log-probabilities (each tokens × vocabulary) and the head's input of every held micro-batch; the
+    parameters are bitwise
+    those of held forwards that keep everything, and exact with a loss read from .logits as well."""
     model, batches = hf_moe(), lm_batches(2, 8)
+    held = {}
+    for name, breaking in [("kept", broken.intact), ("everything", broken.moe_held_forward_keeps_everything)]:
+        eng = breaking(moe_engine(copy.deepcopy(model), activation_checkpointing={"enabled": True}))
+        held[name] = HeldAtCounts(eng).window(batches[0])
+    tokens, vocab = 2 * batches[0]["input_ids"].shape[1], model.config.vocab_size  # a micro-batch: 2 rows
+    logits = tokens * vocab * model.dtype.itemsize
+    log_probabilities = tokens * vocab * torch.float32.itemsize  # transformers' cross entropy runs in float32
+    head_input = tokens * model.config.hidden_size * model.dtype.itemsize  # the region starts at the norm's input
+    assert held["everything"] - held["kept"] >= 4 * (logits + log_probabilities + head_input), held  # 4 held
+    checkpointed = {"activation_checkpointing": {"enabled": True}}
+    plain = trained(model, batches, hf_loss, broken.moe_held_forward_keeps_everything, **checkpointed)
+    recomputed = trained(model, batches, hf_loss, **checkpointed)
+    assert max_param_diff(recomputed.full_state_dict(), plain.full_state_dict()) == 0  # the same operations
+
+    def with_logits(model, batch):  # the logits' own graph reaches the head beside the recomputed loss
+        out = model(**batch)
+        return out.loss + 0.1 * out.logits.pow(2).mean()
+
+    for loss_fn, full_batch_loss_fn in ((lambda model, batch: model(**batch), hf_loss), (with_logits, with_logits)):
+        expected = reference(model, batches, full_batch_loss_fn)
+        eng = trained(model, batches, loss_fn, **checkpointed)
+        assert eng.experts.global_counts == "hold_forwards"
+        assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
+
+
+# -- two data ranks ----------------------------------------------------------------------------
+def held_scenario(rank, world, stage, tensor=1):
+    """Every forward of a window held before its backwards on 2 data ranks (ZeRO 0 / 1 reduce after the
+    window), under activation checkpointing where auto chooses it; or on 2 tensor ranks, whose output head
+    gathers its logits (recomputed at the backward with the loss: engine.window.held_forward)."""
+    model, batches = hf_moe(kv_heads=tensor), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
+    split = {"tensor_parallel": {"size": tensor}} if tensor > 1 else {}
     eng = trained(model, batches, hf_loss, accumulation=2, zero_optimization={"stage": stage},
-                  activation_checkpointing={"enabled": True})
+                  activation_checkpointing={"enabled": True}, **split)
     return {"counts": eng.experts.global_counts, "exact": max_param_diff(eng.full_state_dict(), expected)}
 
 
@@ -316,12 +404,17 @@ def pipeline_scenario(rank, world):
     expected = reference(model, batches, hf_loss)
     with float64_term(model), torch.no_grad():
         first_loss = float(hf_loss(copy.deepcopy(model), batches[0]))
-    results = {}
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected)
+    with float64_term(trained), torch.no_grad():  # the whole batch's own loss, its term over every row
+        results = {"expected eval": float(hf_loss(trained, batches[0]))}
     for name, breaking in [("exact", broken.intact), ("per stage", broken.moe_term_per_stage)]:
         eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2}))
         losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
         results[name] = max_param_diff(eng.full_state_dict(), expected)
         results[f"{name} loss"] = abs(losses[0] - first_loss)
+        results[f"{name} load"] = eng.experts.last_load.per_expert().tolist()  # the monitor's expert_load
+        results[f"{name} eval"] = eng.eval_batch(rank_slice(batches[0], eng.plan), hf_loss)
         if name == "exact":  # a loss made of the own loss would still get the term's gradient: refused
             try:
                 eng.train_batch(rank_slice(batches[0], eng.plan), lambda model, b: model(**b).loss * 1.0)
@@ -342,6 +435,7 @@ def two_ranks():
                  for stage in (0, 1, 2, 3) for padded in (False, True) if not padded or stage in (0, 3)}
     scenarios |= {("bias", stage): functools.partial(bias_scenario, stage=stage) for stage in (0, 3)}
     scenarios |= {("held", stage): functools.partial(held_scenario, stage=stage) for stage in (0, 1, 3)}
+    scenarios[("held", "tensor 2")] = functools.partial(held_scenario, stage=0, tensor=2)
     scenarios["example"] = example_scenario
     scenarios["pipeline"] = pipeline_scenario
     scenarios["short data"] = short_data_scenario
@@ -365,8 +459,15 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
 def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
+    last = lm_batches(2, 8, padded=True)[1]
+    model = hf_moe()
+    assignments = model.config.num_experts_per_tok * model.config.num_hidden_layers * int(last["attention_mask"].sum())
     for rank, result in enumerate(two_ranks["pipeline"]):
         assert result["exact"] < HF_TOL, (rank, result)
+        # the monitor's expert load: every real token's top-k choices in every layer of both stages, on each rank
+        assert sum(result["exact load"]) == assignments, (rank, result["exact load"], assignments)
+        # eval_batch with the own loss: the batch's mean token loss plus λ · aux over the whole batch
+        assert result["exact eval"] == pytest.approx(result["expected eval"], rel=1e-6), (rank, result)
         assert result["per stage"] > 1e3 * HF_TOL, (rank, result)
         # the reported loss is the full batch's, its term the window's (transformers' float32 cross entropy)
         assert result["exact loss"] < 1e-6, (rank, result)
@@ -375,8 +476,9 @@ def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-def test_two_data_ranks_hold_the_forwards_under_checkpointing_where_the_stage_reduces_after_the_window(two_ranks):
-    for stage, counts in ((0, "hold_forwards"), (1, "hold_forwards"), (3, "count_forward")):
+def test_two_ranks_hold_the_forwards_under_checkpointing_where_the_strategy_reduces_after_the_window(two_ranks):
+    for stage, counts in ((0, "hold_forwards"), (1, "hold_forwards"), (3, "count_forward"),
+                          ("tensor 2", "hold_forwards")):
         for rank, result in enumerate(two_ranks[("held", stage)]):
             assert result["counts"] == counts and result["exact"] < HF_TOL, (stage, rank, result)
 

@@ -8,6 +8,8 @@ is (within the tolerance of the full-batch reference) and once broken (outside i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine.strategies.model_transforms import CheckpointSwitch
@@ -340,4 +342,19 @@ def experts_norm_counted_on_every_rank(eng):
     """Expert parallelism: the gradient norm counts each rank's expert slice as if every rank held it
     (the slices' squares divided by the world instead of by their replicas): clipping sees too small a norm."""
     eng.strategy.group_held.slices = lambda param: 1
+    return eng
+
+
+class _KeepsEverything:
+    """A held forward as a plain one: nothing recomputed, the whole output kept."""
+
+    running = staticmethod(contextlib.nullcontext)
+    kept = staticmethod(lambda output: output)
+
+
+def moe_held_forward_keeps_everything(eng):
+    """Held forwards (``moe.global_counts: hold_forwards``) that keep until the window's backwards all a
+    plain forward keeps: the output head's and the loss's saved activations (the log-probabilities)
+    and the model's whole output (its logits)."""
+    eng.experts.held_forward = _KeepsEverything()
     return eng
