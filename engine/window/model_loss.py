@@ -157,11 +157,11 @@ class ModelLoss:
             raise EngineUsageError(
                 "under a pipeline the last stage holds the logits only, not the routers of the other stages, whose "
                 "load-balancing term the model's own .loss adds (output_router_logits is true): the stages exchange "
-                "their router counts for the window's term in train_batch under moe.load_balance: global (for a "
-                "model that names num_experts, num_experts_per_tok and router_aux_loss_coef, as Mixtral, "
-                "Qwen2/3-MoE and OLMoE do), never for one micro-batch's term (moe.load_balance: micro_batch, or "
-                "eval_batch); set moe.load_balance: global to train, or write loss_fn(outputs, labels) for the "
-                "language-model part as (loss_sum, num_items)")
+                "their router counts for the window's (or evaluated batch's) term under moe.load_balance: global "
+                "(for a model that names num_experts, num_experts_per_tok and router_aux_loss_coef, as Mixtral, "
+                "Qwen2/3-MoE and OLMoE do), never for one micro-batch's term (moe.load_balance: micro_batch); set "
+                "moe.load_balance: global, or write loss_fn(outputs, labels) for the language-model part as "
+                "(loss_sum, num_items)")
         extra = {key: kwargs[key] for key in ("shift_labels", "num_items_in_batch") if key in kwargs}
         loss = self._loss_function(logits, kwargs["labels"], vocab_size=self.config.vocab_size, **extra)
         return loss + self.router_term.coefficient * window_term.to(loss.device) if routed else loss

@@ -101,6 +101,10 @@ class StageRouters:
         """The window's top-k assignments per expert (C) of its summed ``counts`` ([C, S, R])."""
         return counts[:self.term.num_experts]
 
+    def weighted_term(self, counts: torch.Tensor) -> torch.Tensor:
+        """λ · aux of the window's summed ``counts`` ([C, S, R]): what the model's own loss adds."""
+        return self.term.coefficient * self.window_term(counts, 1.0)[0]
+
     def window_term(self, counts: torch.Tensor, weight) -> tuple[torch.Tensor, torch.Tensor]:
         """From the window's summed ``counts`` ([C, S, R]): (its term aux, the gradient's coefficients
         λ · E · Cᵢ / R² × ``weight``, what a gradient beside the loss is multiplied by)."""

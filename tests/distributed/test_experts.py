@@ -404,13 +404,17 @@ def pipeline_scenario(rank, world):
     expected = reference(model, batches, hf_loss)
     with float64_term(model), torch.no_grad():
         first_loss = float(hf_loss(copy.deepcopy(model), batches[0]))
-    results = {}
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected)
+    with float64_term(trained), torch.no_grad():  # the whole batch's own loss, its term over every row
+        results = {"expected eval": float(hf_loss(trained, batches[0]))}
     for name, breaking in [("exact", broken.intact), ("per stage", broken.moe_term_per_stage)]:
         eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2}))
         losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
         results[name] = max_param_diff(eng.full_state_dict(), expected)
         results[f"{name} loss"] = abs(losses[0] - first_loss)
         results[f"{name} load"] = eng.experts.last_load.per_expert().tolist()  # the monitor's expert_load
+        results[f"{name} eval"] = eng.eval_batch(rank_slice(batches[0], eng.plan), hf_loss)
         if name == "exact":  # a loss made of the own loss would still get the term's gradient: refused
             try:
                 eng.train_batch(rank_slice(batches[0], eng.plan), lambda model, b: model(**b).loss * 1.0)
@@ -462,6 +466,8 @@ def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
         assert result["exact"] < HF_TOL, (rank, result)
         # the monitor's expert load: every real token's top-k choices in every layer of both stages, on each rank
         assert sum(result["exact load"]) == assignments, (rank, result["exact load"], assignments)
+        # eval_batch with the own loss: the batch's mean token loss plus λ · aux over the whole batch
+        assert result["exact eval"] == pytest.approx(result["expected eval"], rel=1e-6), (rank, result)
         assert result["per stage"] > 1e3 * HF_TOL, (rank, result)
         # the reported loss is the full batch's, its term the window's (transformers' float32 cross entropy)
         assert result["exact loss"] < 1e-6, (rank, result)
