@@ -142,13 +142,35 @@ class FusedCpuAttention(NamedTuple):
     backward: Callable
 
 
+# The signatures ring attention calls them with: (positional names, keyword-only names, results).
+FUSED_CPU_ATTENTION_SCHEMAS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        ("query", "key", "value", "dropout_p", "is_causal"), ("attn_mask", "scale"), 2),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"),
+        ("attn_mask", "scale"), 3),
+}
+
+
+def _signature(op) -> tuple | None:
+    """An op's (positional names, keyword-only names, number of results), None where it has no
+    single default overload to read them from."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    if schema is None:
+        return None
+    return (tuple(a.name for a in schema.arguments if not a.kwarg_only),
+            tuple(a.name for a in schema.arguments if a.kwarg_only), len(schema.returns))
+
+
 def fused_cpu_attention() -> FusedCpuAttention | None:
-    """The fused CPU kernel's two ops, or None where this torch lacks either (ring attention's blocks
-    then run in matmuls: the same equations, slower)."""
+    """The fused CPU kernel's two ops, or None where this torch lacks either or gives either another
+    signature than the one ring attention calls (its blocks then run in matmuls: the same equations,
+    slower). The schemas are read, not the version: the ops are private and may change in any one."""
     ops = torch.ops.aten
-    forward = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(ops, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return FusedCpuAttention(forward, backward) if forward is not None and backward is not None else None
+    found = {name: getattr(ops, name, None) for name in FUSED_CPU_ATTENTION_SCHEMAS}
+    if any(op is None or _signature(op) != FUSED_CPU_ATTENTION_SCHEMAS[name] for name, op in found.items()):
+        return None
+    return FusedCpuAttention(*found.values())
 
 
 # -- autograd ----------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ to the queries' in each block only.
 A block runs PyTorch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
 backward, which take and give the log-sum-exp; a private op, reached through
 ``engine.adapters.torch_internals.fused_cpu_attention``) on the CPU, and the same equations written in
-matmuls (:class:`MatmulBlocks`) on other devices and on a torch without that kernel. Works on any backend (point-to-point sends round
+matmuls (:class:`MatmulBlocks`) on other devices and on a torch without that kernel (or with
+another signature for it). Works on any backend (point-to-point sends round
 the group, gloo included) and any model whose attention the context module can reach: a Hugging
 Face model through its attention interface (the model's implementation is replaced by this one:
 dropout, sliding windows, soft caps and attention sinks inside attention are refused), any other
@@ -227,7 +228,7 @@ class MatmulBlocks:
 
 def block_kernel(device: torch.device):
     """How a block is computed on ``device``: the fused CPU kernel where this torch has it, matmuls
-    elsewhere (and, said once, on a torch without it)."""
+    elsewhere (and, said once, on a torch without it or with another signature for it)."""
     global _told_matmul_fallback
     if device.type != "cpu":
         return MatmulBlocks
@@ -237,8 +238,8 @@ def block_kernel(device: torch.device):
     if not _told_matmul_fallback:
         _told_matmul_fallback = True
         log.warning("context_parallel ring: torch %s has no fused CPU attention kernel with its log-sum-exp "
-                    "(aten._scaled_dot_product_flash_attention_for_cpu): the ring's blocks run in matmuls, the same "
-                    "result, slower", torch.__version__)
+                    "(aten._scaled_dot_product_flash_attention_for_cpu and its _backward, with the arguments the ring "
+                    "passes): the ring's blocks run in matmuls, the same result, slower", torch.__version__)
     return MatmulBlocks
 
 

@@ -29,6 +29,8 @@ them (a token budget's windows of other bucket lengths build others), each build
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -332,6 +334,20 @@ class PipelineParallel(TorchStrategy):
         self._schedules[key] = kept  # most recently used last
         return kept
 
+    def micro_batch_positions(self, positions: list[torch.Tensor] | None):
+        """A context in which each stage hands the model micro-batch k's ``positions[k]`` at its k-th
+        forward (packed rows: a stage sees hidden states only, and the schedule runs the micro-batches
+        in order on every stage; its shape-learning forward gets micro-batch 0's); None: nothing to hand."""
+        if positions is None:
+            return contextlib.nullcontext
+        if not self._split.hands_positions:
+            raise EngineUsageError(
+                "packed rows (position_ids) under a pipeline: a model cut as a chain of modules is called with the "
+                "previous stage's output alone, which cannot carry the rows' positions; use a Hugging Face model "
+                "with a pipeline plan (each stage runs the model's forward with the micro-batch's position_ids), "
+                "or pad the documents one per row")
+        return functools.partial(_handing_positions, self.stage_modules, positions)
+
     def model_outputs(self, outputs):
         """What ``loss_fn`` sees of the last stage's ``outputs`` (a Hugging Face model's own output
         type around its logits; other models' outputs as they are), in fp32 where the precision
@@ -400,6 +416,31 @@ class _KeptSchedule:
     schedule: object
     stages: list[NeighbourStage]
     last_mode: bool | None = None
+
+
+@contextlib.contextmanager
+def _handing_positions(stages: list[torch.nn.Module], positions: list[torch.Tensor]):
+    saved = [stage.part_positions for stage in stages]
+    for stage in stages:
+        stage.part_positions = _PositionsInOrder(stage, positions)
+    try:
+        yield
+    finally:
+        for stage, own in zip(stages, saved):
+            stage.part_positions = own
+
+
+class _PositionsInOrder:
+    """One stage's micro-batch positions, in the order its forwards come."""
+
+    def __init__(self, stage: torch.nn.Module, positions: list[torch.Tensor]):
+        self.stage, self.positions, self.next = stage, positions, 0
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if getattr(self.stage, "learning_shapes", False):  # torch's shape inference: micro-batch 0's shape
+            return self.positions[0].to(hidden.device)
+        self.next += 1
+        return self.positions[self.next - 1].to(hidden.device)
 
 
 def _release_others(model: torch.nn.Module, mine: list[torch.nn.Module]) -> None:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batching.microbatch import batch_size
+from engine.context.sharding import POSITIONS_KEY
 from engine.state.rng import restore_rng_state, rng_state
 from engine.window.accounting import evaluation_terms, loss_and_units, loss_tensor
 from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, model_call_refused,
@@ -98,13 +99,19 @@ class PipelineWindows(WindowRunner):
             return batch, outputs_loss_of(loss_fn)
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise model_call_refused(loss_fn)
-        unused = sorted(key for key in batch if key not in _LAST_STAGE_KEYS + ("input_ids",))
+        unused = sorted(key for key in batch if key not in _LAST_STAGE_KEYS + ("input_ids", POSITIONS_KEY))
         if unused:
             raise EngineUsageError(
                 f"{method}(): under a pipeline the first stage is called with the batch's input_ids alone (attention "
                 f"runs causal over the whole row: pad on the right, labels -100 there) and the last stage reads its "
                 f"labels; the batch also holds {', '.join(unused)}, which no stage would see: drop "
                 f"{'it' if len(unused) == 1 else 'them'} from the batch")
+        if POSITIONS_KEY in batch and self.strategy.mesh.context > 1:
+            raise EngineUsageError(
+                f"{method}(): packed rows (position_ids) under a pipeline with context_parallel.size "
+                f"{self.strategy.mesh.context}: each stage's attention exchange would need every micro-batch's "
+                "documents at once, and the schedule runs them one after another; use one of the two, or pad "
+                "the documents one per row")
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise EngineUsageError(
@@ -156,13 +163,14 @@ class PipelineWindows(WindowRunner):
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
+        positions = self.strategy.micro_batch_positions(_packed_positions(pieces, _rows_of(inputs) // len(pieces)))
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), self.strategy.device)
-                routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start)
+                routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions)
             # a recorded window: every micro-batch's saved activations count
-            with engine.windows.measured_forwards(), routing, engine.context.running():
+            with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
                 self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=engine.windows.fingerprint_batch)
@@ -177,7 +185,7 @@ class PipelineWindows(WindowRunner):
         if failure is not None:
             engine.windows.fail(failure)
 
-    def _count_routers(self, engine: Engine, inputs, pieces, sizes, loss_fn, weights, confirm_start):
+    def _count_routers(self, engine: Engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions):
         """The counting schedule (``engine.window.stage_routers``): every stage's router counts and the last
         stage's items over the window, summed over the world; sets the last stage's term and returns the
         training schedule's context, in which each stage's routers get the term's gradient."""
@@ -204,7 +212,7 @@ class PipelineWindows(WindowRunner):
         saved = rng_state()  # the training schedule's forwards draw the same numbers
         self._window_term = torch.zeros((), dtype=torch.float64)
         try:
-            with torch.no_grad(), routers.counting(weights), engine.context.running():
+            with torch.no_grad(), routers.counting(weights), engine.context.running(), positions():
                 strategy.run_schedule(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
         finally:
             restore_rng_state(saved)
@@ -270,7 +278,8 @@ class PipelineWindows(WindowRunner):
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad(), engine.context.running(), counting:
+            positions = self.strategy.micro_batch_positions(_packed_positions(pieces, _rows_of(inputs) // len(pieces)))
+            with torch.no_grad(), engine.context.running(), counting, positions():
                 self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
@@ -308,6 +317,15 @@ def _sequence_parts(context, pieces: list) -> list:
         part = context.shard(micro_batch)
         parts.append(((part["input_ids"], part), samples))
     return parts
+
+
+def _packed_positions(pieces: list, rows: int) -> list[torch.Tensor] | None:
+    """Each micro-batch's ``position_ids`` (packed rows: documents end to end, positions restarting at
+    each), its rows repeated as the schedule's equal chunks repeat them; None where the batch gives none."""
+    batches = [piece[1] for piece, _ in pieces]
+    if not all(isinstance(batch, Mapping) and isinstance(batch.get(POSITIONS_KEY), torch.Tensor) for batch in batches):
+        return None
+    return [_repeat_rows(batch[POSITIONS_KEY], rows) for batch in batches]
 
 
 def _inputs_and_labels(batch, method: str):

@@ -336,6 +336,12 @@ def two_rank_scenarios(directory):
                                                                     extra={**RING, **CHECKPOINTING}),
         "llama auto with 1 key/value head: ring": functools.partial(llama_script, kv_heads=1),
         "llama packed rows, ring": functools.partial(packed_script, extra=RING),
+        # no context: each stage hands the model every micro-batch's restarting positions in turn
+        "llama packed rows, pipeline 2": functools.partial(
+            packed_script, extra={"context_parallel": {"size": 1}, **PIPELINE_2}),
+        "llama packed rows, pipeline 2, one mask per row": functools.partial(
+            packed_script, breaking=broken.pipeline_positions_not_handed,
+            extra={"context_parallel": {"size": 1}, **PIPELINE_2}),
         "gpt ring": functools.partial(gpt_script, extra=RING),
         "gpt with 3 heads, auto: ring": functools.partial(gpt_script, heads=3),
         "saved activation bytes, ring": functools.partial(saved_activation_bytes, extra=RING),

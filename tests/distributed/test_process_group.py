@@ -240,7 +240,8 @@ def _build_under_an_extension_lock(rank, world_size):
         finally:
             baton.release()
     else:
-        time.sleep(2)  # after rank 0 took it
+        while not os.path.exists(baton.lock_file_path):  # rank 0 takes it first
+            time.sleep(0.05)
         baton.wait()
     return rank
 
@@ -369,8 +370,9 @@ def test_a_run_stopped_mid_build_releases_the_extension_lock(tmp_path):
     use) names the lock its peer waits on and leaves no lock behind: a SIGKILL left one, and
     every later DeepSpeed run on the machine waited on it forever."""
     lock = tmp_path / "op" / "lock"
+    run_distributed(_shutdown_twice, timeout=60)  # a warm fork server first: the 10 s below cover the ranks' start
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_build_under_an_extension_lock, timeout=15, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+        run_distributed(_build_under_an_extension_lock, timeout=10, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
     message = str(info.value)
     assert "ranks [0, 1] did not finish" in message
     assert "waits on a torch extension build lock" in message and f"remove {lock}." in message

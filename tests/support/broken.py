@@ -166,6 +166,13 @@ def context_ranks_left_out(eng):
     return eng
 
 
+def pipeline_positions_not_handed(eng):
+    """Packed rows under a pipeline whose stages are not handed the rows' restarting positions: the model
+    numbers each row 0..S-1, one causal mask over the whole row, attention crosses documents."""
+    eng.strategy.micro_batch_positions = lambda positions: contextlib.nullcontext
+    return eng
+
+
 def context_shift_after_split(eng):
     """Context parallelism with the labels shifted inside each rank's part after the split
     (counts local to the shard): the target across each seam is lost and the tail chunk's

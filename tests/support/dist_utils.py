@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import gc
 import multiprocessing
 import multiprocessing.connection
 import glob
@@ -106,6 +107,9 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, environ: dict,
         from engine.distributed.process_group import init_distributed, shutdown
 
         init_distributed(timeout_seconds=pg_timeout, backend="gloo")
+        # What is loaded by now (torch, the scenario's module and what it imports) lives as long as
+        # the rank: kept out of the collector's scans, which DeepSpeed's ZeRO-3 start-up runs in full.
+        gc.freeze()
         message = pickle.dumps(("ok", fn(rank, world_size, *args)))
     except BaseException:
         message = pickle.dumps(("error", (time.time(), traceback.format_exc())))

@@ -108,10 +108,17 @@ def test_the_ring_equals_attention_over_the_whole_sequence(monkeypatch, kernel, 
         assert ring_differences(size, kv_heads, causal, documents) < TOLERANCE, (kernel, size, kv_heads, name)
 
 
-def test_a_torch_without_the_fused_cpu_kernel_runs_the_blocks_in_matmuls(monkeypatch, caplog):
+# What another torch might have in place of the backward op: nothing, or the op with another signature
+# (SDPA's public op stands in for one whose arguments changed).
+OTHER_TORCH = {"no op": None, "another signature": torch.ops.aten.scaled_dot_product_attention}
+
+
+@pytest.mark.parametrize("backward", OTHER_TORCH)
+def test_a_torch_without_the_fused_cpu_kernel_runs_the_blocks_in_matmuls(monkeypatch, caplog, backward):
     assert isinstance(ring.block_kernel(torch.device("cpu")), ring.FusedCpuBlocks)  # this torch has it
-    monkeypatch.setattr(ring, "fused_cpu_attention", lambda: None)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", OTHER_TORCH[backward])
     monkeypatch.setattr(ring, "_told_matmul_fallback", False)
+    assert fused_cpu_attention() is None
     with caplog.at_level("WARNING", logger="engine"):
         assert ring.block_kernel(torch.device("cpu")) is ring.MatmulBlocks
         assert ring.block_kernel(torch.device("cpu")) is ring.MatmulBlocks
