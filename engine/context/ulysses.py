@@ -131,6 +131,15 @@ def causal_mask(length: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(above, torch.finfo(dtype).min)[None, None]
 
 
+def window_mask(length: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An additive causal mask (1, 1, length, length) within a sliding window: a query sees itself and
+    the ``window`` - 1 tokens before it (transformers' rule for ``sliding_window``)."""
+    queries = torch.arange(length, device=device)[:, None]
+    keys = torch.arange(length, device=device)[None, :]
+    allowed = (keys <= queries) & (keys > queries - window)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 def document_mask(documents: torch.Tensor, dtype: torch.dtype, causal: bool) -> torch.Tensor:
     """An additive mask (rows, 1, S, S) for packed rows (``documents``: (rows, S) document ids of
     the whole sequence): a token attends within its own document (and, ``causal``, not ahead)."""
@@ -178,15 +187,21 @@ def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange
         # The shard's positions: flash attention would read their jumps as packed sequences.
         for name in _VARLEN_KEYS:
             kwargs.pop(name, None)
-        documents = exchange.documents
+        documents, length = exchange.documents, query.shape[-2]
+        # A sliding window shorter than the sequence: flash takes it as an argument, the others from the mask.
+        window = kwargs.get("sliding_window")
+        window = window if isinstance(window, int) and causal and window < length else None
         if documents is not None and implementation.startswith("flash"):
             kwargs.update(varlen_arguments(documents, what))
             mask = None
         elif documents is not None:
             mask = document_mask(documents, query.dtype, causal)
         else:
-            mask = None if implementation in SELF_MASKING or not causal else causal_mask(query.shape[-2], query.dtype,
+            mask = None if implementation in SELF_MASKING or not causal else causal_mask(length, query.dtype,
                                                                                         query.device)
+        if window is not None and not implementation.startswith("flash"):
+            windowed = window_mask(length, window, query.dtype, query.device)
+            mask = windowed if mask is None else torch.minimum(mask, windowed)
         output, _ = inner(module, query, key, value, mask, **kwargs)  # (batch, sequence, heads / N, d)
         return exchange.to_heads(output.transpose(1, 2)).transpose(1, 2), None
 

@@ -63,6 +63,17 @@ def llama(attention="sdpa", kv_heads=2):
     return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.float64)
 
 
+def mistral(attention="sdpa", kv_heads=2):
+    """A Mistral whose attention sees a sliding window of 4 tokens (the sequences are 16)."""
+    import transformers
+
+    cfg = transformers.MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32,
+                                     sliding_window=4)
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.float64)
+
+
 def padded_rows(steps, lengths=LENGTHS, vocab=16, seed=5, width=WIDTH):
     """Right-padded rows of the given real lengths: input_ids, attention_mask, labels = input_ids
     with -100 at the padding (as a Hugging Face collator makes them)."""
@@ -127,8 +138,8 @@ def gpt_batches(steps, global_batch=8):
 
 # -- scenarios: each runs on every rank -----------------------------------------------------------
 def llama_script(rank, world, stage=0, breaking=broken.intact, manual=False, extra=None, attention="sdpa",
-                 width=WIDTH, kv_heads=2):
-    model, batches = llama(attention, kv_heads), padded_rows(2, lengths=[min(n, width) for n in LENGTHS], width=width)
+                 width=WIDTH, kv_heads=2, family=llama):
+    model, batches = family(attention, kv_heads), padded_rows(2, lengths=[min(n, width) for n in LENGTHS], width=width)
     expected = reference_train(model, batches, model_loss, sgd)
     eng = breaking(engine.initialize(copy.deepcopy(model), config(2, stage=stage, **(extra or {})), optimizer=sgd))
     losses = []
@@ -336,6 +347,9 @@ def two_rank_scenarios(directory):
                                                                     extra={**RING, **CHECKPOINTING}),
         "llama auto with 1 key/value head: ring": functools.partial(llama_script, kv_heads=1),
         "llama packed rows, ring": functools.partial(packed_script, extra=RING),
+        "mistral sliding window of 4": functools.partial(llama_script, family=mistral),
+        "mistral sliding window ignored": functools.partial(llama_script, family=mistral,
+                                                            breaking=broken.context_window_ignored),
         # no context: each stage hands the model every micro-batch's restarting positions in turn
         "llama packed rows, pipeline 2": functools.partial(
             packed_script, extra={"context_parallel": {"size": 1}, **PIPELINE_2}),
@@ -365,9 +379,9 @@ def check(results, llama_data):
                        "(data index 0))" in result["error"], result["error"]
             continue
         for result in per_rank:
-            tolerance = LLAMA_TOL if name.startswith(("llama", "mixtral")) else GPT_TOL
+            tolerance = LLAMA_TOL if name.startswith(("llama", "mixtral", "mistral")) else GPT_TOL
             if any(words in name for words in ("per shard", "after split", "one mask per row", "reset per part",
-                                               "part alone", "left out")):
+                                               "part alone", "left out", "window ignored")):
                 # positions reset per part: the tiny Llama's rotary embedding moves its update by 1.5e-5
                 missed = 10 * MISSED_POSITIONS if "reset per part" in name else MISSED
                 assert result["diff"] > missed, (name, result["diff"])

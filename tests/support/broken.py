@@ -173,6 +173,15 @@ def pipeline_positions_not_handed(eng):
     return eng
 
 
+def context_window_ignored(eng):
+    """Ulysses attending over the whole sequence with a plain causal mask, a sliding window shorter than the
+    sequence dropped (what it did before it read the window): every token sees all that precedes it."""
+    import engine.context.ulysses as ulysses
+
+    ulysses.window_mask = lambda length, window, dtype, device: ulysses.causal_mask(length, dtype, device)
+    return eng
+
+
 def context_shift_after_split(eng):
     """Context parallelism with the labels shifted inside each rank's part after the split
     (counts local to the shard): the target across each seam is lost and the tail chunk's
