@@ -107,9 +107,6 @@ class WholeSequences:
     def item_weighted(self, output):
         return output
 
-    def part_positions(self, part: torch.Tensor) -> None:
-        return None
-
 
 class ContextParallel:
     """One rank's context group: splits batches, wraps the model's attention, weighs its losses."""
@@ -145,7 +142,7 @@ class ContextParallel:
     def apply_attention(self, model: torch.nn.Module) -> None:
         """Wrap ``model``'s attention in the exchange, in place. Alone (without :meth:`apply`'s
         positions) under a pipeline: the stages, copies of the model's module tree sharing its
-        configuration and attention, each ask :meth:`part_positions` for their call."""
+        configuration and attention, are handed each part's :meth:`positions` with its micro-batch."""
         hugging_face = _attention_implementation(model) is not None
         if self.labels == "auto":
             self.shift = hugging_face and getattr(model, "loss_type", None) == "ForCausalLM"
@@ -216,20 +213,17 @@ class ContextParallel:
         def run(*args, **kwargs):
             if activity.on and caches and kwargs.get("use_cache") is None:
                 kwargs["use_cache"] = False
-            if kwargs.get("position_ids") is None:
-                positions = self.part_positions(kwargs.get("input_ids", args[0] if args else None))
-                if positions is not None:
-                    kwargs["position_ids"] = positions
+            inputs = kwargs.get("input_ids", args[0] if args else None)
+            if activity.on and kwargs.get("position_ids") is None and isinstance(inputs, torch.Tensor) \
+                    and inputs.dim() >= 2:
+                kwargs["position_ids"] = self.positions(inputs)
             return forward(*args, **kwargs)
 
         model.forward = run
 
-    def part_positions(self, part) -> torch.Tensor | None:
+    def positions(self, part: torch.Tensor) -> torch.Tensor:
         """The places in the whole sequence of the tokens of ``part`` (this rank's part of a batch's
-        rows: ids ``(rows, length)`` or hidden states ``(rows, length, ...)``), one row per row, while
-        the engine runs a micro-step; None otherwise."""
-        if not (self.activity.on and isinstance(part, torch.Tensor) and part.dim() >= 2):
-            return None
+        rows, ids ``(rows, length)``), one row per row."""
         length = part.shape[1] * self.shards.size
         return self.shards.positions(length, device=part.device).expand(part.shape[0], -1)
 

@@ -194,8 +194,8 @@ class PlanStage(nn.Module):
         # With the automatic micro size's failure guard: the forward runs through it
         # (engine.strategies.stage_failures), which stands in for it after a failure.
         self.failures = None
-        # Under context parallelism: the places in the whole sequence of the part's tokens
-        # (engine.context.parallel.ContextParallel.part_positions); None: the model numbers them.
+        # The micro-batch's position_ids, handed in order by the pipeline (packed rows, a context part:
+        # engine.strategies.pipeline.micro_batch_positions); None: the model numbers them.
         self.part_positions = _own_positions
 
     def forward(self, hidden):

@@ -157,9 +157,6 @@ class PipelineParallel(TorchStrategy):
         names = {id(p): name for name, p in self.module.named_parameters()}
         self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns,
                          blocks=blocks.held(self.module), attention_model=self._attention_model(model))
-        if self.context is not None:  # each stage hands its part's positions to the model's forward
-            for stage in self.stage_modules:
-                stage.part_positions = self.context.part_positions
         repoint_optimizer(self.optimizer, names, self.module)
 
     def _attention_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
@@ -336,8 +333,9 @@ class PipelineParallel(TorchStrategy):
 
     def micro_batch_positions(self, positions: list[torch.Tensor] | None):
         """A context in which each stage hands the model micro-batch k's ``positions[k]`` at its k-th
-        forward (packed rows: a stage sees hidden states only, and the schedule runs the micro-batches
-        in order on every stage; its shape-learning forward gets micro-batch 0's); None: nothing to hand."""
+        forward (packed rows' restarting positions, or a context part's places in the whole sequence: a
+        stage sees hidden states only, and the schedule runs the micro-batches in order on every stage;
+        its shape-learning forward gets micro-batch 0's); None: nothing to hand."""
         if positions is None:
             return contextlib.nullcontext
         if not self._split.hands_positions:

@@ -163,11 +163,12 @@ class PipelineWindows(WindowRunner):
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
-        positions = self.strategy.micro_batch_positions(_packed_positions(pieces, _rows_of(inputs) // len(pieces)))
+        chunk = _rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
+        positions = self.strategy.micro_batch_positions(_packed_positions(pieces, chunk))
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
-                weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), self.strategy.device)
+                weights = row_weights(pieces, sizes, chunk, self.strategy.device)
                 routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions)
             # a recorded window: every micro-batch's saved activations count
             with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
@@ -249,12 +250,13 @@ class PipelineWindows(WindowRunner):
         sizes = [n for _, n in pieces]
         device = self.strategy.device
         inputs = _equal_chunks([piece[0] for piece, _ in pieces], engine.window_split.schedule_rows())
+        chunk = _rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed; not the own loss
         total = torch.zeros(4, dtype=torch.float64, device=device)
         failure: Exception | None = None
         counting = contextlib.nullcontext()
         if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
-            weights = row_weights(pieces, sizes, _rows_of(inputs) // len(pieces), device)
+            weights = row_weights(pieces, sizes, chunk, device)
             counting, self._window_term = self.routers.counting(weights), torch.zeros((), dtype=torch.float64)
 
         def loss_only(outputs, index):
@@ -278,7 +280,7 @@ class PipelineWindows(WindowRunner):
         was_training = module.training
         module.eval()
         try:
-            positions = self.strategy.micro_batch_positions(_packed_positions(pieces, _rows_of(inputs) // len(pieces)))
+            positions = self.strategy.micro_batch_positions(_packed_positions(pieces, chunk))
             with torch.no_grad(), engine.context.running(), counting, positions():
                 self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
         finally:
@@ -308,20 +310,23 @@ _LAST_STAGE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "attention_m
 def _sequence_parts(context, pieces: list) -> list:
     """Each micro-batch ``((input_ids, batch), samples)`` as this rank's part of its sequences under
     context parallelism (``engine.context.parallel.ContextParallel.shard``: labels shifted before the
-    split, the part's ``num_items_in_batch``, which the last stage's own loss divides by); whole
-    sequences: as they are."""
+    split, the part's ``num_items_in_batch``, which the last stage's own loss divides by, and the
+    places of its tokens in the whole sequence as ``position_ids``, which the stages hand the model as
+    they hand packed rows' own); whole sequences: as they are."""
     if context.size == 1:
         return pieces
     parts = []
     for (_, micro_batch), samples in pieces:
         part = context.shard(micro_batch)
+        part[POSITIONS_KEY] = context.positions(part["input_ids"])
         parts.append(((part["input_ids"], part), samples))
     return parts
 
 
 def _packed_positions(pieces: list, rows: int) -> list[torch.Tensor] | None:
     """Each micro-batch's ``position_ids`` (packed rows: documents end to end, positions restarting at
-    each), its rows repeated as the schedule's equal chunks repeat them; None where the batch gives none."""
+    each; a context part: its tokens' places in the whole sequence), its rows repeated as the schedule's
+    equal chunks repeat them; None where the batch gives none."""
     batches = [piece[1] for piece, _ in pieces]
     if not all(isinstance(batch, Mapping) and isinstance(batch.get(POSITIONS_KEY), torch.Tensor) for batch in batches):
         return None
