@@ -187,7 +187,7 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
                 problem, cause = f"copying the state to host memory failed: {describe(error)}", error
             agree(problem, cause)
         else:
-            manager.training_state.save_training_state(str(tmp / STATE_DIR))
+            _write_everywhere(lambda: manager.training_state.save_training_state(str(tmp / STATE_DIR)))
             _checksum_and_publish(manager, position, target, tmp, token, data is not None)
     except BaseException as error:
         _raise_save_failure(rank, target, tmp, error)
@@ -195,11 +195,14 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
         copied = time.perf_counter() - started
 
         def write_and_publish():
-            try:
+            def write_files():
                 for name, content in local_bytes.items():
                     _write_bytes(tmp / name, content)
                 for write in training_state_writes:
                     write()
+
+            try:
+                _write_everywhere(write_files)
                 _checksum_and_publish(manager, position, target, tmp, token, data is not None)
             except BaseException as error:
                 _raise_save_failure(rank, target, tmp, error)
@@ -218,6 +221,18 @@ def save_checkpoint(manager: CheckpointManager, path, *, data=None, client_state
     if on_published is not None:
         on_published()
     return str(target)
+
+
+def _write_everywhere(write: Callable[[], None]) -> None:
+    """This rank's writes, then every rank's: no rank reads the files back for their checksums
+    while a peer still writes one (DeepSpeed's rank 0 writes its state file after every rank's
+    shards). Collective; a failed write is raised on every rank."""
+    problem, cause = None, None
+    try:
+        write()
+    except Exception as error:  # noqa: BLE001 - reported on every rank
+        problem, cause = f"writing the model and optimizer state failed: {describe(error)}", error
+    agree(problem, cause)
 
 
 def _checksum_and_publish(manager: CheckpointManager, position: CheckpointPosition, target: Path, tmp: Path,

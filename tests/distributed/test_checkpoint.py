@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -242,7 +243,34 @@ def _failures_agree(rank, world, path):
     fresh.load_checkpoint(path, data=fresh_data)  # after rank 0 removed the temporary directory
     out["steps"] = fresh.global_steps
     out["listing"] = sorted(os.listdir(os.path.dirname(path)))
+    eng.checkpoints.training_state = LateWriter(eng.checkpoints.training_state, rank)
+    eng.save_checkpoint(path, data=data)
+    fresh.load_checkpoint(path, data=fresh_data)  # every file's checksum is the file's as written
+    out["late_steps"] = fresh.global_steps
     return out
+
+
+class LateWriter:
+    """A training state whose rank 0 finishes a file of its own after its peers are done (as
+    DeepSpeed's state file): a peer that read it back for its checksum at once reads half of it.
+    ``.late`` sorts second among the files: its checksum is rank 1's share."""
+
+    def __init__(self, inner, rank):
+        self.inner, self.rank = inner, rank
+
+    def save_training_state(self, directory):
+        self.inner.save_training_state(directory)
+        if self.rank != 0:
+            time.sleep(0.5)  # rank 0's half-written file is there
+            return
+        with open(os.path.join(directory, ".late"), "w") as f:
+            f.write("half")
+            f.flush()
+            time.sleep(1.5)
+            f.write(" and the rest")
+
+    def __getattr__(self, name):  # the rest is the wrapped state's
+        return getattr(self.inner, name)
 
 
 @pytest.mark.distributed
@@ -256,6 +284,7 @@ def test_failures_are_raised_on_every_rank(two_rank_runs, tmp_path):
         assert "nothing was published" in out["save"]
         assert "rank 1" in out["save"] and "No space left on device" in out["save"]
         assert out["listing"] == ["c"] and out["steps"] == FIRST_PART
+        assert out["late_steps"] == 3
 
 
 # -- single process ----------------------------------------------------------------------------
