@@ -94,6 +94,24 @@ def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
+    """Median over rounds of the CPU seconds per step, averaged over ranks (variants rotating as
+    in ``interleaved``): on a machine shared with other work, what the variant itself computes,
+    without the time spent waiting for a core."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            dist.barrier()
+            start = time.process_time()
+            for _ in range(steps):
+                runs[name]()
+            spent = torch.tensor((time.process_time() - start) / steps)
+            dist.all_reduce(spent)
+            samples[name].append(float(spent) / dist.get_world_size())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     payload = {"machine": {"python": platform.python_version(), "torch": torch.__version__,

@@ -46,8 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import engine
-from bench.common import interleaved, save
-from bench.tensor_parallel import cpu_interleaved
+from bench.common import cpu_interleaved, interleaved, save
 from engine.context.ring import RingExchange
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange

@@ -38,8 +38,6 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 import functools
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -50,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import engine
-from bench.common import GLOBAL_BATCH, adamw, batch, interleaved, mlp, mse, save
+from bench.common import GLOBAL_BATCH, adamw, batch, cpu_interleaved, interleaved, mlp, mse, save
 from engine.adapters.torch_internals import fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import all_reduce_mean_
 from engine.memory import held_bytes, storage_bytes
@@ -165,24 +163,6 @@ class SentBytes:
     def __exit__(self, *exc):
         for module, name, original in reversed(self._patched):
             setattr(module, name, original)
-
-
-def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
-    """Median over rounds of the CPU seconds per step, averaged over ranks (variants rotating as
-    in ``interleaved``): on a machine shared with other work, what the variant itself computes,
-    without the time spent waiting for a core."""
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            dist.barrier()
-            start = time.process_time()
-            for _ in range(steps):
-                runs[name]()
-            spent = torch.tensor((time.process_time() - start) / steps)
-            dist.all_reduce(spent)
-            samples[name].append(float(spent) / dist.get_world_size())
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(run) -> dict:
