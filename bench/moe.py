@@ -3,6 +3,7 @@ activations a window holds, one process.
 
     python bench/moe.py [--rounds 5] [--steps 2]
     python -m launch --nproc-per-node 2 bench/moe.py     # data 2: each rank half the global batch
+    python -m launch --nproc-per-node 2 bench/moe.py --stage 3   # the same at ZeRO 3 (or 1, 2)
 
 Workload: a Hugging Face Mixtral (transformers, random init, fp32): 4 layers, hidden 128, 8 experts
 top-2, output_router_logits, router_aux_loss_coef 0.02; global batch 16 rows of 128 tokens,
@@ -16,7 +17,10 @@ backward alive at once during a window (parameters excluded; storages counted on
 timed); "peak" adds the bytes of parameters, gradients and optimizer state this rank holds (what a
 window holds at most: those and its saved activations). On several ranks ``hold_forwards`` runs
 where the holder reduces after the window (ZeRO 0 here; ``auto`` chooses it under checkpointing),
-and only with checkpointing. Results: bench/results/moe.json, moe_w<W>.json.
+and only with checkpointing; under ZeRO 2 / 3 each held forward's backward reduces into shards as a
+micro-step does. A gathered (unsharded) parameter saved for backward is not an activation: the
+parameter's shard is counted with the parameters. Results: bench/results/moe.json, moe_w<W>.json
+(moe_w<W>_zero<S>.json at another stage).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 import engine
 from bench.common import adamw, interleaved, save
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
-from engine.memory import format_bytes, storage_bytes
+from engine.memory import format_bytes, storage_bytes, storages
 
 GLOBAL_BATCH, ACCUMULATION, SEQ, VOCAB = 16, 4, 128, 512
 
@@ -66,13 +70,13 @@ class HeldActivations:
     """The most bytes of tensors saved for backward alive at once (parameters excluded)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.parameters = set(storages(model.parameters()))  # a DTensor's local shard
         self.references: dict[int, int] = {}  # storage address -> saved tensors alive on it
         self.live = self.peak = 0
 
     def pack(self, tensor):
         address = tensor.untyped_storage().data_ptr()
-        if address in self.parameters:
+        if address in self.parameters or isinstance(tensor, torch.nn.Parameter):
             return tensor
         if self.references.get(address, 0) == 0:
             self.live += tensor.untyped_storage().nbytes()
@@ -108,6 +112,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -121,7 +126,8 @@ def main(argv=None) -> None:
         eng = engine.initialize(copy.deepcopy(model), {
             "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": ACCUMULATION,
             "moe": {"load_balance": balance, "global_counts": counts},
-            "activation_checkpointing": {"enabled": checkpointing}}, optimizer=adamw)
+            "activation_checkpointing": {"enabled": checkpointing},
+            "zero_optimization": {"stage": args.stage}}, optimizer=adamw)
         eng.train_batch(batch, hf_loss)  # optimizer state exists from here on
         held[name] = HeldActivations(eng.module).measure(lambda: eng.train_batch(batch, hf_loss))
         state = [t for per_param in eng.optimizer.state.values() for t in per_param.values() if torch.is_tensor(t)]
@@ -142,7 +148,7 @@ def main(argv=None) -> None:
                      "peak_bytes": peaks[name], "peak_ratio": peaks[name] / peaks[base],
                      "forwards_per_micro_batch": forwards})
     if info.rank == 0:
-        print(f"{info.world_size} rank(s)")
+        print(f"{info.world_size} rank(s), ZeRO {args.stage}")
         print(f"{'variant':40} {'s/step':>8} {'ratio':>6} {'params+grads+AdamW':>18} {'held activations':>18} "
               f"{'ratio':>6} {'peak':>10} {'ratio':>6} forwards")
         for row in rows:
@@ -150,8 +156,9 @@ def main(argv=None) -> None:
                   f"{format_bytes(row['parameters_gradients_optimizer_bytes']):>18} "
                   f"{format_bytes(row['held_activation_bytes']):>18} {row['held_ratio']:6.2f} "
                   f"{format_bytes(row['peak_bytes']):>10} {row['peak_ratio']:6.2f} {row['forwards_per_micro_batch']}")
-        print("results:", save(f"moe_w{info.world_size}" if info.world_size > 1 else "moe",
-                               {"rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH,
+        name = f"moe_w{info.world_size}" if info.world_size > 1 else "moe"
+        print("results:", save(name + (f"_zero{args.stage}" if args.stage else ""),
+                               {"stage": args.stage, "rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH,
                                 "accumulation": ACCUMULATION, "sequence": SEQ, "rows": rows}))
 
 

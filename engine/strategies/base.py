@@ -119,15 +119,14 @@ class Strategy(ABC):
         """Called before a micro-step's forward: whether its backward closes the window."""
 
     @property
-    def can_reduce_after_window(self) -> bool:
-        """Whether this holder can reduce a window's gradients after its last backward only, so that
-        every forward of a window may run before its backwards (``reduce_after_window``): one process,
-        or a holder that overrides it."""
+    def can_hold_forwards(self) -> bool:
+        """Whether every forward of a window may run before its backwards (``hold_forwards``): one
+        process, or a holder that overrides it."""
         return self.world_size == 1
 
-    def reduce_after_window(self) -> None:
-        """From now on, reduce each window's gradients at its boundary only (no reduction inside a
-        window's backwards). Only where ``can_reduce_after_window``."""
+    def hold_forwards(self) -> None:
+        """From now on every forward of a window runs before its backwards: reduce as that allows.
+        Only where ``can_hold_forwards``."""
 
     def release_gathered_parameters(self) -> None:
         """After forwards without a backward (evaluation): free parameters a sharded model

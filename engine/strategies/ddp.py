@@ -75,9 +75,11 @@ class DataParallel(TorchStrategy):
     def optimizer_step(self):
         self.owned.step()
 
-    can_reduce_after_window = True  # ZeRO 0 / 1 hold whole gradients: deferring costs no memory
+    can_hold_forwards = True
 
-    def reduce_after_window(self):
+    def hold_forwards(self):
+        # DDP pairs each forward with its backward: the window is reduced after its last backward
+        # (ZeRO 0 / 1 hold whole gradients: deferring costs no memory).
         self._defer_reduction = True
 
     def enable_failure_guard(self):

@@ -177,6 +177,10 @@ class FullyShardedDataParallel(TorchStrategy):
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     # -- a window -----------------------------------------------------------------------------
+    # Every forward of a window may run before its backwards: each backward gathers again what it
+    # needs (FSDP2's pre-backward unshard) and reduces its gradients into shards, as a micro-step does.
+    can_hold_forwards = True
+
     def prepare_micro_step(self, closes_window):
         if self._window_defers is None:  # the window's first micro-step
             self._window_defers = self.deferral.deferring

@@ -48,7 +48,7 @@ class Replicas(TorchStrategy):
         self.optimizer = optimizer
         self.owned = optimizer_state(self, self.module, optimizer)
 
-    can_reduce_after_window = True  # the replicas are averaged after the window anyway
+    can_hold_forwards = True  # the replicas are averaged after the window anyway
 
     def reduce_gradients(self):
         if self.compute_copy is not None:

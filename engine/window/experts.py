@@ -13,10 +13,11 @@ learn the window's assignments Cᵢ and rows R before any backward (``moe.global
   every backward. No extra FLOPs; holds every micro-batch's activations at once (under
   activation checkpointing: every micro-batch's checkpoints; of a Hugging Face language model's
   output head and loss only the head's input, and of its output only the loss:
-  ``engine.window.held_forward``). Where the strategy can reduce the
-  window's gradients after its last backward (one process, ZeRO 0 / 1: ``Strategy.reduce_after_window``,
-  which it is then asked to do; not ZeRO 2 / 3, whose memory profile reduces into shards after every
-  micro-step, nor a pipeline's schedule).
+  ``engine.window.held_forward``). Where the holder allows it (``Strategy.can_hold_forwards``, which
+  is then told, ``hold_forwards``): one process; ZeRO 0 / 1, which reduce the window after its last
+  backward (DDP pairs each forward with its backward); ZeRO 2 / 3, whose backwards each gather again
+  and reduce into shards, as every micro-step does. Not DeepSpeed's engine on several ranks, nor a
+  pipeline's schedule.
 * ``auto``: ``hold_forwards`` under activation checkpointing where the strategy allows it (the
   memory it holds is the checkpoints'), ``count_forward`` otherwise.
 
@@ -161,10 +162,9 @@ class ExpertBalance(EngineHook):
         self.computes_terms = self.own_terms or (bool(found.modules) and found.router_logits_by_default)
         if global_counts == "hold_forwards" and not can_hold_forwards:
             raise EngineUsageError(
-                "moe.global_counts: hold_forwards runs every forward of a window before its backwards, so the "
-                "window's gradients can be reduced only after its last backward; ZeRO stages 2 and 3 reduce them "
-                "into shards after every micro-step (their memory profile), and a pipeline runs its own schedule: "
-                "use count_forward (or auto), or ZeRO stage 0 or 1")
+                "moe.global_counts: hold_forwards runs every forward of a window before its backwards; DeepSpeed's "
+                "engine on several ranks reduces in step with each forward's backward, and a pipeline runs its own "
+                "schedule: use count_forward (or auto), or the torch backend without pipeline.stages")
         if global_counts == "auto":
             global_counts = "hold_forwards" if can_hold_forwards and checkpointing else "count_forward"
         self.global_counts = global_counts
@@ -364,7 +364,7 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
     engine: it counts a Hugging Face model's routers over its stages itself
     (``engine.window.stage_routers``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
-                            can_hold_forwards=strategy.can_reduce_after_window and not runner_runs_micro_steps,
+                            can_hold_forwards=strategy.can_hold_forwards and not runner_runs_micro_steps,
                             checkpointing=checkpointing, all_reduce_sum=strategy.all_reduce_sum,
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
@@ -378,5 +378,5 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
             "by the load of a window the stages' schedule does not count; set moe.load_balance: micro_batch and "
             "moe.bias_update_speed: 0, or train without pipeline.stages")
     if experts.balances_globally and experts.global_counts == "hold_forwards":
-        strategy.reduce_after_window()  # every forward of a window runs before its backwards
+        strategy.hold_forwards()
     return experts
