@@ -223,12 +223,13 @@ def zero(stage, defer=False):
     return {"stage": stage, "defer_reduction": defer} if stage >= 2 else {"stage": stage}
 
 
-def oom_scenario(rank, world, stage, defer=False, split="strict", **tripwire):
+def oom_scenario(rank, world, stage, defer=False, split="strict", zero_extra=None, **tripwire):
+    """``zero_extra``: more zero_optimization keys (hybrid sharding's shard_size, offload)."""
     global_batch = 16 if split == "strict" else 14
     batches = regression_batches(4, global_batch)
     expected = reference(batches)
     eng = auto_engine(tripwire_mlp(**tripwire), global_batch=global_batch, split=split,
-                      zero_optimization=zero(stage, defer))
+                      zero_optimization={**zero(stage, defer), **(zero_extra or {})})
     train(eng, batches)
     return {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
             "micro": eng.plan.micro_batch_sizes_for_rank(0), "global_batch": eng.plan.train_batch_size,
@@ -302,6 +303,9 @@ def test_one_rank_out_of_memory_never_deadlocks(stage):
         scenarios[("another error on rank 1", defer)] = functools.partial(other_error_on_one_rank, stage=stage,
                                                                          defer=defer)
         scenarios[("eval, rank 1 only", defer)] = functools.partial(eval_oom_on_one_rank, stage=stage, defer=defer)
+    if stage == 3:
+        scenarios["offload"] = functools.partial(oom_scenario, stage=3, zero_extra={"offload_optimizer": {"device": "cpu"}},
+                                                 **SCENARIOS["rank 1 only, backward"])
     results = run_scenarios(scenarios, world_size=2, timeout=180)
     for defer in defers:
         assert results.pop(("another error on rank 1", defer)) == ["PeerError", "ValueError"]
@@ -324,6 +328,8 @@ def test_one_rank_out_of_memory_on_three_and_four_ranks(world):
     kwargs = dict(max_micro=2, ranks=(last,), where="backward") if world == 4 else \
         dict(max_micro=3, ranks=(last,), where="backward", split="balanced")
     scenarios = {stage: functools.partial(oom_scenario, stage=stage, **kwargs) for stage in (0, 1, 2, 3)}
+    if world == 4:  # hybrid: shards within pairs of ranks, replicas across them
+        scenarios["hybrid"] = functools.partial(oom_scenario, stage=3, zero_extra={"shard_size": 2}, **kwargs)
     scenarios["another error"] = functools.partial(other_error_on_one_rank, stage=3, split=kwargs.get("split", "strict"))
     results = run_scenarios(scenarios, world_size=world, timeout=200)
     assert results.pop("another error") == ["PeerError"] * last + ["ValueError"]

@@ -255,6 +255,35 @@ def test_activation_checkpointing_holds_only_checkpoints_and_stays_exact():
     assert max_param_diff(eng.full_state_dict(), expected) < HF_TOL
 
 
+def out_of_memory_above(rows: int):
+    """A forward pre-hook for the embedding: a micro-batch of more than ``rows`` rows raises the error
+    CUDA raises when it runs out of memory."""
+    def hook(module, args):
+        if args[0].shape[0] > rows:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {args[0].shape[0]} MiB")
+    return hook
+
+
+def test_global_balance_stays_exact_when_the_automatic_micro_size_shrinks():
+    """train_micro_batch_size_per_gpu: auto starts at the whole batch; the window that runs out of memory
+    is discarded (its counts and terms with it) and re-run at half the size until it fits."""
+    model, batches = hf_moe(), lm_batches(2, 8)
+    expected = reference(model, batches, hf_loss)
+    results = {}
+    for name, breaking in (("exact", broken.intact), ("per micro-batch", broken.moe_micro_batch_term)):
+        tripped = copy.deepcopy(model)
+        tripped.model.embed_tokens.register_forward_pre_hook(out_of_memory_above(2))
+        eng = breaking(engine.initialize(tripped, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                                                   "activation_checkpointing": {"enabled": True}}, optimizer=sgd))
+        for batch in batches:
+            eng.train_batch(batch, hf_loss)
+        results[name] = max_param_diff(eng.full_state_dict(), expected)
+        if name == "exact":
+            assert eng.plan.micro_batch_sizes_for_rank(0) == (2, 2, 2, 2) and eng.micro_batch_tuner.changes
+            assert eng.experts.global_counts == "hold_forwards"
+    assert results["exact"] < HF_TOL and results["per micro-batch"] > MISSES, results
+
+
 class HeldAtCounts:
     """Bytes a window holds when its counts are all-reduced (every forward held, no backward run yet):
     the tensors saved for backward and the tensors of the forwards' outputs still alive, each storage
