@@ -445,7 +445,8 @@ def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch
     """Each rank holds half the heads (tensor) of half of every sequence (context): a Llama with 4
     key/value heads (1 per rank), the GPT's MLPs split by the automatic plan. Or each rank holds one
     stage (pipeline) of half of every sequence: each stage's context pair splits the sequence, the
-    schedule moves the parts, the last stage's own loss divides by its part's tokens."""
+    schedule moves the parts, the last stage's own loss divides by its part's tokens. A mixture of
+    experts there: its global-batch term counted over both stages' routers and both parts' tokens."""
     scenarios = {"llama tensor 2": functools.partial(llama_script, kv_heads=4, extra=TENSOR_2),
                  "llama tensor 2 zero3": functools.partial(llama_script, stage=3, kv_heads=4, extra=TENSOR_2),
                  "gpt tensor 2 zero3": functools.partial(gpt_script, stage=3, extra=TENSOR_2),
@@ -455,7 +456,10 @@ def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch
                  "llama pipeline 2 context ranks left out of the weights": functools.partial(
                      llama_script, breaking=broken.context_ranks_left_out, extra=PIPELINE_2),
                  "llama pipeline 2 resumed on 4 data ranks": functools.partial(
-                     resume_without_context, directory=str(tmp_path / "pipeline"), saved_under=PIPELINE_2)}
+                     resume_without_context, directory=str(tmp_path / "pipeline"), saved_under=PIPELINE_2),
+                 "mixtral pipeline 2, global balance": functools.partial(mixtral_script, extra=PIPELINE_2),
+                 "mixtral pipeline 2, the term of this part alone": functools.partial(
+                     mixtral_script, breaking=broken.moe_term_per_stage, extra=PIPELINE_2)}
     check(run_scenarios(scenarios, world_size=4, timeout=480), llama_data=1)
 
 
