@@ -231,7 +231,7 @@ def _write_everywhere(write: Callable[[], None]) -> None:
     try:
         write()
     except Exception as error:  # noqa: BLE001 - reported on every rank
-        problem, cause = f"writing the model and optimizer state failed: {describe(error)}", error
+        problem, cause = f"writing the checkpoint's files failed: {describe(error)}", error
     agree(problem, cause)
 
 

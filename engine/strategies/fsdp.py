@@ -178,7 +178,8 @@ class FullyShardedDataParallel(TorchStrategy):
 
     # -- a window -----------------------------------------------------------------------------
     # Every forward of a window may run before its backwards: each backward gathers again what it
-    # needs (FSDP2's pre-backward unshard) and reduces its gradients into shards, as a micro-step does.
+    # needs (FSDP2's pre-backward unshard) and reduces its gradients into shards as a micro-step does
+    # (a held forward is prepared as one that does not close the window; deferring, the boundary reduces).
     can_hold_forwards = True
 
     def prepare_micro_step(self, closes_window):

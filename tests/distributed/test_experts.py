@@ -385,7 +385,30 @@ def held_scenario(rank, world, stage, tensor=1):
     if stage >= 2:  # held forwards whose counts stay this rank's miss
         alone = trained(model, batches, hf_loss, broken.moe_counts_of_this_part, **settings)
         result["this rank's counts"] = max_param_diff(alone.full_state_dict(), expected)
+        # held windows reduce as any window does: after every backward, or deferred, once at the boundary
+        settings["zero_optimization"]["defer_reduction"] = True
+        deferred = trained(model, batches[:1], hf_loss, **settings)
+        result["reductions"] = [reductions_in_a_window(e, batches[1]) for e in (eng, deferred)]
+        result["deferred"] = max_param_diff(deferred.full_state_dict(), reference(model, batches[:2], hf_loss))
     return result
+
+
+def reductions_in_a_window(eng, batch) -> int:
+    """The gradient reductions of one train_batch at ZeRO 2 / 3 on gloo (FSDP2's reduce-scatter is an
+    all-to-all there; a model without expert parallelism makes no other)."""
+    calls = [0]
+    original = torch.distributed.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.all_to_all_single = counted
+    try:
+        eng.train_batch(rank_slice(batch, eng.plan), hf_loss)
+    finally:
+        torch.distributed.all_to_all_single = original
+    return calls[0]
 
 
 def data_parallel_scenario(rank, world, stage, padded):
@@ -516,6 +539,9 @@ def test_two_ranks_hold_the_forwards_under_checkpointing_at_every_zero_stage(two
         for rank, result in enumerate(two_ranks[("held", stage)]):
             assert result["counts"] == "hold_forwards" and result["exact"] < HF_TOL, (stage, rank, result)
             assert result.get("this rank's counts", MISSES) >= MISSES, (stage, rank, result)
+            if "reductions" in result:  # accumulation 2: deferring reduces once a window
+                every, deferred = result["reductions"]
+                assert deferred > 0 and every == 2 * deferred and result["deferred"] < HF_TOL, (stage, rank, result)
 
 
 # -- aux-loss-free balancing ------------------------------------------------------------------
