@@ -98,13 +98,16 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
+    experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
+                             runner_runs_micro_steps=setup.mesh.pipeline > 1)
     pipeline = schedule_steps = None
     if setup.mesh.pipeline > 1:
         # a token budget (micro-batches of one shape, as many as the schedule runs) or the
         # automatic micro size chooses A per window
         chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
         pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
-                                   own_loss, balance_globally=config.moe.load_balance == "global")
+                                   own_loss, balance_globally=config.moe.load_balance == "global",
+                                   hold_forwards=experts.holds_forwards)
         schedule_steps = strategy.fitting_micro_batches
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
@@ -112,8 +115,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1,
                                     packing=config.packing)
-    experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
-                             runner_runs_micro_steps=pipeline is not None)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

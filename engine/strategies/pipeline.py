@@ -199,6 +199,13 @@ class PipelineParallel(TorchStrategy):
     def backward(self, loss, weight):
         self.check_manual_loop()
 
+    @property
+    def can_hold_forwards(self) -> bool:
+        # GPipe runs every forward of a window before its first backward, on every stage: the window
+        # runner exchanges what the forwards learnt in between (engine.window.pipeline). 1F1B and
+        # the interleaved schedules start backwards before the last forwards.
+        return self.schedule_class is ScheduleGPipe and self.stages_per_rank == 1
+
     # -- how many micro-batches a schedule runs -------------------------------------------------
     def runs_micro_batches(self, count: int) -> bool:
         """Whether torch's schedule runs ``count`` micro-batches: 1F1B at least one per rank,

@@ -16,10 +16,12 @@ learn the window's assignments Cᵢ and rows R before any backward (``moe.global
   ``engine.window.held_forward``). Where the holder allows it (``Strategy.can_hold_forwards``, which
   is then told, ``hold_forwards``): one process; ZeRO 0 / 1, which reduce the window after its last
   backward (DDP pairs each forward with its backward); ZeRO 2 / 3, whose backwards each gather again
-  and reduce into shards, as every micro-step does. Not DeepSpeed's engine on several ranks, nor a
-  pipeline's schedule.
+  and reduce into shards, as every micro-step does; a pipeline's GPipe schedule (the counts exchanged
+  between its forwards and its backwards: ``engine.window.pipeline``). Not DeepSpeed's engine on
+  several ranks, nor 1F1B or the interleaved schedules.
 * ``auto``: ``hold_forwards`` under activation checkpointing where the strategy allows it (the
-  memory it holds is the checkpoints'), ``count_forward`` otherwise.
+  memory it holds is the checkpoints'), and under a GPipe schedule (which holds every forward
+  anyway: ``engine.window.pipeline``); ``count_forward`` otherwise.
 
 The micro-batch's term then carries the gradient of the global term through its own router
 probabilities (``engine.experts.balance``), divided by the weight the engine gives the loss it
@@ -125,6 +127,7 @@ class NoRouters(EngineHook):
     micro-steps run one after another, and nothing is counted."""
 
     routes = False
+    holds_forwards = False
     last_load: WindowLoad | None = None
     routing_differences = 0.0
 
@@ -145,8 +148,10 @@ class ExpertBalance(EngineHook):
     window's router load for the monitor."""
 
     def __init__(self, model: torch.nn.Module, *, load_balance: str, global_counts: str, can_hold_forwards: bool,
-                 checkpointing: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 holding_is_cheap: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                  bias_update_speed: float = 0.0):
+        """``holding_is_cheap``: holding every forward of a window costs little memory here (activation
+        checkpointing; a GPipe schedule holds them anyway), so ``auto`` holds where it can."""
         found = hf.find(model)
         self.hf_modules = found.modules
         self.own_terms = any(isinstance(m, LoadBalancingLoss) for m in model.modules())
@@ -163,10 +168,11 @@ class ExpertBalance(EngineHook):
         if global_counts == "hold_forwards" and not can_hold_forwards:
             raise EngineUsageError(
                 "moe.global_counts: hold_forwards runs every forward of a window before its backwards; DeepSpeed's "
-                "engine on several ranks reduces in step with each forward's backward, and a pipeline runs its own "
-                "schedule: use count_forward (or auto), or the torch backend without pipeline.stages")
+                "engine on several ranks reduces in step with each forward's backward, and a pipeline's 1F1B and "
+                "interleaved schedules start backwards before the last forwards: use count_forward (or auto), the "
+                "torch backend, or pipeline.schedule: gpipe")
         if global_counts == "auto":
-            global_counts = "hold_forwards" if can_hold_forwards and checkpointing else "count_forward"
+            global_counts = "hold_forwards" if can_hold_forwards and holding_is_cheap else "count_forward"
         self.global_counts = global_counts
         self._all_reduce_sum = all_reduce_sum
         self.bias_routers = BiasRouters(model, bias_update_speed)
@@ -177,6 +183,11 @@ class ExpertBalance(EngineHook):
     @property
     def balances_globally(self) -> bool:
         return self.load_balance == "global" and self.computes_terms
+
+    @property
+    def holds_forwards(self) -> bool:
+        """Whether a window's forwards all run before its backwards, its counts learnt between them."""
+        return self.balances_globally and self.global_counts == "hold_forwards"
 
     @property
     def routes(self) -> bool:
@@ -364,8 +375,10 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
     engine: it counts a Hugging Face model's routers over its stages itself
     (``engine.window.stage_routers``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
-                            can_hold_forwards=strategy.can_hold_forwards and not runner_runs_micro_steps,
-                            checkpointing=checkpointing, all_reduce_sum=strategy.all_reduce_sum,
+                            can_hold_forwards=strategy.can_hold_forwards,
+                            # GPipe holds every micro-batch's activations until its backwards anyway
+                            holding_is_cheap=checkpointing or runner_runs_micro_steps,
+                            all_reduce_sum=strategy.all_reduce_sum,
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return NoRouters()
@@ -377,6 +390,6 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
             "loss (a Hugging Face model's term is counted over its stages: its .loss adds it), and the bias moves "
             "by the load of a window the stages' schedule does not count; set moe.load_balance: micro_batch and "
             "moe.bias_update_speed: 0, or train without pipeline.stages")
-    if experts.balances_globally and experts.global_counts == "hold_forwards":
+    if experts.holds_forwards:
         strategy.hold_forwards()
     return experts

@@ -39,6 +39,7 @@ step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,8 @@ from engine.losses import outputs_loss_of
 if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torch.distributed.pipelining)
     from engine.strategies.pipeline import PipelineParallel
 
+log = logging.getLogger("engine")
+
 
 class PipelineWindows(WindowRunner):
     """Runs training and evaluation windows through the pipeline schedule."""
@@ -67,13 +70,16 @@ class PipelineWindows(WindowRunner):
     calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
 
     def __init__(self, strategy: PipelineParallel, accumulation: int | None,
-                 model_loss: ModelLoss | NoModelLoss | None = None, balance_globally: bool = False):
+                 model_loss: ModelLoss | NoModelLoss | None = None, balance_globally: bool = False,
+                 hold_forwards: bool = False):
         """``accumulation``: the plan's, checked against the schedule; None when a token budget
         chooses it per window (as many as the schedule runs) or the automatic micro size does
         (``runs_plan``). ``model_loss``: the model's own loss, which the last stage applies for a
         ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``). ``balance_globally``
         (``moe.load_balance: global``): a routed model's term is the window's, its stages' router
-        counts exchanged first (``engine.window.stage_routers``)."""
+        counts exchanged first (``engine.window.stage_routers``): by a counting schedule, or
+        (``hold_forwards``, a schedule that runs every forward first) between the training
+        schedule's forwards and its backwards."""
         if accumulation is not None:
             strategy.check_accumulation(accumulation)
         self.strategy = strategy
@@ -82,6 +88,12 @@ class PipelineWindows(WindowRunner):
                                        counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0) \
             if balance_globally else None
         self._window_term: torch.Tensor | None = None  # the window's term (λ-less) the last stage's loss adds
+        self.holds_forwards = hold_forwards and self.routers is not None
+        if self.routers is not None and not self.holds_forwards and strategy.rank == 0:
+            log.info("moe.load_balance: global under a pipeline: each window first runs a counting schedule (every "
+                     "micro-batch forward without gradients, the bubble once more%s)",
+                     "; pipeline.schedule: gpipe learns the counts in its own forwards instead, at no extra forward"
+                     if not strategy.can_hold_forwards else "")
 
     def _schedule_form(self, batch, loss_fn: LossFn, method: str):
         """``(batch as (inputs, labels), loss_fn(outputs, labels))``. A ``loss_fn(model, micro_batch)`` on a
@@ -138,6 +150,7 @@ class PipelineWindows(WindowRunner):
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
         failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
         kinds = set()
+        held = _HeldExchange(len(pieces)) if routed and self.holds_forwards else None
 
         def weighted_loss(outputs_of_stage, index):
             nonlocal failure
@@ -148,7 +161,8 @@ class PipelineWindows(WindowRunner):
                 return _zero_from(outputs_of_stage)
             try:
                 seen = self.strategy.model_outputs(_rows(outputs_of_stage, sizes[k]))  # as the model returns them
-                loss, count, item_weighted = loss_and_units(loss_fn(seen, pieces[k][0][1]), sizes[k])
+                output = loss_fn(seen, pieces[k][0][1])
+                loss, count, item_weighted = loss_and_units(output, sizes[k])
                 check_loss(loss)
                 kinds.add(item_weighted)
                 if len(kinds) > 1:  # said here: the other stages learn the kind only at the window's end
@@ -158,26 +172,49 @@ class PipelineWindows(WindowRunner):
                     failure = error
                 return _zero_from(outputs_of_stage)
             outputs[k] = (loss.detach(), count) if item_weighted else loss.detach()
+            if held is not None:
+                held.record(k, output, count)
             return loss * engine.accounting.micro_step_weight(sizes[k], item_weighted)
+
+        def last_stage_loss(outputs_of_stage, index):
+            loss = weighted_loss(outputs_of_stage, index)
+            if held is not None and not self.routers.learning_shapes():
+                held.seen.add(int(index[0]))
+                if len(held.seen) == len(pieces):  # the window's last forward: its backwards follow
+                    self._exchange_held(engine, held)
+            return loss
 
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
             inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
         chunk = _rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         positions = self.strategy.micro_batch_positions(_packed_positions(pieces, chunk))
+        before_gradients = engine.windows.fingerprint_batch
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = row_weights(pieces, sizes, chunk, self.strategy.device)
-                routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions)
+                if held is not None:  # counted in the training schedule's forwards, exchanged before its backwards
+                    routing, self._window_term = self.routers.holding(weights), torch.zeros((), dtype=torch.float64)
+
+                    def before_gradients():
+                        engine.windows.fingerprint_batch()
+                        self._exchange_held(engine, held)
+                else:
+                    routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start,
+                                                  positions)
             # a recorded window: every micro-batch's saved activations count
             with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
-                self.strategy.run_schedule(inputs, len(pieces), weighted_loss, train=True,
+                self.strategy.run_schedule(inputs, len(pieces), last_stage_loss, train=True,
                                            before_first_message=confirm_start,
-                                           before_first_gradient_wait=engine.windows.fingerprint_batch)
+                                           before_first_gradient_wait=before_gradients)
         finally:  # (a schedule that failed before its first message)
             self._window_term = None
             confirm_start()
+        if held is not None:
+            if held.not_own_loss:  # known on every rank: the window is abandoned on every rank
+                failure = failure or EngineUsageError(NOT_OWN_LOSS)
+            outputs = held.with_term(outputs)  # the window's term, which the held forwards' losses lacked
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
@@ -219,22 +256,50 @@ class PipelineWindows(WindowRunner):
             restore_rng_state(saved)
             self._window_term = None
         confirm_start()  # the ranks' position check, before the window's first collective
+        counts, items, not_own, failed = self._window_sums(counted, failure is not None or strategy.stage_failed)
+        if failed:
+            strategy.raise_stage_failure()
+            raise failure or failed_on_another_rank("window")
+        if not_own:
+            raise EngineUsageError(NOT_OWN_LOSS)
+        self._window_term, coefficients = self._term_and_coefficients(engine, counts, items)
+        return routers.training(weights, coefficients)
+
+    def _window_sums(self, counted: list, failed: bool):
+        """The window's router counts [C, S, R], its items U, whether a loss was not the model's own and
+        whether a rank failed, summed over the world (one small reduction). ``counted``: per micro-batch on
+        the last stage, (items, not the own loss)."""
+        strategy, routers = self.strategy, self.routers
         units = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # items U, not the own loss, failed
         if strategy.holds_last_stage and routers.counts_here:  # one rank of each replica adds its loss
             units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
             units[1] = float(any(not_own for _, not_own in counted))
-        units[2] = float(failure is not None or strategy.stage_failed)
+        units[2] = float(failed)
         total = strategy.sum_over_world(torch.cat([routers.window_counts().to(units.device), units]))
-        if total[-1] > 0:
-            strategy.raise_stage_failure()
-            raise failure or failed_on_another_rank("window")
-        if total[-2] > 0:
-            raise EngineUsageError(NOT_OWN_LOSS)
-        scale = strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=units.device), 1.0)
-        aux, coefficients = routers.window_term(total[:-3], engine.accounting.outside_loss_weight(total[-3]) * scale)
-        engine.experts.counted_by_stages(routers.window_assignments(total[:-3]))  # the monitor's expert load
-        self._window_term = aux
-        return routers.training(weights, coefficients)
+        return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
+
+    def _term_and_coefficients(self, engine: Engine, counts: torch.Tensor, items: torch.Tensor):
+        """From the window's summed counts and items: its term (λ-less) and the coefficients of the term's
+        gradient beside the loss, in the loss scale; the monitor's expert load is the window's."""
+        routers = self.routers
+        scale = self.strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=counts.device), 1.0)
+        aux, coefficients = routers.window_term(counts, engine.accounting.outside_loss_weight(items) * scale)
+        engine.experts.counted_by_stages(routers.window_assignments(counts))
+        return aux, coefficients
+
+    def _exchange_held(self, engine: Engine, held: "_HeldExchange") -> None:
+        """A held window's counts, summed over the world once every stage has run its forwards (on the
+        last stage after its last loss, on the others before their first gradient's receive): the
+        coefficients its backwards read. A failure rides the window's statistics as in any window."""
+        if held.exchanged:
+            return
+        held.exchanged = True
+        counts, items, held.not_own_loss, _ = self._window_sums(held.units, failed=False)
+        if held.not_own_loss:
+            return  # its coefficients stay 0; the window is abandoned after the schedule
+        aux, coefficients = self._term_and_coefficients(engine, counts, items)
+        self.routers.fill(coefficients)
+        held.term = self.routers.term.coefficient * aux
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
@@ -300,6 +365,37 @@ class PipelineWindows(WindowRunner):
         mean = float(total[0] / total[1])
         return mean + float(self.routers.weighted_term(total[4:])) if routed else mean
 
+
+
+class _HeldExchange:
+    """What a held window's last stage learns of its losses before the exchange, and the term after it."""
+
+    def __init__(self, micro_batches: int):
+        self.units: list = [(0, False)] * micro_batches  # per micro-batch: (items, not the own loss)
+        self.multipliers = [1.0] * micro_batches  # what each own mean loss was multiplied by to be read as a sum
+        self.seen: set[int] = set()  # the micro-batches whose loss the last stage computed
+        self.exchanged = self.not_own_loss = False
+        self.term: torch.Tensor | None = None  # λ · aux of the window
+
+    def record(self, k: int, output, count) -> None:
+        """Micro-batch ``k``'s loss as ``loss_fn`` returned it, and the items it stands for."""
+        read = mean_items(loss_tensor(output))  # None: not the model's own loss
+        self.units[k] = (count, read is None)
+        if read is not None:
+            self.multipliers[k] = read[0]
+
+    def with_term(self, outputs: list) -> list:
+        """The last stage's recorded losses with λ · aux of the window added as the model's own loss adds
+        it (to its mean, read as a sum: times its multiplier); their weighted sum then holds it once."""
+        if self.term is None:
+            return outputs
+        added = []
+        for output, multiplier in zip(outputs, self.multipliers):
+            if isinstance(output, tuple):
+                loss, count = output
+                output = (loss + (self.term * multiplier).to(loss.device, loss.dtype), count)
+            added.append(output)
+        return added
 
 
 # what the last stage's loss reads of a mapping batch (transformers' loss keywords); attention_mask: the

@@ -6,7 +6,8 @@ over the layers and rows: ``engine.experts.balance``), and a stage holds some of
 rank sees the others' routers, and under 1F1B the last stage's first backward comes before the
 first stage's later forwards. So a window under ``moe.load_balance: global`` runs:
 
-1. **the counting schedule**: every micro-batch forward through the stages without gradients
+1. **the counting schedule** (1F1B and interleaved; GPipe: the training schedule's own forwards, below):
+   every micro-batch forward through the stages without gradients
    (random generators saved and restored, so dropout and router jitter draw the same numbers
    again); each stage adds its routers' C, S and R, pooled over its layers, each row weighted by
    the micro-batch's attention mask (and 0 on the rows that only pad a micro-batch to the
@@ -21,9 +22,12 @@ first stage's later forwards. So a window under ``moe.load_balance: global`` run
    those values add up to λ · aux once, so the reported loss is the global batch's.
 
 Cost: one forward of the window without gradients (about a third of a step), the pipeline's bubble
-once more, and one reduction of 2E + 6 numbers. The alternative of holding the forwards (GPipe
-runs every forward before any backward) would save the forward but not the bubble, and 1F1B and
-the interleaved schedules could not use it.
+once more, and one reduction of 2E + 6 numbers. GPipe runs every forward of the window before any
+backward, on every stage, so there the forwards are held instead (``holding``, ``moe.global_counts:
+hold_forwards``, what ``auto`` picks): the training schedule's forwards count, the sum runs between
+its forwards and its backwards (``engine.window.pipeline``), and the gradient's coefficients are filled
+in before the first backward reads them (``fill``). No counting schedule, no second bubble; 1F1B and
+the interleaved schedules start backwards before the last forwards and keep the counting schedule.
 
 The model's own loss carries the term (``loss_fn(model, micro_batch)`` returning ``m(**b).loss``):
 a ``loss_fn(outputs, labels)`` sees the logits alone and adds no term, so nothing is counted for
@@ -89,6 +93,27 @@ class StageRouters:
         with self._running("count", weights):
             yield
 
+    @contextlib.contextmanager
+    def holding(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        """A held window (a schedule that runs every forward of the window before its first backward:
+        GPipe): each stage's forward adds its routers' counts, as in a counting schedule, and its output
+        carries the term's gradient with coefficients known once every forward has run (``fill``)."""
+        self._sum, self._coefficients = None, None  # made at the first forward, in its probabilities' dtype
+        try:
+            with self._running("hold", weights):
+                yield
+        finally:
+            self._coefficients = None
+
+    def fill(self, coefficients: torch.Tensor) -> None:
+        """The held window's gradient coefficients, before its first backward reads them."""
+        if self._coefficients is not None:
+            self._coefficients.copy_(coefficients)
+
+    def learning_shapes(self) -> bool:
+        """Whether a stage of this rank runs the schedule's shape inference (its forward is no micro-batch's)."""
+        return any(getattr(stage, "learning_shapes", False) for stage in self._stages)
+
     def window_counts(self) -> torch.Tensor:
         """This rank's part of the window's [C (E), S (E), R], float64, for the sum over the world."""
         experts = self.term.num_experts
@@ -150,12 +175,17 @@ class StageRouters:
         if k >= len(self._weights):
             return None  # reported after the schedule
         counts = pooled(router_counts(tuple(logits), self.term.num_experts, self.term.top_k, self._weights[k]))
-        if self._mode == "count":
+        if self._mode in ("count", "hold"):
             self._sum = counts.detached() if self._sum is None else RouterCounts(
                 self._sum.assignments + counts.assignments, self._sum.probabilities + counts.probabilities.detach(),
                 self._sum.rows + counts.rows)
+        if self._mode == "count":
             return None
-        self._trained = counts.assignments if self._trained is None else self._trained + counts.assignments
+        if self._mode == "hold":
+            if self._coefficients is None:  # filled in place before the backwards (the gradient reads it then)
+                self._coefficients = counts.probabilities.new_zeros(self.term.num_experts)
+        else:
+            self._trained = counts.assignments if self._trained is None else self._trained + counts.assignments
         output.last_hidden_state = with_term_gradient(output.last_hidden_state, counts, self._coefficients)
         return output
 

@@ -455,9 +455,10 @@ def short_data_scenario(rank, world):
     return None, time.monotonic() - started
 
 
-def pipeline_scenario(rank, world):
-    """Pipeline 2 (1F1B, one Mixtral layer per stage) under global balance, the model's own loss on right-
-    padded rows: the stages exchange their router counts before the window's first backward."""
+def pipeline_scenario(rank, world, schedule="1f1b"):
+    """Pipeline 2 (one Mixtral layer per stage) under global balance, the model's own loss on right-padded
+    rows: the stages exchange their router counts before the window's first backward (1F1B: after a
+    counting schedule; GPipe: between the training schedule's forwards and its backwards)."""
     model, batches = hf_moe(), lm_batches(2, 8, padded=True)
     expected = reference(model, batches, hf_loss)
     with float64_term(model), torch.no_grad():
@@ -467,7 +468,8 @@ def pipeline_scenario(rank, world):
     with float64_term(trained), torch.no_grad():  # the whole batch's own loss, its term over every row
         results = {"expected eval": float(hf_loss(trained, batches[0]))}
     for name, breaking in [("exact", broken.intact), ("per stage", broken.moe_term_per_stage)]:
-        eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2}))
+        eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2, "schedule": schedule}))
+        results["counts"] = eng.experts.global_counts
         losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
         results[name] = max_param_diff(eng.full_state_dict(), expected)
         results[f"{name} loss"] = abs(losses[0] - first_loss)
@@ -496,6 +498,7 @@ def two_ranks():
     scenarios[("held", "tensor 2")] = functools.partial(held_scenario, stage=0, tensor=2)
     scenarios["example"] = example_scenario
     scenarios["pipeline"] = pipeline_scenario
+    scenarios["pipeline gpipe"] = functools.partial(pipeline_scenario, schedule="gpipe")
     scenarios["short data"] = short_data_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -516,11 +519,14 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks):
+@pytest.mark.parametrize("schedule, counts", [("1f1b", "count_forward"), ("gpipe", "hold_forwards")])
+def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks, schedule, counts):
     last = lm_batches(2, 8, padded=True)[1]
     model = hf_moe()
     assignments = model.config.num_experts_per_tok * model.config.num_hidden_layers * int(last["attention_mask"].sum())
-    for rank, result in enumerate(two_ranks["pipeline"]):
+    for rank, result in enumerate(two_ranks["pipeline" if schedule == "1f1b" else "pipeline gpipe"]):
+        # 1F1B starts backwards before the last forwards: a counting schedule first; GPipe holds them
+        assert result["counts"] == counts, (rank, result["counts"])
         assert result["exact"] < HF_TOL, (rank, result)
         # the monitor's expert load: every real token's top-k choices in every layer of both stages, on each rank
         assert sum(result["exact load"]) == assignments, (rank, result["exact load"], assignments)
