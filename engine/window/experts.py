@@ -211,8 +211,8 @@ class ExpertBalance(EngineHook):
                "backward, and the term's gradient through this micro-batch's routers needs their counts (keeping it "
                "for later would hold every micro-batch's activations until the window's last forward). Train with "
                "eng.train_batch(batch, loss_fn), which is exact: it counts the whole window first (one forward "
-               "without gradients per micro-batch, about a third of a step more; none in one process under "
-               "activation checkpointing, which holds the window's checkpoints instead), or set "
+               "without gradients per micro-batch, about a third of a step more; none under activation "
+               "checkpointing on the torch backend, which holds the window's checkpoints instead), or set "
                "moe.load_balance: micro_batch to keep the model's per-forward term")
         with hf.computing_here(self.hf_modules), scoped(_Refused(why)):
             yield
