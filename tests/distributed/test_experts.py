@@ -193,7 +193,7 @@ class _Holder:
         return tensor
 
 
-def test_a_pipeline_refuses_a_term_of_ones_own_and_sharded_stages_refuse_held_forwards():
+def test_a_pipeline_refuses_a_term_of_ones_own_and_a_holder_that_cannot_refuses_held_forwards():
     from engine.config.schema import MoeConfig
     from engine.window.experts import expert_balance
     # a Hugging Face model's term is counted over the stages by the pipeline's runner
@@ -209,7 +209,12 @@ def test_a_pipeline_refuses_a_term_of_ones_own_and_sharded_stages_refuse_held_fo
     with pytest.raises(engine.EngineUsageError, match="hold_forwards .* DeepSpeed's engine on several ranks"):
         expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), strategy=_Holder(False),
                        checkpointing=False, runner_runs_micro_steps=False)
-    # auto under checkpointing: held where the holder can reduce after the window, which it is then told to
+    # under a pipeline that can hold (GPipe), auto holds without checkpointing: GPipe keeps every forward anyway
+    assert expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
+                          runner_runs_micro_steps=True).holds_forwards
+    assert not expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
+                              runner_runs_micro_steps=False).holds_forwards
+    # auto under checkpointing: held where the holder can hold, which it is then told
     for can, counts in ((True, "hold_forwards"), (False, "count_forward")):
         holder = _Holder(can)
         assert expert_balance(hf_moe(), MoeConfig(), strategy=holder, checkpointing=True,
