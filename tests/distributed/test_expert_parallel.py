@@ -338,13 +338,14 @@ def test_expert_2_by_data_2_by_tensor_2_and_by_pipeline_2_on_4_ranks(tmp_path):
 
 def eight_ranks_scenario(rank, world):
     """Pipeline 2 × tensor 2 × data 2, experts split over the 2 data ranks of each (stage, tensor index),
-    the global batch's router term (every stage's counts summed before the first backward), ZeRO 3,
-    activation checkpointing, compiled blocks (aot_eager: the CPU's quick backend)."""
+    the global batch's router term (every stage's counts summed before the first backward: GPipe, whose
+    own forwards count them; the 4-rank pipeline runs 1F1B's counting schedule), ZeRO 3, activation
+    checkpointing, compiled blocks (aot_eager: the CPU's quick backend)."""
     split, batches = hf_moe(kv_heads=2), lm_batches(2, 8)
     expected = reference(split, batches, hf_loss)
     return differences(split, batches, hf_loss, expected,
                        [("exact", broken.intact), ("averaged", broken.experts_averaged_over_the_expert_group)],
-                       stage=3, pipeline={"stages": 2}, tensor_parallel={"size": 2},
+                       stage=3, pipeline={"stages": 2, "schedule": "gpipe"}, tensor_parallel={"size": 2},
                        activation_checkpointing={"enabled": True}, compile={"enabled": True, "backend": "aot_eager"})
 
 
