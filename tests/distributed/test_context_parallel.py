@@ -458,6 +458,8 @@ def test_context_2_by_tensor_2_or_pipeline_2_on_four_ranks_equals_the_full_batch
                  "llama pipeline 2 resumed on 4 data ranks": functools.partial(
                      resume_without_context, directory=str(tmp_path / "pipeline"), saved_under=PIPELINE_2),
                  "mixtral pipeline 2, global balance": functools.partial(mixtral_script, extra=PIPELINE_2),
+                 "mixtral pipeline 2 gpipe, global balance held": functools.partial(
+                     mixtral_script, extra={"pipeline": {"stages": 2, "schedule": "gpipe"}}),
                  "mixtral pipeline 2, the term of this part alone": functools.partial(
                      mixtral_script, breaking=broken.moe_term_per_stage, extra=PIPELINE_2)}
     check(run_scenarios(scenarios, world_size=4, timeout=480), llama_data=1)
