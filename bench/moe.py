@@ -15,10 +15,9 @@ copy of the baseline whose ratio is the run's noise floor. Times are
 interleaved medians (bench/common.py). "Held activations" is the most bytes of tensors saved for
 backward alive at once during a window (parameters excluded; storages counted once; bytes, not
 timed); "peak" adds the bytes of parameters, gradients and optimizer state this rank holds (what a
-window holds at most: those and its saved activations). On several ranks ``hold_forwards`` runs
-where the holder reduces after the window (ZeRO 0 here; ``auto`` chooses it under checkpointing),
-and only with checkpointing; under ZeRO 2 / 3 each held forward's backward reduces into shards as a
-micro-step does. A gathered (unsharded) parameter saved for backward is not an activation: the
+window holds at most: those and its saved activations). On several ranks ``hold_forwards`` is
+measured with checkpointing only (where ``auto`` chooses it): ZeRO 0 / 1 then reduce after the window,
+ZeRO 2 / 3 each held forward's backward into shards as a micro-step does. A gathered (unsharded) parameter saved for backward is not an activation: the
 parameter's shard is counted with the parameters. Results: bench/results/moe.json, moe_w<W>.json
 (moe_w<W>_zero<S>.json at another stage).
 """
