@@ -23,13 +23,11 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import copy
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import engine
-from bench.common import GLOBAL_BATCH, adamw, mse, save, start_ranks
+from bench.common import GLOBAL_BATCH, adamw, mse, rotating_rounds, save, start_ranks, wall_seconds
 from bench.distributed import ACCUMULATION, engine_config, hand_ddp, hand_fsdp
 from engine.window.positions import WINDOW_START
 
@@ -91,18 +89,7 @@ def timed_rounds(runs: dict, rounds: int, steps: int) -> dict[str, list[float]]:
     order (as bench.common.interleaved, which keeps only the medians), after one warm-up call."""
     for run in runs.values():
         run()
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                runs[name]()
-            elapsed = torch.tensor((time.perf_counter() - start) / steps)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed))
-    return samples
+    return rotating_rounds(runs, rounds, wall_seconds(steps, distributed=True))
 
 
 def per_round(samples: dict, name: str, baseline: str) -> tuple[float, float, float]:

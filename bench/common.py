@@ -69,46 +69,64 @@ def start_ranks(description: str, rounds: int, argv=None, steps: int = 3):
     return args, info, mlp(), data
 
 
-def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2,
-                distributed: bool = False) -> dict[str, float]:
-    """Median seconds per call of each variant, the variants alternating every round (in a
-    rotating order, so that none always runs first). ``distributed``: every rank runs the same
-    sequence, starts each measurement together and the slowest rank's time counts."""
-    for run in variants.values():
-        for _ in range(warmup):
-            run()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:  # rotate: no fixed position
-            run = variants[name]
-            if distributed:
-                dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                run()
-            elapsed = torch.tensor((time.perf_counter() - start) / steps)
-            if distributed:
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed))
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
-    """Median over rounds of the CPU seconds per step, averaged over ranks (variants rotating as
-    in ``interleaved``): on a machine shared with other work, what the variant itself computes,
-    without the time spent waiting for a core."""
+def rotating_rounds(runs: dict[str, Callable[[], None]], rounds: int,
+                    measure: Callable[[Callable[[], None]], float]) -> dict[str, list[float]]:
+    """Each variant's ``measure(run)`` in every round, the variants in a rotating order (none always
+    runs first)."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for index in range(rounds):
         for name in names[index % len(names):] + names[:index % len(names)]:
+            samples[name].append(measure(runs[name]))
+    return samples
+
+
+def wall_seconds(steps: int, distributed: bool) -> Callable[[Callable[[], None]], float]:
+    """Seconds per call over ``steps`` calls; ``distributed``: the ranks start together and the
+    slowest rank's time counts."""
+    def measure(run) -> float:
+        if distributed:
             dist.barrier()
-            start = time.process_time()
-            for _ in range(steps):
-                runs[name]()
-            spent = torch.tensor((time.process_time() - start) / steps)
-            dist.all_reduce(spent)
-            samples[name].append(float(spent) / dist.get_world_size())
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        elapsed = torch.tensor((time.perf_counter() - start) / steps)
+        if distributed:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+    return measure
+
+
+def cpu_seconds(steps: int) -> Callable[[Callable[[], None]], float]:
+    """CPU seconds per call over ``steps`` calls, averaged over the ranks (started together): on a
+    machine shared with other work, what the variant itself computes, without waiting for a core."""
+    def measure(run) -> float:
+        dist.barrier()
+        start = time.process_time()
+        for _ in range(steps):
+            run()
+        spent = torch.tensor((time.process_time() - start) / steps)
+        dist.all_reduce(spent)
+        return float(spent) / dist.get_world_size()
+    return measure
+
+
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int = 2,
+                distributed: bool = False) -> dict[str, float]:
+    """Median seconds per call of each variant, the variants alternating every round (``rotating_rounds``).
+    ``distributed``: every rank runs the same sequence, starts each measurement together and the
+    slowest rank's time counts."""
+    for run in variants.values():
+        for _ in range(warmup):
+            run()
+    samples = rotating_rounds(variants, rounds, wall_seconds(steps, distributed))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
+    """Median over rounds of the CPU seconds per step, averaged over ranks (``cpu_seconds``), the
+    variants rotating as in ``interleaved``."""
+    samples = rotating_rounds(runs, rounds, cpu_seconds(steps))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
