@@ -141,19 +141,20 @@ class ModelLoss:
         setattr(loss, _MARK, (multiplier, items))
 
 
-    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, window_term: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, routers_counted: bool = False) -> torch.Tensor:
         """Under a pipeline: the model's own loss of the last stage's ``logits`` and ``kwargs``'
         labels, as the whole model's forward computes it (causal language models: no other loss
-        type's head runs on the last stage alone); a routed model's adds λ · ``window_term``, the
-        window's load-balancing term (its gradient reaches every stage's routers beside the loss)."""
+        type's head runs on the last stage alone). A routed model's, only where the stages count their
+        routers (``routers_counted``), is without its load-balancing term: the term is the window's (or
+        evaluated batch's), its gradient reaches every stage's routers beside the loss, and the pipeline's
+        runner adds its value to the recorded losses (``engine.window.pipeline``)."""
         if self._count is not _causal_targets:
             raise EngineUsageError(
                 f"under a pipeline the last stage applies the model's own loss for causal language models; "
                 f"{type(self.config).__name__}'s loss type is {self.loss_type}: write loss_fn(outputs, labels) "
                 "returning (loss_sum, num_items), and give batches (inputs, labels)")
         routed = getattr(self.config, "output_router_logits", False)
-        if routed and (self.router_term is None or window_term is None):
+        if routed and (self.router_term is None or not routers_counted):
             raise EngineUsageError(
                 "under a pipeline the last stage holds the logits only, not the routers of the other stages, whose "
                 "load-balancing term the model's own .loss adds (output_router_logits is true): the stages exchange "
@@ -164,7 +165,7 @@ class ModelLoss:
                 "(loss_sum, num_items)")
         extra = {key: kwargs[key] for key in ("shift_labels", "num_items_in_batch") if key in kwargs}
         loss = self._loss_function(logits, kwargs["labels"], vocab_size=self.config.vocab_size, **extra)
-        return loss + self.router_term.coefficient * window_term.to(loss.device) if routed else loss
+        return loss
 
 
 class NoModelLoss:
@@ -181,7 +182,7 @@ class NoModelLoss:
 
     router_term = None
 
-    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, window_term=None) -> torch.Tensor:
+    def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, routers_counted: bool = False) -> torch.Tensor:
         raise EngineUsageError(NO_LAST_STAGE_LOSS)
 
 
@@ -195,11 +196,11 @@ class LastStageModel:
     """What ``loss_fn(model, micro_batch)`` is handed on a pipeline's last stage, where no rank holds
     the whole model: called with the micro-batch (``m(**micro_batch)``), it returns the last stage's
     outputs, with the model's own ``.loss`` of their logits and the labels given (marked with its
-    items, as a whole model's forward through the engine would be). ``window_term``: a routed model's
-    load-balancing term over the window (``engine.window.stage_routers``), or None."""
+    items, as a whole model's forward through the engine would be). ``routers_counted``: the stages
+    count a routed model's routers (``engine.window.stage_routers``), whose term the runner adds."""
 
-    def __init__(self, outputs, model: ModelLoss | NoModelLoss, window_term: torch.Tensor | None = None):
-        self._outputs, self._model, self._window_term = outputs, model, window_term
+    def __init__(self, outputs, model: ModelLoss | NoModelLoss, routers_counted: bool = False):
+        self._outputs, self._model, self._routers_counted = outputs, model, routers_counted
 
     def __call__(self, *args, **kwargs):
         outputs = self._outputs
@@ -207,7 +208,7 @@ class LastStageModel:
             return outputs
         if not isinstance(getattr(outputs, "logits", None), torch.Tensor):
             raise EngineUsageError(NO_LAST_STAGE_LOSS)
-        loss = self._model.last_stage_loss(outputs.logits, kwargs, self._window_term)
+        loss = self._model.last_stage_loss(outputs.logits, kwargs, self._routers_counted)
         outputs = type(outputs)(loss=loss, logits=outputs.logits)
         self._model.observe(kwargs, outputs)
         return outputs

@@ -87,7 +87,7 @@ class PipelineWindows(WindowRunner):
         self.routers = StageRouters.of(strategy.stage_modules, self.model_loss.router_term,
                                        counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0) \
             if balance_globally else None
-        self._window_term: torch.Tensor | None = None  # the window's term (λ-less) the last stage's loss adds
+        self._routers_counted = False  # while the stages count a routed model's routers (its term added outside)
         self.holds_forwards = hold_forwards and self.routers is not None
         if self.routers is not None and not self.holds_forwards and strategy.rank == 0:
             log.info("moe.load_balance: global under a pipeline: each window first runs a counting schedule (every "
@@ -131,7 +131,7 @@ class PipelineWindows(WindowRunner):
                 "gaps); under a pipeline attention runs causal over the whole row without a mask: pad on the right")
         model = self.model_loss
         return (batch["input_ids"], batch), lambda outputs, micro_batch: loss_fn(
-            LastStageModel(outputs, model, self._window_term), micro_batch)
+            LastStageModel(outputs, model, self._routers_counted), micro_batch)
 
     def runs_plan(self, plan) -> bool:
         return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
@@ -150,7 +150,8 @@ class PipelineWindows(WindowRunner):
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
         failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
         kinds = set()
-        held = _HeldExchange(len(pieces)) if routed and self.holds_forwards else None
+        term = _WindowTerm(len(pieces)) if routed else None  # added to the recorded losses after the schedule
+        held = routed and self.holds_forwards
 
         def weighted_loss(outputs_of_stage, index):
             nonlocal failure
@@ -172,16 +173,16 @@ class PipelineWindows(WindowRunner):
                     failure = error
                 return _zero_from(outputs_of_stage)
             outputs[k] = (loss.detach(), count) if item_weighted else loss.detach()
-            if held is not None:
-                held.record(k, output, count)
+            if term is not None:
+                term.record(k, output, count)
             return loss * engine.accounting.micro_step_weight(sizes[k], item_weighted)
 
         def last_stage_loss(outputs_of_stage, index):
             loss = weighted_loss(outputs_of_stage, index)
-            if held is not None and not self.routers.learning_shapes():
-                held.seen.add(int(index[0]))
-                if len(held.seen) == len(pieces):  # the window's last forward: its backwards follow
-                    self._exchange_held(engine, held)
+            if held and not self.routers.learning_shapes():
+                term.seen.add(int(index[0]))
+                if len(term.seen) == len(pieces):  # the window's last forward: its backwards follow
+                    self._exchange_held(engine, term)
             return loss
 
         rows = engine.window_split.schedule_rows()
@@ -194,27 +195,28 @@ class PipelineWindows(WindowRunner):
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = row_weights(pieces, sizes, chunk, self.strategy.device)
-                if held is not None:  # counted in the training schedule's forwards, exchanged before its backwards
-                    routing, self._window_term = self.routers.holding(weights), torch.zeros((), dtype=torch.float64)
+                if held:  # counted in the training schedule's forwards, exchanged before its backwards
+                    routing = self.routers.holding(weights)
 
                     def before_gradients():
                         engine.windows.fingerprint_batch()
-                        self._exchange_held(engine, held)
+                        self._exchange_held(engine, term)
                 else:
-                    routing = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights, confirm_start,
-                                                  positions)
+                    routing, term.value = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights,
+                                                              confirm_start, positions)
+                self._routers_counted = True
             # a recorded window: every micro-batch's saved activations count
             with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
                 self.strategy.run_schedule(inputs, len(pieces), last_stage_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=before_gradients)
         finally:  # (a schedule that failed before its first message)
-            self._window_term = None
+            self._routers_counted = False
             confirm_start()
-        if held is not None:
-            if held.not_own_loss:  # known on every rank: the window is abandoned on every rank
+        if term is not None:
+            if term.not_own_loss:  # known on every rank (held forwards): the window is abandoned on every rank
                 failure = failure or EngineUsageError(NOT_OWN_LOSS)
-            outputs = held.with_term(outputs)  # the window's term, which the held forwards' losses lacked
+            outputs = term.with_term(outputs)
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
@@ -225,8 +227,8 @@ class PipelineWindows(WindowRunner):
 
     def _count_routers(self, engine: Engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions):
         """The counting schedule (``engine.window.stage_routers``): every stage's router counts and the last
-        stage's items over the window, summed over the world; sets the last stage's term and returns the
-        training schedule's context, in which each stage's routers get the term's gradient."""
+        stage's items over the window, summed over the world. Returns the training schedule's context, in
+        which each stage's routers get the term's gradient, and λ · aux of the window."""
         routers, strategy = self.routers, self.strategy
         # per micro-batch on the last stage: (items, not the own loss); a schedule's shape inference may
         # call loss_fn once more with micro-batch 0's index, which its own call then replaces
@@ -248,13 +250,13 @@ class PipelineWindows(WindowRunner):
             return _zero_from(outputs)
 
         saved = rng_state()  # the training schedule's forwards draw the same numbers
-        self._window_term = torch.zeros((), dtype=torch.float64)
+        self._routers_counted = True
         try:
             with torch.no_grad(), routers.counting(weights), engine.context.running(), positions():
                 strategy.run_schedule(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
         finally:
             restore_rng_state(saved)
-            self._window_term = None
+            self._routers_counted = False
         confirm_start()  # the ranks' position check, before the window's first collective
         counts, items, not_own, failed = self._window_sums(counted, failure is not None or strategy.stage_failed)
         if failed:
@@ -262,8 +264,8 @@ class PipelineWindows(WindowRunner):
             raise failure or failed_on_another_rank("window")
         if not_own:
             raise EngineUsageError(NOT_OWN_LOSS)
-        self._window_term, coefficients = self._term_and_coefficients(engine, counts, items)
-        return routers.training(weights, coefficients)
+        value, coefficients = self._term_and_coefficients(engine, counts, items)
+        return routers.training(weights, coefficients), value
 
     def _window_sums(self, counted: list, failed: bool):
         """The window's router counts [C, S, R], its items U, whether a loss was not the model's own and
@@ -279,15 +281,15 @@ class PipelineWindows(WindowRunner):
         return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
 
     def _term_and_coefficients(self, engine: Engine, counts: torch.Tensor, items: torch.Tensor):
-        """From the window's summed counts and items: its term (λ-less) and the coefficients of the term's
-        gradient beside the loss, in the loss scale; the monitor's expert load is the window's."""
+        """From the window's summed counts and items: λ · aux of the window and the coefficients of the
+        term's gradient beside the loss, in the loss scale; the monitor's expert load is the window's."""
         routers = self.routers
         scale = self.strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=counts.device), 1.0)
         aux, coefficients = routers.window_term(counts, engine.accounting.outside_loss_weight(items) * scale)
         engine.experts.counted_by_stages(routers.window_assignments(counts))
-        return aux, coefficients
+        return routers.term.coefficient * aux, coefficients
 
-    def _exchange_held(self, engine: Engine, held: "_HeldExchange") -> None:
+    def _exchange_held(self, engine: Engine, held: "_WindowTerm") -> None:
         """A held window's counts, summed over the world once every stage has run its forwards (on the
         last stage after its last loss, on the others before their first gradient's receive): the
         coefficients its backwards read. A failure rides the window's statistics as in any window."""
@@ -297,9 +299,8 @@ class PipelineWindows(WindowRunner):
         counts, items, held.not_own_loss, _ = self._window_sums(held.units, failed=False)
         if held.not_own_loss:
             return  # its coefficients stay 0; the window is abandoned after the schedule
-        aux, coefficients = self._term_and_coefficients(engine, counts, items)
+        held.value, coefficients = self._term_and_coefficients(engine, counts, items)
         self.routers.fill(coefficients)
-        held.term = self.routers.term.coefficient * aux
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
@@ -322,7 +323,7 @@ class PipelineWindows(WindowRunner):
         counting = contextlib.nullcontext()
         if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
             weights = row_weights(pieces, sizes, chunk, device)
-            counting, self._window_term = self.routers.counting(weights), torch.zeros((), dtype=torch.float64)
+            counting, self._routers_counted = self.routers.counting(weights), True
 
         def loss_only(outputs, index):
             nonlocal failure
@@ -350,7 +351,7 @@ class PipelineWindows(WindowRunner):
                 self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
-            self._window_term = None
+            self._routers_counted = False
         total[2] = float(failure is not None)
         if routed:  # every stage's router counts ride the same reduction
             total = torch.cat([total, self.routers.window_counts().to(device)])
@@ -367,15 +368,18 @@ class PipelineWindows(WindowRunner):
 
 
 
-class _HeldExchange:
-    """What a held window's last stage learns of its losses before the exchange, and the term after it."""
+class _WindowTerm:
+    """A routed window's term in the last stage's recorded losses: the losses are computed without it
+    (it may be known only after them: held forwards), and λ · aux of the window is added to each after
+    the schedule, as the model's own loss would add it. Held forwards also keep here what the exchange
+    between their forwards and backwards needs."""
 
     def __init__(self, micro_batches: int):
         self.units: list = [(0, False)] * micro_batches  # per micro-batch: (items, not the own loss)
         self.multipliers = [1.0] * micro_batches  # what each own mean loss was multiplied by to be read as a sum
-        self.seen: set[int] = set()  # the micro-batches whose loss the last stage computed
-        self.exchanged = self.not_own_loss = False
-        self.term: torch.Tensor | None = None  # λ · aux of the window
+        self.value: torch.Tensor | None = None  # λ · aux of the window
+        self.seen: set[int] = set()  # held: the micro-batches whose loss the last stage computed
+        self.exchanged = self.not_own_loss = False  # held: the exchange ran; a loss was not the model's own
 
     def record(self, k: int, output, count) -> None:
         """Micro-batch ``k``'s loss as ``loss_fn`` returned it, and the items it stands for."""
@@ -387,13 +391,13 @@ class _HeldExchange:
     def with_term(self, outputs: list) -> list:
         """The last stage's recorded losses with λ · aux of the window added as the model's own loss adds
         it (to its mean, read as a sum: times its multiplier); their weighted sum then holds it once."""
-        if self.term is None:
+        if self.value is None:
             return outputs
         added = []
         for output, multiplier in zip(outputs, self.multipliers):
             if isinstance(output, tuple):
                 loss, count = output
-                output = (loss + (self.term * multiplier).to(loss.device, loss.dtype), count)
+                output = (loss + (self.value * multiplier).to(loss.device, loss.dtype), count)
             added.append(output)
         return added
 

@@ -18,8 +18,9 @@ first stage's later forwards. So a window under ``moe.load_balance: global`` run
    own routers' probabilities (``balance.with_term_gradient``): λ · E · Cᵢ / R², times the weight
    that makes a gradient added beside the loss enter the window's once
    (``Accounting.outside_loss_weight``: U · W / G) and the loss scale. The last stage's loss is the
-   model's own, plus λ · aux of the window: weighted as each micro-batch's loss is (its items / U),
-   those values add up to λ · aux once, so the reported loss is the global batch's.
+   model's own; λ · aux of the window is added to each micro-batch's recorded loss after the schedule
+   (``engine.window.pipeline``): weighted as each micro-batch's loss is (its items / U), those values
+   add up to λ · aux once, so the reported loss is the global batch's.
 
 Cost: one forward of the window without gradients (about a third of a step), the pipeline's bubble
 once more, and one reduction of 2E + 6 numbers. GPipe runs every forward of the window before any
