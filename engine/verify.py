@@ -45,6 +45,7 @@ from engine.config.schema import load_config, torch_sections
 from engine.config.setup import mesh_layout
 from engine.distributed.process_group import init_distributed
 from engine.window.accounting import loss_and_units
+from engine.window.model_loss import mean_items, model_loss
 from engine.errors import MicrostepError
 from engine.config.factories import FactoryError, load_factory, reference_of
 from engine.config.optim import build_optimizer, build_scheduler
@@ -290,7 +291,8 @@ def _run_processes(job: _Job, job_path: Path, nproc: int, folder: Path, echo) ->
 
 # -- the one process ----------------------------------------------------------------------------
 def _reference(config, make_model, make_batch, loss_fn, steps: int, dtype, echo):
-    """Plain PyTorch on the whole global batch: (state before, state after, losses, notes, pair?)."""
+    """Plain PyTorch on the whole global batch: (state before, state after, losses, notes, pair?, the loss
+    type of the model's own .loss when that is what ``loss_fn`` returned and the engine reads it)."""
     model, notes = prepare_model(make_model(), dtype)
     again = make_model().to(dtype).state_dict()
     before = {name: value.detach().clone() for name, value in model.state_dict().items()}
@@ -302,11 +304,14 @@ def _reference(config, make_model, make_batch, loss_fn, steps: int, dtype, echo)
                 "before building it)")
     optimizer = build_optimizer(config.optimizer, model.parameters())
     scheduler = build_scheduler(config.scheduler, optimizer) if config.scheduler is not None else None
-    losses, pair = [], False
+    read = _ReadingModel(model)  # its own .loss read as the engine reads it: a (sum, count) pair
+    losses, pair, own_loss_type = [], False, None
     for step in range(steps):
         batch = _in_dtype(make_batch(step), dtype)
         optimizer.zero_grad()
-        loss, pair = _loss_value(loss_fn(model, batch), batch_size(batch))
+        output = loss_fn(read, batch)
+        own_loss_type = read.loss_type if mean_items(output) is not None else None
+        loss, pair = _loss_value(output, batch_size(batch))
         loss.backward()
         if config.gradient_clipping:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.gradient_clipping)
@@ -316,7 +321,7 @@ def _reference(config, make_model, make_batch, loss_fn, steps: int, dtype, echo)
         losses.append(loss.item())
         echo(f"one process: step {step + 1}/{steps} loss {losses[-1]:.6g}")
     after = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    return before, after, losses, notes, pair
+    return before, after, losses, notes, pair, own_loss_type
 
 
 def _micro_sizes(plan, rows: int) -> list[int]:
@@ -401,14 +406,20 @@ def mean_over_samples_check(plan, make_model, make_batch, loss_fn, dtype, tolera
     batch = _in_dtype(make_batch(0), dtype)
     rows = batch_size(batch)
     sizes = _micro_sizes(plan, rows)
+    read = _ReadingModel(model)  # the model's own .loss weighted by its items, as the engine reads it
 
-    def gradient(piece, samples):
-        loss = _loss_value(loss_fn(model, piece), samples)[0]
-        grads = torch.autograd.grad(loss, parameters, allow_unused=True)
-        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, parameters)])
+    def summed_gradient(piece, samples) -> tuple[torch.Tensor, float]:
+        """(the gradient of the piece's sum, its count): a (sum, count) pair's own, a mean's × its rows."""
+        loss, units, item_weighted = loss_and_units(loss_fn(read, piece), samples)
+        count = float(units) if item_weighted else float(samples)
+        grads = torch.autograd.grad(loss if item_weighted else loss * samples, parameters, allow_unused=True)
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, parameters)])
+        return flat, count
 
-    whole = gradient(batch, rows)
-    weighted = sum(n / rows * gradient(piece, n) for piece, n in zip(split_batch(batch, sizes), sizes))
+    total, count = summed_gradient(batch, rows)
+    whole = total / count
+    pieces = [summed_gradient(piece, n) for piece, n in zip(split_batch(batch, sizes), sizes)]
+    weighted = sum(g for g, _ in pieces) / sum(n for _, n in pieces)
     relative = ((whole - weighted).norm() / whole.norm()).item()
     if relative <= tolerance:
         return None
@@ -418,6 +429,24 @@ def mean_over_samples_check(plan, make_model, make_batch, loss_fn, dtype, tolera
             "tokens (padding labelled -100), so micro-batches with fewer tokens count too much. Return "
             "(loss_sum, num_tokens) instead, e.g. F.cross_entropy(..., ignore_index=-100, reduction='sum') and "
             "(labels != -100).sum(): the engine then divides by the global batch's token count")
+
+
+class _ReadingModel:
+    """``model`` as ``loss_fn`` sees it through the engine: its own ``.loss`` marked with the items it
+    averages (``engine.window.model_loss``), its other attributes its own."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model, self._reading = model, model_loss(model)
+        self.loss_type = self._reading.loss_type
+
+    def __call__(self, *args, **kwargs):
+        kwargs = self._reading.call_arguments(kwargs)
+        output = self._model(*args, **kwargs)
+        self._reading.observe(kwargs, output)
+        return output
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
 
 
 # -- comparing ----------------------------------------------------------------------------------
@@ -518,8 +547,8 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
     echo(f"verify: {getattr(loaded, 'source', config)} on {nproc} processes ({mesh.describe()}; gloo, CPU) "
          f"against one process on the whole global batch of {plan.train_batch_size}, {steps} steps, {dtype}; "
          f"collectives time out after {timeout_seconds:g} s")
-    before, after, losses, model_notes, pair = _reference(loaded, make_model, make_batch, loss_fn, steps,
-                                                          torch_dtype, echo)
+    before, after, losses, model_notes, pair, own_loss_type = _reference(
+        loaded, make_model, make_batch, loss_fn, steps, torch_dtype, echo)
     notes = model_notes + notes
     tolerance, reason = choose_tolerance(measure_rounding(plan, make_model, make_batch, loss_fn, torch_dtype),
                                          torch_dtype)
@@ -548,6 +577,9 @@ def verify(config, model, batch, loss, *, nproc: int = 2, steps: int = 2, dtype:
         if cause:
             echo(f"cause: {cause}")
         fix = "; fix: loss_fn should return (loss_sum, num_tokens), not a per-micro-batch mean (see cause)" if cause else ""
+        if pair and own_loss_type is not None:
+            fix = (f"; the model's own .loss is read as (sum, count) by its labels (loss type {own_loss_type}): "
+                   "its weighting is not the cause")
         verdict = (f"not equal: {worst.name} differs by {worst.relative:.2e} of its update "
                    f"(|difference| {worst.difference:.3e}, |update| {worst.update:.3e}); {why}{fix}")
     echo(verdict)

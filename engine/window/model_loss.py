@@ -10,18 +10,25 @@ handed in, by the model's loss type, and marks the returned ``.loss`` with that 
 count)``. A tensor derived from it (``loss * 2``, ``loss + other``) is not marked: it is taken as
 a mean over the micro-batch's samples, as any scalar loss.
 
-Items per loss type (transformers' ``loss_utils``):
+What a loss averages over is decided by the loss type *and* by how the model's forward computes it
+(read once per class from its source, :func:`loss_computation`):
 
-* ``ForCausalLM`` / ``ForConditionalGeneration``: the shifted targets that are not -100
-  (``labels[..., 1:]``, or ``shift_labels`` when the batch gives them);
-* ``ForMaskedLM`` / ``ForTokenClassification``: the labels that are not -100;
-* ``ForSequenceClassification`` (and image, audio, video classification): rows whose label is
-  not -100 for single-label classification; every label element for regression and multi-label.
+* through transformers' loss function (``self.loss_function(...)``: Llama, Mixtral, Llava, ...): what
+  that function averages — ``ForCausalLMLoss`` (``ForCausalLM`` and decoder-only
+  ``ForConditionalGeneration``) the shifted targets that are not -100 (``labels[..., 1:]``, or
+  ``shift_labels``); ``ForMaskedLMLoss`` / ``ForTokenClassification`` the labels that are not -100;
+  ``ForSequenceClassificationLoss`` the rows whose label is not -100 (single label) or every label
+  element (regression, multi-label). A given ``num_items_in_batch`` replaces the divisor of its cross
+  entropies: the sum is then ``loss × num_items_in_batch``;
+* through a loss module the forward builds itself (T5, BART and other encoder-decoders, BERT): the
+  flattened, unshifted labels that are not -100 (an encoder-decoder's decoder reads the labels shifted
+  right, so its targets are the labels themselves), rows for classification; ``num_items_in_batch``
+  is ignored by those models, and by the reading.
 
-A batch giving ``num_items_in_batch`` makes those cross-entropy losses ``sum / num_items_in_batch``:
-the sum is then ``loss × num_items_in_batch``. Other loss types, a model whose ``loss_function``
-was replaced, and models that are not Hugging Face's are not read (:class:`LossReading` warns
-when that leaves a window's micro-batches weighted by rows while their items differ).
+Every other loss type (question answering, detection, CTC, ...: ``NOT_READ`` says why), a model whose
+forward does neither, one whose ``loss_function`` was replaced, and models that are not Hugging
+Face's are not read (:class:`LossReading` warns when that leaves a window's micro-batches weighted by
+rows while their items differ; ``strict`` refuses).
 
 A routed model's ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
 is multiplied by the micro-batch's count too, which the term's factor divides out
@@ -34,8 +41,11 @@ the window's (``moe.load_balance: global``: the stages exchange their router cou
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import logging
+import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,17 +75,107 @@ def _classified_rows(labels: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     return torch.tensor(labels.numel(), device=labels.device)  # MSE / BCE: a mean over every element
 
 
-# loss type -> (items of one call, whether it honours num_items_in_batch)
-ITEMS: dict[str, tuple[Callable, bool]] = {
-    "ForCausalLM": (_causal_targets, True),
-    "ForConditionalGeneration": (_causal_targets, True),
-    "ForMaskedLM": (_labelled, True),
-    "ForTokenClassification": (_labelled, True),
-    "ForSequenceClassification": (_classified_rows, False),
-    "ForImageClassification": (_classified_rows, False),
-    "ForAudioClassification": (_classified_rows, False),
-    "ForVideoClassification": (_classified_rows, False),
+def _always(config) -> bool:
+    return True
+
+
+def _single_label(config) -> bool:  # transformers' fixed cross entropy; MSE / BCE take no divisor
+    return getattr(config, "problem_type", None) == "single_label_classification"
+
+
+def _never(config) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one loss of a model averages over: ``items(labels, kwargs, config)`` counts them, and
+    ``honours_num_items(config)`` says whether a given ``num_items_in_batch`` replaces that divisor."""
+
+    items: Callable
+    honours_num_items: Callable
+
+
+# A model's forward computes its loss in one of two ways, read from its source (``loss_computation``):
+# by transformers' function of its loss type (``self.loss_function(...)``: the function's own items,
+# ``num_items_in_batch`` honoured), or by a ``CrossEntropyLoss`` / ``MSELoss`` it builds itself on the
+# flattened, unshifted labels (T5, BART, BERT: a mean over the labels that are not -100; no divisor taken).
+BY_FUNCTION: dict[str, Reading] = {  # transformers' loss function's name -> what it averages
+    "ForCausalLMLoss": Reading(_causal_targets, _always),
+    "ForMaskedLMLoss": Reading(_labelled, _always),
+    "ForTokenClassification": Reading(_labelled, _always),
+    "ForSequenceClassificationLoss": Reading(_classified_rows, _single_label),
 }
+BY_OWN_LOSS: dict[str, Reading] = {  # loss type -> what a forward's own loss module averages
+    "ForConditionalGeneration": Reading(_labelled, _never),  # encoder-decoder: decoder inputs are the labels shifted right
+    "ForMaskedLM": Reading(_labelled, _never),
+    "ForTokenClassification": Reading(_labelled, _never),
+    "ForSequenceClassification": Reading(_classified_rows, _never),
+    "ForImageClassification": Reading(_classified_rows, _never),
+    "ForAudioClassification": Reading(_classified_rows, _never),
+    "ForVideoClassification": Reading(_classified_rows, _never),
+}
+# Every loss type transformers defines that is not read, and why (tests/unit/test_model_loss.py sorts
+# every key of transformers' LOSS_MAPPING into READ_TYPES or NOT_READ).
+READ_TYPES = frozenset({"ForCausalLM", "ForConditionalGeneration", "ForMaskedLM", "ForTokenClassification",
+                        "ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
+                        "ForVideoClassification"})
+NOT_READ = {
+    "ForQuestionAnswering": "the mean of two cross entropies over rows, positions clamped: return (sum, count)",
+    "ForSemanticSegmentation": "a mean over pixels plus an auxiliary head's: return (sum, count)",
+    "ForSegmentation": "matched masks (Hungarian matching per batch): no per-item sum exists",
+    "ForObjectDetection": "matched boxes (Hungarian matching per batch): no per-item sum exists",
+    "ForCTC": "a mean of per-sequence losses each divided by its target length",
+    "CsmForConditionalGeneration": "audio codebooks with their own depth decoder's loss added",
+    "PocketTTSForConditionalGeneration": "a flow-matching loss over latent frames",
+    "GradiumPhononTTSForConditionalGeneration": "a flow-matching loss over latent frames",
+    "ParakeetForRNNT": "a transducer loss, per sequence",
+    "ParakeetForTDT": "a transducer loss, per sequence",
+    **dict.fromkeys(("DeformableDetrForObjectDetection", "ConditionalDetrForObjectDetection", "DabDetrForObjectDetection",
+                     "GroundingDinoForObjectDetection", "MMGroundingDinoForObjectDetection", "RTDetrForObjectDetection",
+                     "RTDetrV2ForObjectDetection", "DFineForObjectDetection", "Deimv2ForObjectDetection",
+                     "LwDetrForObjectDetection", "RfDetrForObjectDetection", "ConditionalDetrForSegmentation",
+                     "RfDetrForInstanceSegmentation"),
+                    "matched boxes or masks (Hungarian matching per batch): no per-item sum exists"),
+}
+
+
+def loss_computation(model_class: type) -> str:
+    """How ``model_class.forward`` computes its loss: ``"function"`` (it calls ``self.loss_function``),
+    ``"own"`` (it builds a loss module itself and calls no loss function), or ``"unknown"`` (its source
+    is not readable, or it does neither)."""
+    return _loss_computation(getattr(model_class, "forward", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_computation(forward) -> str:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return "unknown"
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            function = node.func
+            called.add(function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None))
+    if "loss_function" in called:
+        return "function"
+    if called & {"CrossEntropyLoss", "MSELoss", "BCEWithLogitsLoss"}:
+        return "own"
+    return "unknown"
+
+
+def reading_of(model: torch.nn.Module) -> Reading | None:
+    """What ``model``'s ``.loss`` averages over, or None when the engine is not sure (not read)."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in READ_TYPES or "_loss_function" in vars(model) or not hasattr(model, "config"):
+        return None
+    computation = loss_computation(type(model))
+    if computation == "function":
+        return BY_FUNCTION.get(getattr(model.loss_function, "__name__", None))
+    if computation == "own":
+        return BY_OWN_LOSS.get(loss_type)
+    return None
 
 
 @dataclass(frozen=True)
@@ -116,10 +216,10 @@ class ModelLoss:
     """Marks the ``.loss`` of a Hugging Face model's forwards with the items it averages, and keeps
     a packed row's documents apart (no key/value cache when ``position_ids`` are given)."""
 
-    def __init__(self, model: torch.nn.Module, count: Callable, honours_num_items: bool, takes_cache: bool):
+    def __init__(self, model: torch.nn.Module, reading: Reading, takes_cache: bool):
         self.config = getattr(model, "config", None)
         self.loss_type = getattr(model, "loss_type", None)
-        self._count, self._honours_num_items, self._takes_cache = count, honours_num_items, takes_cache
+        self.reading, self._takes_cache = reading, takes_cache
         self._loss_function = model.loss_function  # transformers' function of this loss type
         self.router_term = router_term_of(model)
 
@@ -135,9 +235,9 @@ class ModelLoss:
         loss, labels = getattr(output, "loss", None), kwargs.get("labels")
         if not isinstance(loss, torch.Tensor) or not isinstance(labels, torch.Tensor) or loss.dim() != 0:
             return
-        items = self._count(labels, kwargs, self.config)
+        items = self.reading.items(labels, kwargs, self.config)
         given = kwargs.get("num_items_in_batch")
-        multiplier = given if self._honours_num_items and given is not None else items
+        multiplier = given if given is not None and self.reading.honours_num_items(self.config) else items
         setattr(loss, _MARK, (multiplier, items))
 
 
@@ -148,7 +248,7 @@ class ModelLoss:
         routers (``routers_counted``), is without its load-balancing term: the term is the window's (or
         evaluated batch's), its gradient reaches every stage's routers beside the loss, and the pipeline's
         runner adds its value to the recorded losses (``engine.window.pipeline``)."""
-        if self._count is not _causal_targets:
+        if self.reading.items is not _causal_targets:
             raise EngineUsageError(
                 f"under a pipeline the last stage applies the model's own loss for causal language models; "
                 f"{type(self.config).__name__}'s loss type is {self.loss_type}: write loss_fn(outputs, labels) "
@@ -216,15 +316,14 @@ class LastStageModel:
 
 def model_loss(model: torch.nn.Module) -> ModelLoss | NoModelLoss:
     """What the engine reads from ``model``'s own loss (see the module's docstring)."""
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type not in ITEMS or "_loss_function" in vars(model) or not hasattr(model, "config"):
+    reading = reading_of(model)
+    if reading is None:
         return NoModelLoss()
     try:
         takes_cache = "use_cache" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         takes_cache = False
-    count, honours = ITEMS[loss_type]
-    return ModelLoss(model, count, honours, takes_cache)
+    return ModelLoss(model, reading, takes_cache)
 
 
 class LossReading:

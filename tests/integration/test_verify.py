@@ -199,3 +199,18 @@ def test_an_engine_error_in_a_process_is_its_one_line_cause(capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: rank ") and "processes stopped: context_parallel: " \
         in lines[0], err
+
+
+@pytest.mark.parametrize("kind", ["causal", "t5"])
+def test_a_model_own_loss_the_engine_reads_gets_no_advice_to_return_sum_count(kind):
+    """verify's cause check weighs a model's own ``.loss`` as the engine reads it (by the items its loss
+    type averages, T5's unshifted labels included); a mean it cannot read still gets the advice."""
+    from engine.verify import mean_over_samples_check
+    from tests.support import own_loss as o
+
+    plan = engine.resolve_batch_plan(1, train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    batch = o.batches(kind, 1)[0]
+    check = lambda loss_fn: mean_over_samples_check(plan, lambda: o.model(kind), lambda step: batch, loss_fn,  # noqa: E731
+                                                    torch.float64, TOLERANCE_EXACT)
+    assert check(o.own_loss) is None
+    assert check(lambda model, b: model(**b).loss * 1.0).startswith("loss_fn is not a mean over its micro-batch's")

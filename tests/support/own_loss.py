@@ -30,12 +30,33 @@ def _bert_config(**extra):
                       attention_probs_dropout_prob=0.0, **extra)
 
 
+TARGET = 7  # an encoder-decoder's label columns: another length than its inputs'
+TARGET_LENGTHS = [7, 1, 4, 2, 6, 3, 1, 5]
+
+
+def _seq2seq(kind: str) -> torch.nn.Module:
+    import transformers
+
+    if kind == "t5":
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                    num_heads=2, dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0)
+        return transformers.T5ForConditionalGeneration(cfg).double()
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                  decoder_start_token_id=2)
+    return transformers.BartForConditionalGeneration(cfg).double()
+
+
 def model(kind: str) -> torch.nn.Module:
     """A small float64 model of ``kind``: causal (Llama), masked (BERT), tokens (token
-    classification), rows (sequence classification), regression."""
+    classification), rows (sequence classification), regression, t5 / bart (encoder-decoders)."""
     import transformers
 
     torch.manual_seed(0)
+    if kind in ("t5", "bart"):
+        return _seq2seq(kind)
     if kind == "causal":
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
@@ -65,6 +86,10 @@ def batches(kind: str, steps: int, lengths=LENGTHS, seed: int = 5) -> list[dict]
             batch["labels"] = ids.masked_fill(~chosen, -100)
         elif kind == "tokens":
             batch["labels"] = torch.randint(0, 3, (rows, WIDTH), generator=g).masked_fill(mask == 0, -100)
+        elif kind in ("t5", "bart"):  # targets of their own lengths, padded -100
+            targets = torch.randint(3, VOCAB, (rows, TARGET), generator=g)
+            real = torch.arange(TARGET)[None, :] < torch.tensor(TARGET_LENGTHS)[:, None]
+            batch["labels"] = targets.masked_fill(~real, -100)
         elif kind == "rows":  # rows without a label (-100) count for nothing
             batch["labels"] = torch.randint(0, 3, (rows,), generator=g).masked_fill(torch.tensor(lengths) < 4, -100)
         else:

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import engine
-from engine.window.model_loss import NoModelLoss, model_loss
+from engine.window.model_loss import (
+    NOT_READ, READ_TYPES, ModelLoss, NoModelLoss, Reading, _causal_targets, _labelled, loss_computation, model_loss,
+)
 from tests.support import own_loss as o
 from tests.support.moe_models import float64_term, hf_loss, hf_moe, lm_batches
 from tests.support.reference import max_param_diff, reference_train, sgd, state
@@ -26,7 +28,7 @@ def initialize(model, **extra):
 
 
 @pytest.mark.parametrize("manual", [False, True], ids=["train_batch", "manual"])
-@pytest.mark.parametrize("kind", ["causal", "masked", "tokens", "rows", "regression"])
+@pytest.mark.parametrize("kind", ["causal", "masked", "tokens", "rows", "regression", "t5", "bart"])
 def test_each_loss_type_equals_the_full_batch(kind, manual):
     data = o.batches(kind, 3)
     reference = reference_train(o.model(kind), data, o.own_loss, sgd)
@@ -36,6 +38,45 @@ def test_each_loss_type_equals_the_full_batch(kind, manual):
     if kind != "regression":  # every row holds one item there: rows and items weigh alike
         broken = o.compare(o.unread(initialize(o.model(kind))), kind, data, manual=manual, reference=reference)
         assert broken["diff"] > o.MISSED
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_an_encoder_decoder_is_not_read_as_shifted_targets(kind):
+    """T5 and BART average their own cross entropy over every label that is not -100 (their decoder
+    reads the labels shifted right): counting the shifted targets, as a causal model's, misses."""
+    data = o.batches(kind, 2)
+    reference = reference_train(o.model(kind), data, o.own_loss, sgd)
+    eng = initialize(o.model(kind))
+    assert eng.losses.model.reading.items is _labelled
+    eng.losses.model = ModelLoss(eng.module, Reading(_causal_targets, lambda config: True), takes_cache=False)
+    assert o.compare(eng, kind, data, manual=False, reference=reference)["diff"] > o.MISSED
+
+
+def test_every_loss_type_of_transformers_is_sorted_into_read_or_not():
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    assert set(LOSS_MAPPING) == READ_TYPES | set(NOT_READ)
+    assert not READ_TYPES & set(NOT_READ)
+
+
+def test_a_model_whose_loss_the_engine_cannot_place_is_not_read():
+    """How the forward computes its loss decides: transformers' function, a loss module of its own, or
+    neither (not read: warned, refused under strict)."""
+    import transformers
+
+    assert loss_computation(transformers.LlamaForCausalLM) == "function"
+    assert loss_computation(transformers.T5ForConditionalGeneration) == "own"
+
+    class Squared(transformers.LlamaForCausalLM):  # a causal model computing its loss some other way
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            output = super().forward(input_ids=input_ids, **kwargs)
+            output.loss = (output.logits.sum(-1) ** 2).mean()
+            return output
+
+    assert loss_computation(Squared) == "unknown"
+    assert isinstance(model_loss(Squared(o.model("causal").config)), NoModelLoss)
+    qa = transformers.BertForQuestionAnswering(o._bert_config())
+    assert isinstance(model_loss(qa), NoModelLoss) and qa.loss_type in NOT_READ
 
 
 def test_which_models_are_read():
