@@ -39,6 +39,7 @@ import logging
 import torch
 
 from engine.batching.data import DistributedBatches, batches_for
+from engine.batching.micro_batches import MicroBatches
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.batching.window_split import PlannedSplit
@@ -228,6 +229,19 @@ class Engine:
         if self.windows.current.micro_steps == 0:
             self.strategy.zero_grad()
 
+    @property
+    def gradient_clipping(self) -> float:
+        """The 2-norm the whole window's gradient is clipped to at each boundary (0: off), the config's
+        ``gradient_clipping`` until set; setting it changes the boundaries that follow, the one closing the
+        window in progress included (Accelerate's ``clip_grad_norm_`` sets it inside a window)."""
+        return self.windows.clipping
+
+    @gradient_clipping.setter
+    def gradient_clipping(self, max_norm: float) -> None:
+        if not float(max_norm) >= 0:
+            raise EngineUsageError(f"gradient_clipping must be a number >= 0 (0: off); got {max_norm}")
+        self.windows.clipping = float(max_norm)
+
     # -- whole batches ------------------------------------------------------------------
     def train_batch(self, batch, loss_fn: LossFn | None = None) -> float:
         """Run this rank's per-device ``batch`` as one window: split into the plan's
@@ -235,7 +249,8 @@ class Engine:
         all ranks, weighted exactly as the gradient was.
 
         A batch smaller than the planned per-device batch (the end of an epoch) is run as a
-        short window of the same number of micro-steps, weighted by its real size."""
+        short window of the same number of micro-steps, weighted by its real size.
+        ``engine.MicroBatches([...])``: the window's micro-batches as they were collated, run as they are."""
         loss_fn = self._loss_fn(loss_fn)
         if self.windows.current.micro_steps:
             raise EngineUsageError(
@@ -361,7 +376,7 @@ class Engine:
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
-        split = self.window_split.split(batch, self.plan)
+        split = batch.split(self.plan) if isinstance(batch, MicroBatches) else self.window_split.split(batch, self.plan)
         self.windows.planned(split)
         planned = self.plan.gradient_accumulation_steps
         # A model's load-balancing terms over the window are counted first (engine.window.experts);

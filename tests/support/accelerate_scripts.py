@@ -1,0 +1,102 @@
+"""An accelerate user's training script, run with accelerate's own ``Accelerator`` (the control) or
+Microstep's (``engine.compat.accelerate``), and the float64 full-batch reference both are held to.
+
+The script is the loop every accelerate example writes (``accumulate``, the model's own ``.loss``,
+``optimizer.step()`` / ``lr_scheduler.step()`` / ``optimizer.zero_grad()`` every batch) on a tiny
+Llama (float64) and padded rows of 2 to 12 real tokens. Global batch k holds the data loader's
+rows ``[k·G, (k+1)·G)`` whatever the number of processes: accelerate gives process r the loader's
+batches r, r + n, ... of each micro-step."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests.support.hf_models import VOCAB, llama
+
+SEQ = 12
+ACCUMULATION = 4
+GLOBAL_BATCH = 8  # rows per optimizer step: batch_size x processes x ACCUMULATION
+LR, MOMENTUM = 0.1, 0.9
+
+
+def decay(step: int) -> float:
+    """The script's schedule (a LambdaLR factor of the scheduler's step count)."""
+    return 1.0 / (1.0 + 0.25 * step)
+
+
+def padded_rows(count: int, seed: int = 5) -> list[dict]:
+    """Rows of SEQ tokens, of which 2..SEQ are real (right padding: mask 0, label -100)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (count, SEQ), generator=g)
+    lengths = torch.randint(2, SEQ + 1, (count,), generator=g)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(count)]
+
+
+def accelerator_class(door: bool):
+    if door:
+        from engine.compat.accelerate import Accelerator
+    else:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)  # accelerate's singletons: each run starts anew
+        GradientState._reset_state()
+    return Accelerator
+
+
+def build(door: bool, rows: list[dict], processes: int, *, seed: int = 0, **accelerator_kwargs):
+    """The script's set-up: (accelerator, model, optimizer, train_dataloader, lr_scheduler), prepared."""
+    accelerator = accelerator_class(door)(gradient_accumulation_steps=ACCUMULATION, **accelerator_kwargs)
+    model = llama(layers=2, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = DataLoader(rows, batch_size=GLOBAL_BATCH // (processes * ACCUMULATION), shuffle=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
+
+
+def train_epoch(accelerator, model, optimizer, loader, scheduler) -> list[float]:
+    """The user's loop, unchanged; returns the losses it saw."""
+    losses = []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def run_script(door: bool, rows: list[dict], processes: int, **accelerator_kwargs) -> dict:
+    """One epoch of the script; the trained weights (CPU), the scheduler's count and last lr."""
+    accelerator, model, optimizer, loader, scheduler = build(door, rows, processes, **accelerator_kwargs)
+    train_epoch(accelerator, model, optimizer, loader, scheduler)
+    state = {name: value.detach().cpu().clone() for name, value in accelerator.get_state_dict(model).items()}
+    return {"state": state, "scheduler_steps": scheduler.scheduler._step_count, "last_lr": scheduler.get_last_lr()[0]}
+
+
+def reference(rows: list[dict], processes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Plain PyTorch, float64, each whole global batch at once: the mean loss over its real target tokens;
+    the learning rate of update k is the schedule's after k·processes scheduler steps (accelerate's count)."""
+    model = llama(layers=2, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for k, start in enumerate(range(0, len(rows) - GLOBAL_BATCH + 1, GLOBAL_BATCH)):
+        batch = {key: torch.stack([row[key] for row in rows[start:start + GLOBAL_BATCH]]) for key in rows[0]}
+        for group in optimizer.param_groups:
+            group["lr"] = LR * decay(k * processes)
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def distance(trained: dict, expected: dict) -> float:
+    """The largest parameter difference relative to the largest reference value."""
+    worst = max(float((trained[name].double() - expected[name].double()).abs().max()) for name in expected)
+    scale = max(float(value.double().abs().max()) for value in expected.values())
+    return worst / scale
