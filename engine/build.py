@@ -17,7 +17,7 @@ from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
 from engine.window.experts import expert_balance
-from engine.window.model_loss import LossReading, model_loss
+from engine.window.model_loss import LossReading, model_loss, packing_seams
 from engine.monitor import Monitor
 from engine.window.pipeline import PipelineWindows
 from engine.precision.policy import check_autocast_computes
@@ -114,7 +114,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1,
-                                    packing=config.packing)
+                                    packing=packing_seams(model, own_loss) if config.packing else None)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},

@@ -17,8 +17,13 @@ In the packed row
 * ``position_ids`` restart at 0 at each document (the batch's own ``position_ids`` when it gives
   them, packed like any sequence tensor): a Hugging Face model then masks attention per document
   (the engine runs rows carrying ``position_ids`` without the key/value cache);
-* ``labels`` are -100 at each document's first token (``shift_labels``: at its last), so no target
-  crosses a seam: with the model's shift, the packed row's targets are exactly the padded rows'.
+* for a model that shifts its targets (causal language models, and any model the engine cannot
+  read), ``labels`` are -100 at each document's first token (``shift_labels``: at its last), so no
+  target crosses a seam: with the model's shift, the packed row's targets are exactly the padded
+  rows'; a model whose targets are its tokens' own (token classification on a causal model) keeps
+  every label (:func:`no_seams`). Which one, and whether a model can be packed at all (a model that
+  attends in both directions cannot: its documents would see each other), is the engine's
+  decision from the model (``engine.window.model_loss.packing_seams``).
 
 A micro-batch counts its documents as samples, the window's real tokens and rows are those of
 the padded batch: the update equals the padded batch's for ``(sum, count)`` losses and the
@@ -135,6 +140,15 @@ def packable_layout(batch: Any, read: Callable[[Any], SequenceLayout]) -> Sequen
         raise TokenBudgetError(f"packing: true packs the batch's top-level sequence tensors; {', '.join(nested)} is "
                                "nested: give the model's inputs as the batch's own keys")
     rows_only = [p for p in layout.other_paths]
+    misaligned = [key for key in ("labels", "shift_labels") if f"batch[{key!r}]" in rows_only
+                  and isinstance(batch[key], torch.Tensor) and batch[key].dim() == 2]
+    if misaligned and layout.sequence_paths:
+        key = misaligned[0]
+        raise TokenBudgetError(
+            f"packing: true puts each document's tokens and labels side by side in one row, but batch[{key!r}] has "
+            f"{batch[key].shape[1]} columns where the inputs have {batch[top[layout.sequence_paths[0]]].shape[1]}: "
+            "labels of another length than the inputs (an encoder-decoder's targets) have no place in the inputs' "
+            "packed row; set packing: false (micro_batch_tokens still forms micro-batches by tokens)")
     if rows_only:
         raise TokenBudgetError(f"packing: true puts a micro-batch's documents in one row, so a tensor with rows but no "
                                f"sequence dimension has no place: {', '.join(rows_only)}; drop it, or name it in "
@@ -160,9 +174,25 @@ def mark_seams(labels: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, s
     return labels.masked_fill(ends if shifted else starts, IGNORED)
 
 
-def take_packed(batch: Mapping, layout: SequenceLayout, group: MicroGroup) -> Mapping:
+def seams_of_shifted_targets(key: str, labels: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A model that shifts its targets (causal language models): the packed row's ``labels`` with no
+    target across a seam (:func:`mark_seams`)."""
+    return mark_seams(labels, starts, ends, shifted=key == "shift_labels")
+
+
+def no_seams(key: str, labels: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """A model whose targets are its tokens' own (masked language models, token classification with
+    causal attention): each label stays with its token, no target crosses a seam."""
+    return labels
+
+
+Seams = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def take_packed(batch: Mapping, layout: SequenceLayout, group: MicroGroup,
+                seams: Seams = seams_of_shifted_targets) -> Mapping:
     """``group``'s packed micro-batch of ``batch``: one row of its documents' tokens, its
-    ``position_ids``, labels -100 at the seams, no attention mask (the module docstring)."""
+    ``position_ids``, labels marked at the seams by ``seams``, no attention mask (the module docstring)."""
     widths = _widths([layout.lengths[r] for r in group.rows])
     index: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
@@ -185,7 +215,7 @@ def take_packed(batch: Mapping, layout: SequenceLayout, group: MicroGroup) -> Ma
         rows, columns, starts, ends = indices(value.device)
         tokens = value[rows, columns][None]
         if key in ("labels", "shift_labels"):
-            tokens = mark_seams(tokens, starts[None], ends[None], shifted=key == "shift_labels")
+            tokens = seams(key, tokens, starts[None], ends[None])
         packed[key] = tokens
         positions = columns
     if POSITIONS_KEY not in packed:

@@ -54,7 +54,7 @@ from engine.distributed.collectives import agreed_max
 from engine.errors import BatchConfigError, EngineUsageError
 from engine.batching.forward_sizes import Forward, forward_of_loss, record_forward
 from engine.batching.microbatch import batch_size, split_batch
-from engine.batching.packing import fewest_packed_steps, group_packed, packable_layout, take_packed
+from engine.batching.packing import Seams, fewest_packed_steps, group_packed, packable_layout, take_packed
 from engine.batching.token_budget import (LengthsFn, MicroGroup, TokenCost, TokenSplitter, bucket_length, group_uniformly,
                                          one_shape_cost, one_shape_micro_steps, padding_row, smaller_budget, take_rows,
                                          token_cost)
@@ -253,10 +253,11 @@ class TokenSplit(PlannedSplit):
     """Micro-batches formed by padded tokens (``micro_batch_tokens``)."""
 
     def __init__(self, lengths: LengthsFn | None = None, sequence_keys: Sequence[str] | None = None,
-                 length_multiple: int = 1, packing: bool = False):
+                 length_multiple: int = 1, packing: Seams | None = None):
         super().__init__()
         self.reader = TokenSplitter(lengths, sequence_keys, length_multiple)
-        self.packing = packing  # each micro-batch's documents in one row (engine.batching.packing)
+        # each micro-batch's documents in one row, its seams marked so (engine.batching.packing); None: rows
+        self.packing = packing
         self.groups: list[MicroGroup] = []  # this rank's micro-batches of the latest split
 
     def split(self, batch, plan: BatchPlan, budget: int | None = None) -> Split:
@@ -275,7 +276,8 @@ class TokenSplit(PlannedSplit):
         steps, = _agreed([fewest], problem, plan)
         if self.packing:
             groups = self.groups = self.reader.logged(layout, group_packed(layout.lengths, budget, steps, cap), budget)
-            take = take_packed
+            seams = self.packing
+            take = lambda batch, layout, group: take_packed(batch, layout, group, seams)  # noqa: E731
         else:
             groups = self.groups = self.reader.group(layout, budget, steps, cap)
             take = take_rows
@@ -381,15 +383,15 @@ class OneShapeTokenSplit(TokenSplit):
 def window_split_for(plan: BatchPlan, *, manual_sizes: str = "plan", lengths: LengthsFn | None = None,
                      sequence_keys: Sequence[str] | None = None,
                      schedule_steps: Callable[[int], int] | None = None, length_multiple: int = 1,
-                     packing: bool = False) -> PlannedSplit:
+                     packing: Seams | None = None) -> PlannedSplit:
     """The window split for ``plan``; ``manual_sizes`` (one of ``MANUAL_SIZES``): how a manual
     loop counts a micro-batch of a plan with sizes, ``"plan"`` (its planned size) or
     ``"inputs"`` (what ``eng(...)`` was given). ``schedule_steps``: under a pipeline, the
     fewest micro-batches, at least n, its schedule runs (token budgets then form micro-batches
     of one shape). ``length_multiple``: what a token budget's trimmed length is rounded up to
     (context parallelism's chunks). ``packing``: each token-budget micro-batch's documents packed
-    into one row (``engine.batching.packing``; the config refuses it under a pipeline or context
-    parallelism)."""
+    into one row, its seams marked by that function (``engine.batching.packing``; the config refuses it
+    under a pipeline or context parallelism; None: not packed)."""
     if plan.micro_batch_tokens is not None:
         if schedule_steps is not None:
             return OneShapeTokenSplit(schedule_steps, lengths, sequence_keys)

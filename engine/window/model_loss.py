@@ -51,7 +51,8 @@ from typing import Callable
 
 import torch
 
-from engine.errors import EngineUsageError
+from engine.batching.packing import Seams, no_seams, seams_of_shifted_targets
+from engine.errors import ConfigError, EngineUsageError
 
 log = logging.getLogger("engine")
 
@@ -324,6 +325,24 @@ def model_loss(model: torch.nn.Module) -> ModelLoss | NoModelLoss:
     except (TypeError, ValueError):
         takes_cache = False
     return ModelLoss(model, reading, takes_cache)
+
+
+def packing_seams(model: torch.nn.Module, own: ModelLoss | NoModelLoss) -> Seams:
+    """How ``packing: true`` marks a packed row's seams for ``model`` (``engine.batching.packing``), or a
+    ``ConfigError`` where packing would change what it trains: a model attending in both directions
+    (BERT, T5, BART: transformers keeps a packed row's documents apart only under causal attention, so
+    they would see each other). A model the engine does not read keeps the convention of labels the
+    model shifts."""
+    attention = {getattr(module, "is_causal") for module in model.modules()
+                 if isinstance(getattr(module, "is_causal", None), bool)}
+    if False in attention or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ConfigError([
+            f"packing: {type(model).__name__} attends in both directions, so the documents of a packed row would "
+            "see each other (transformers keeps a packed row's documents apart under causal attention only); set "
+            "packing: false: micro_batch_tokens alone forms micro-batches by tokens, each row its own document"])
+    if isinstance(own, ModelLoss) and own.reading.items is not _causal_targets:
+        return no_seams
+    return seams_of_shifted_targets
 
 
 class LossReading:

@@ -57,10 +57,12 @@ def model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind in ("t5", "bart"):
         return _seq2seq(kind)
-    if kind == "causal":
+    if kind in ("causal", "causal_tokens"):  # a causal language model; a token classifier on the same body
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                       num_labels=3, classifier_dropout=0.0)
+        cls = transformers.LlamaForCausalLM if kind == "causal" else transformers.LlamaForTokenClassification
+        return cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64)
     classes = {"masked": (transformers.BertForMaskedLM, {}),
                "tokens": (transformers.BertForTokenClassification, {"num_labels": 3}),
                "rows": (transformers.BertForSequenceClassification, {"num_labels": 3}),
@@ -84,7 +86,7 @@ def batches(kind: str, steps: int, lengths=LENGTHS, seed: int = 5) -> list[dict]
         elif kind == "masked":  # about half the real tokens are predicted
             chosen = (torch.rand(rows, WIDTH, generator=g) < 0.5) & (mask == 1)
             batch["labels"] = ids.masked_fill(~chosen, -100)
-        elif kind == "tokens":
+        elif kind in ("tokens", "causal_tokens"):
             batch["labels"] = torch.randint(0, 3, (rows, WIDTH), generator=g).masked_fill(mask == 0, -100)
         elif kind in ("t5", "bart"):  # targets of their own lengths, padded -100
             targets = torch.randint(3, VOCAB, (rows, TARGET), generator=g)

@@ -146,6 +146,36 @@ def test_batches_that_cannot_be_packed_are_refused(data):
         eng.train_batch((batch["input_ids"], batch["attention_mask"]), o.own_loss)
 
 
+def test_a_token_classifier_on_a_causal_model_packs_every_label():
+    """Targets that are the tokens' own (not shifted) keep every label in a packed row: exact; the seams a
+    causal language model needs (each document's first label dropped) miss."""
+    data = o.batches("causal_tokens", 2, lengths=LENGTHS)
+    expected = state(reference_train(o.model("causal_tokens"), data, o.own_loss, sgd))
+    eng = engine.initialize(o.model("causal_tokens"), CONFIG, optimizer=sgd)
+    assert eng.window_split.packing is packing.no_seams
+    train(eng, data)
+    assert max_param_diff(eng.full_state_dict(), expected) < o.TOL
+    broken = engine.initialize(o.model("causal_tokens"), CONFIG, optimizer=sgd)
+    broken.window_split.packing = packing.seams_of_shifted_targets
+    train(broken, data)
+    assert max_param_diff(broken.full_state_dict(), expected) > o.MISSED
+
+
+@pytest.mark.parametrize("kind", ["masked", "tokens", "t5"])
+def test_packing_a_model_attending_both_ways_is_refused(kind):
+    """BERT's and T5's documents would see each other in a packed row: refused at initialize, naming the fix."""
+    with pytest.raises(engine.ConfigError, match="attends in both directions.*set packing: false"):
+        engine.initialize(o.model(kind), CONFIG, optimizer=sgd)
+
+
+def test_labels_of_another_length_than_the_inputs_are_named():
+    """An encoder-decoder's batch given to a model the engine does not read: the labels' length is named."""
+    batch = o.batches("t5", 1)[0]
+    eng = engine.initialize(torch.nn.Linear(2, 2), CONFIG, optimizer=sgd)
+    with pytest.raises(TokenBudgetError, match=r"batch\['labels'\] has 7 columns where the inputs have 12"):
+        eng.train_batch(batch, lambda m, b: m(torch.zeros(1, 2)).sum())
+
+
 # -- the config -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("config, message", [
     ({"train_batch_size": 8, "packing": True}, "packing: true packs each micro-batch's documents into one row of "
