@@ -4,6 +4,7 @@ from engine.batching.plan import BatchPlan, plan_from_config, resolve_batch_plan
 from engine.build import initialize
 from engine.config.schema import Config, load_config
 from engine.batching.data import DistributedBatches
+from engine.batching.micro_batches import MicroBatches
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.engine import Engine
 from engine.experts import LoadBalancingLoss
@@ -32,6 +33,7 @@ __all__ = [
     "resolve_batch_plan",
     "plan_from_config",
     "DistributedBatches",
+    "MicroBatches",
     "init_distributed",
     "strip_local_rank_arg",
     "MicrostepError",

@@ -250,7 +250,7 @@ class Engine:
 
         A batch smaller than the planned per-device batch (the end of an epoch) is run as a
         short window of the same number of micro-steps, weighted by its real size.
-        ``engine.MicroBatches([...])``: the window's micro-batches as they were collated, run as they are."""
+        ``engine.MicroBatches([...])``: the window's micro-batches as collated, run as they are."""
         loss_fn = self._loss_fn(loss_fn)
         if self.windows.current.micro_steps:
             raise EngineUsageError(
@@ -376,7 +376,8 @@ class Engine:
         return loss_fn
 
     def _micro_steps(self, batch, loss_fn: LossFn) -> None:
-        split = batch.split(self.plan) if isinstance(batch, MicroBatches) else self.window_split.split(batch, self.plan)
+        cut = isinstance(batch, MicroBatches)  # the caller's micro-batches, as collated
+        split = batch.split(self.plan) if cut else self.window_split.split(batch, self.plan)
         self.windows.planned(split)
         planned = self.plan.gradient_accumulation_steps
         # A model's load-balancing terms over the window are counted first (engine.window.experts);

@@ -1,0 +1,119 @@
+"""Runs of Hugging Face's Trainer and TRL's SFTTrainer next to Microstep's doors, on tiny float64 models
+and padded or packed rows, with their float64 full-batch references (tests/integration/test_compat_transformers.py,
+test_compat_trl.py). Rows come as the data loader's collator pads them: each micro-batch to its own
+longest row. transformers and TRL are imported inside the functions."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.support import moe_models, own_loss
+from tests.support.reference import max_param_diff, reference_train, sgd, state
+
+# transformers takes the cross entropy (and the routers' term) in float32: the roundings of a run by
+# micro-batches and of the whole batch differ below 1e-8 (tests/support/own_loss.py). A window weighted
+# wrongly misses by 1e-4 and more.
+TOL = 1e-7
+MISSED = 1e-4
+VOCAB = 16
+LENGTHS = [12, 2, 9, 3, 12, 5, 2, 10]  # real tokens per row: micro-batches of very different counts
+
+
+def rows(count: int, seed: int = 5, lengths=LENGTHS) -> list[dict]:
+    """``count`` unpadded rows ``{input_ids, labels}`` (labels = inputs: the model shifts them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        ids = torch.randint(1, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def pad(features: list[dict]) -> dict:
+    """The collator: right padding to the micro-batch's longest row (mask 0, label -100 there)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    labels = torch.full((len(features), width), -100)
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def global_batches(data: list[dict], global_batch: int) -> list[dict]:
+    """The full-batch reference's batches: consecutive rows (sequential sampling), padded together."""
+    return [pad(data[i:i + global_batch]) for i in range(0, len(data), global_batch)]
+
+
+def model(kind: str) -> torch.nn.Module:
+    """``dense``: a float64 Llama; ``moe``: a float64 Mixtral whose ``.loss`` holds its routers' term."""
+    return own_loss.model("causal") if kind == "dense" else moe_models.hf_moe(coef=0.05)
+
+
+def reference(kind: str, data: list[dict], global_batch: int, steps: int = 2) -> dict:
+    """The plain model trained on its first ``steps`` whole global batches with its own ``.loss`` (SGD, momentum)."""
+    net = model(kind)
+    with moe_models.float64_term(net) if kind == "moe" else _nothing():
+        return state(reference_train(net, global_batches(data, global_batch)[:steps], own_loss.own_loss, sgd))
+
+
+def trainer_args(args_cls, out: str, *, micro: int, accumulation: int, steps: int, **extra):
+    """Arguments of a run whose only optimizer is the test's (constant rate, no clipping), data in order."""
+    return args_cls(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                    max_steps=steps, learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0,
+                    train_sampling_strategy="sequential", report_to=[], logging_steps=1, save_strategy="no",
+                    use_cpu=True, seed=0, disable_tqdm=True, **extra)
+
+
+def train(trainer_cls, args_cls, kind: str, data: list[dict], out: str, *, micro: int = 1, accumulation: int = 4,
+          steps: int = 2, **extra):
+    """Train a fresh ``model(kind)`` with ``trainer_cls`` (transformers' or the door's); the trainer."""
+    net = copy.deepcopy(model(kind))
+    args = trainer_args(args_cls, out, micro=micro, accumulation=accumulation, steps=steps, **extra)
+    trainer = trainer_cls(model=net, args=args, train_dataset=data, data_collator=pad,
+                          optimizers=(sgd(net.parameters()), None))
+    with moe_models.float64_term(net) if kind == "moe" else _nothing():
+        trainer.train()
+    return trainer
+
+
+def trained_state(trainer) -> dict:
+    eng = getattr(trainer, "microstep_engine", None)
+    return eng.full_state_dict() if eng is not None else state(trainer.model)
+
+
+def distance(trainer, expected: dict) -> float:
+    return max_param_diff(trained_state(trainer), expected)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def door_against_reference(rank: int, world_size: int, kind: str, out: str, *, micro: int = 1,
+                           accumulation: int = 2, microstep: dict | None = None) -> float:
+    """The door's run on ``world_size`` ranks against the full-batch reference: its distance."""
+    from engine.compat.transformers import Trainer, TrainingArguments
+
+    data = rows(8 * world_size)
+    extra = {"microstep": microstep} if microstep else {}
+    trainer = train(Trainer, TrainingArguments, kind, data, out, micro=micro, accumulation=accumulation, **extra)
+    return distance(trainer, reference(kind, data, micro * accumulation * world_size))
+
+
+def original_against_reference(rank: int, world_size: int, kind: str, out: str, *, micro: int = 1,
+                               accumulation: int = 2) -> float:
+    """transformers' own Trainer on the same run: the control."""
+    import transformers
+
+    data = rows(8 * world_size)
+    trainer = train(transformers.Trainer, transformers.TrainingArguments, kind, data, out, micro=micro,
+                    accumulation=accumulation)
+    return distance(trainer, reference(kind, data, micro * accumulation * world_size))
