@@ -79,6 +79,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     dist_info = init_distributed(group.timeout_seconds, group.backend, group_for_one_process=group.group_for_one_process,
                                  agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
+    check_same_settings(config)  # before any group is built: a mesh of different shapes would hang
     setup = resolve_setup(config, dist_info, tensor_plan)
     if setup.mesh.tensor == 1 and setup.tensor_parallel.plan != "auto":
         log.warning("a tensor-parallel plan was given (tensor_plan= or tensor_parallel.plan) but tensor_parallel.size "
@@ -87,7 +88,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                             else f"under {setup.mesh.describe()}")
     strategy = make_strategy(setup, dist_info)
     plan = plan_for_mesh(config, setup.mesh, dist_info.rank)
-    check_same_settings(config, plan)
     # auto / explore may grow the accumulation later, token budgets choose it per window:
     # check as if it were > 1
     fixed = not plan.is_provisional and plan.micro_batch_tokens is None

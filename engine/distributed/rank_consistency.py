@@ -1,14 +1,17 @@
-"""Every rank must train with the same config and plan: check it once, at initialize.
+"""Every rank must train with the same config: check it once, at initialize, right after the
+default process group is joined and before any other group is built.
 
 A mismatch (a different ``--set`` on one node, an edited file on another) would otherwise
-hang in a collective or silently diverge. Ranks exchange a hash; only when hashes differ
-do they exchange the settings themselves, so every rank raises the same error naming the
-keys that differ.
+hang in a collective or silently diverge; one that shapes the mesh (a stage, a shard size, a
+parallel size or method, the backend) would hang while the ranks build different groups. Ranks
+exchange a hash; only when hashes differ do they exchange the settings themselves, so every rank
+raises the same error naming each key that differs (as written: DeepSpeed's ``mics_shard_size``
+under its own name) with each rank's value. The batch plan needs no check of its own: it is a
+function of the config and the world size.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 
@@ -27,20 +30,18 @@ def _flatten(tree, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: tree}
 
 
-def settings(config, plan) -> dict[str, object]:
-    """What must agree across ranks: the config (minus the user's own constants) and the plan."""
+def settings(config) -> dict[str, object]:
+    """What must agree across ranks: the config, minus the user's own constants."""
     values = config.to_dict()
     values.pop("constants", None)
-    shared_plan = dataclasses.asdict(plan.for_rank(0))
-    shared_plan.pop("notes", None)
-    return _flatten({"config": values, "plan": shared_plan})
+    return _flatten(values)
 
 
-def check_same_settings(config, plan) -> None:
+def check_same_settings(config) -> None:
     """Raise ConfigError on every rank when ranks disagree on their settings."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = settings(config, plan)
+    mine = settings(config)
     encoded = json.dumps(mine, sort_keys=True, default=repr)
     digest = hashlib.sha256(encoded.encode()).hexdigest()
     group = control_group()

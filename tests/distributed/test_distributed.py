@@ -11,6 +11,7 @@ tests/distributed/test_zero_memory.py.
 import copy
 import functools
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -408,18 +409,35 @@ def test_hugging_face_model_on_two_ranks_through_its_model_output():
 
 
 # -- configs that differ between ranks ---------------------------------------------------------------
-def _config_from_rank(rank, world):
-    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2 if rank == 0 else 4,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+# rank 0's and rank 1's own settings; the expected line. Settings that shape the mesh hung while the ranks
+# built groups of different shapes before the check (a shard size: no output in 300 s).
+DIFFERENT = {
+    "accumulation": ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 4},
+                     "gradient_accumulation_steps: rank 0 has 2, rank 1 has 4"),
+    "shard size": ({"zero_optimization": {"stage": 3, "shard_size": 1}}, {"zero_optimization": {"stage": 3}},
+                   "zero_optimization.shard_size: rank 0 has 1, rank 1 has None"),
+    "tensor size": ({"tensor_parallel": {"size": 2}}, {}, "tensor_parallel.size: rank 0 has 2, rank 1 has 1"),
+    "stage": ({"zero_optimization": {"stage": 1}}, {"zero_optimization": {"stage": 2}},
+              "zero_optimization.stage: rank 0 has 1, rank 1 has 2"),
+}
+
+
+def _config_from_rank(rank, world, case):
+    config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              **DIFFERENT[case][rank]}
+    started = time.monotonic()
     with pytest.raises(engine.ConfigError) as error:
         engine.initialize(mlp(), config)
-    return str(error.value)
+    return str(error.value), time.monotonic() - started
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_ranks_with_different_configs_fail_clearly_on_every_rank():
-    messages = run_distributed(_config_from_rank, world_size=2, timeout=60)
-    for message in messages:
-        assert "ranks disagree" in message
-        assert "gradient_accumulation_steps: rank 0 has 2, rank 1 has 4" in message
+    results = run_scenarios({case: functools.partial(_config_from_rank, case=case) for case in DIFFERENT},
+                            world_size=2, timeout=90)
+    for case, per_rank in results.items():
+        for message, seconds in per_rank:
+            assert "ranks disagree" in message, (case, message)
+            assert DIFFERENT[case][2] in message, (case, message)
+            assert seconds < 30, (case, seconds)  # at once, not after a collective's timeout
