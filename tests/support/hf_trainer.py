@@ -62,10 +62,11 @@ def reference(kind: str, data: list[dict], global_batch: int, steps: int = 2) ->
 
 def trainer_args(args_cls, out: str, *, micro: int, accumulation: int, steps: int, **extra):
     """Arguments of a run whose only optimizer is the test's (constant rate, no clipping), data in order."""
-    return args_cls(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+    settings = dict(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
                     max_steps=steps, learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0.0,
                     train_sampling_strategy="sequential", report_to=[], logging_steps=1, save_strategy="no",
-                    use_cpu=True, seed=0, disable_tqdm=True, **extra)
+                    use_cpu=True, seed=0, disable_tqdm=True)
+    return args_cls(**{**settings, **extra})
 
 
 def train(trainer_cls, args_cls, kind: str, data: list[dict], out: str, *, micro: int = 1, accumulation: int = 4,
@@ -117,3 +118,20 @@ def original_against_reference(rank: int, world_size: int, kind: str, out: str, 
     trainer = train(transformers.Trainer, transformers.TrainingArguments, kind, data, out, micro=micro,
                     accumulation=accumulation)
     return distance(trainer, reference(kind, data, micro * accumulation * world_size))
+
+
+def saved_under_zero_3(rank: int, world_size: int, out: str) -> float:
+    """``save_model`` after a ZeRO 3 run: the folder ``from_pretrained`` loads holds the whole weights."""
+    import transformers
+
+    import torch.distributed as dist
+
+    from engine.compat.transformers import Trainer, TrainingArguments
+
+    trainer = train(Trainer, TrainingArguments, "moe", rows(8 * world_size), f"{out}/zero3", accumulation=2,
+                    microstep={"zero_optimization": {"stage": 3}})
+    trainer.save_model(f"{out}/zero3/saved")
+    dist.barrier()
+    loaded = transformers.MixtralForCausalLM.from_pretrained(f"{out}/zero3/saved", dtype=torch.float64,
+                                                                experts_implementation="eager")
+    return max_param_diff(state(loaded), trained_state(trainer))

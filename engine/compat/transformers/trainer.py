@@ -17,9 +17,9 @@ micro-batch's rows), ``get_train_dataloader`` / ``_get_train_sampler`` / the col
 ``prediction_step`` and callbacks. ``training_step`` is not called (the engine runs backward and step):
 a subclass overriding it is refused.
 
-Callbacks fire as in transformers: ``on_step_begin`` before a window, ``on_pre_optimizer_step`` /
-``on_optimizer_step`` around the engine's optimizer step (optimizer step hooks), ``on_substep_end``
-once per micro-batch but the last and then ``on_step_end`` after it, ``on_log`` / ``on_save`` /
+Callbacks fire as in transformers: ``on_step_begin`` before a window, ``on_substep_end`` once per micro-batch
+but the last, ``on_pre_optimizer_step`` / ``on_optimizer_step`` around the engine's optimizer step
+(optimizer step hooks), ``on_step_end`` after it, ``on_log`` / ``on_save`` /
 ``on_evaluate`` from transformers' own logging, saving and evaluation. The loss logged is the windows'
 global-batch loss; ``grad_norm`` is the window's gradient norm before clipping.
 
@@ -68,6 +68,7 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.microstep_engine: engine.Engine | None = None
         self._whole_state: dict | None = None  # gathered on every rank for the writer's save
+        self._substeps_to_report = 0
 
     # -- training --------------------------------------------------------------------------------
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
@@ -127,12 +128,12 @@ class Trainer(transformers.Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             learning_rate = self._get_learning_rate()  # the rate this window's update uses
             eng.module.train()
+            self._substeps_to_report = len(window) - 1  # said before the optimizer step, as transformers does
             loss = eng.train_batch(engine.MicroBatches(self._prepare_inputs(b) for b in window), self._window_loss)
+            self._report_substeps()  # a window discarded for a non-finite gradient took no optimizer step
             for micro_batch in window:
                 self.current_flos += float(self.floating_point_ops(micro_batch))
                 self._track_num_input_tokens(micro_batch)
-            for _ in window[1:]:
-                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
             self._tr_loss += loss
             grad_norm = eng.last_window.step.grad_norm
             self.state.global_step += 1
@@ -165,11 +166,21 @@ class Trainer(transformers.Trainer):
                                 manual_sizes="inputs", grad_norm_every_step=True)
         self.microstep_engine, self.optimizer, self.lr_scheduler = eng, eng.optimizer, eng.lr_scheduler
         # transformers' optimizer-step events, at the engine's own step
-        eng.optimizer.register_step_pre_hook(lambda *_: self._optimizer_event("on_pre_optimizer_step"))
-        eng.optimizer.register_step_post_hook(lambda *_: self._optimizer_event("on_optimizer_step"))
+        eng.optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        eng.optimizer.register_step_post_hook(lambda *_: self._callback("on_optimizer_step"))
         return eng
 
-    def _optimizer_event(self, event: str) -> None:
+    def _before_optimizer_step(self) -> None:
+        self._report_substeps()
+        self._callback("on_pre_optimizer_step")
+
+    def _report_substeps(self) -> None:
+        """``on_substep_end`` for each micro-batch of the window but its last."""
+        for _ in range(self._substeps_to_report):
+            self._callback("on_substep_end")
+        self._substeps_to_report = 0
+
+    def _callback(self, event: str) -> None:
         self.control = getattr(self.callback_handler, event)(self.args, self.state, self.control)
 
     # -- saving and resuming -----------------------------------------------------------------------
@@ -188,6 +199,12 @@ class Trainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.microstep_engine.save_checkpoint(os.path.join(output_dir, ENGINE_STATE_DIR))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The weights of a checkpoint the door wrote come back with the engine's state; others as transformers
+        loads them."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_STATE_DIR)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None and self.microstep_engine is not None:
