@@ -66,11 +66,17 @@ def check_without_model(config: Config) -> list[str]:
 
 
 def _expert_problems(config: Config) -> list[str]:
-    """What ``expert_parallel.size`` > 1 does not run with (docs/moe.md, "Expert parallelism")."""
+    """What ``expert_parallel.size`` > 1 does not run with (docs/moe.md, "Expert parallelism"), and a
+    way of counting the window's routers where no window is counted."""
+    problems = []
+    if config.moe.load_balance == "micro_batch" and config.moe.global_counts != "auto":
+        problems.append(f"moe.global_counts: {config.moe.global_counts} says how the window's router counts are "
+                        "learnt for the global load-balancing term, but moe.load_balance: micro_batch takes each "
+                        "forward's own term and counts nothing; drop global_counts, or set load_balance: global")
     size = config.expert_parallel.size
     if size == 1:
-        return []
-    where, problems = f"with expert_parallel.size {size}", []
+        return problems
+    where = f"with expert_parallel.size {size}"
     if config.backend != "torch":
         problems.append(f"backend: {config.backend} is not available {where}: DeepSpeed's expert parallelism needs "
                         "its own layer (deepspeed.moe.layer.MoE) in the model, Microstep's splits a Hugging Face "

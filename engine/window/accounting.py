@@ -131,10 +131,11 @@ class WindowTotals:
     squares: float | None  # Σ squares of the reduced gradient, when the reduction carried them
     item_weighted: bool  # (sum, count) losses
     failed: bool  # a rank's loss failed in this window (``Window.failure``): nothing is applied
+    unread: tuple | None  # over every rank: (micro-batches, Σ, Σ²) of unread means' items per row; None: not reduced
 
 
 def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=None,
-                  holders: int = 1) -> WindowTotals:
+                  holders: int = 1, unread=(0.0, 0.0, 0.0)) -> WindowTotals:
     """The statistics of ``window`` (``engine.window.records.Window``). Over all ranks: one small
     reduction over the window-statistics group (real counts, or a record the monitor makes) of the
     loss, units, samples, (real, padded) tokens, the kind of loss and whether one failed. Otherwise
@@ -147,17 +148,19 @@ def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=No
     splits its rows' tokens, so each of its ranks adds 1/holders of the rows and their tokens).
     The loss, its units and its kind are added ``strategy.loss_copies`` times: under a pipeline
     only the last stage computes them (its stages learn them here, in the reduction the window
-    makes anyway, not in a broadcast of their own)."""
+    makes anyway, not in a broadcast of their own). ``unread``: this rank's sums of the items per row
+    of the micro-batches whose mean loss went unread (``LossReading.unread_sums``), summed over the
+    ranks in the same reduction (``WindowTotals.unread``)."""
     if not over_all_ranks:
         samples = plan.window_samples(window.micro_steps)
         return WindowTotals(window.loss_total() / window.samples, samples, samples, (None, None), None,
-                            bool(window.item_weighted), failed=False)
+                            bool(window.item_weighted), failed=False, unread=None)
     device = strategy.device
     cost = window.tokens
     copies = strategy.loss_copies
     values = [window.loss_total() * copies, window.units() * copies, float(window.samples) / holders,
               float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders,
-              float(bool(window.item_weighted)) * copies, float(window.failure is not None)]
+              float(bool(window.item_weighted)) * copies, float(window.failure is not None), *unread]
     squares = strategy.grad_squares_share() if same_batch is not None or strategy.statistics_span_world else None
     stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()) for value in values])
     if same_batch is not None:
@@ -169,4 +172,4 @@ def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=No
     samples, real, padded = (round(n) for n in counts[:3])  # shares of 1/holders add up to whole numbers
     item_weighted, failed = counts[3] > 0, counts[4] > 0
     return WindowTotals(stats[0] / stats[1], stats[1], samples, (real, padded) if cost else (None, None),
-                        counts[5] if squares is not None else None, item_weighted, failed)
+                        counts[8] if squares is not None else None, item_weighted, failed, tuple(counts[5:8]))

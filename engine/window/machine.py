@@ -195,7 +195,7 @@ class WindowMachine:
         output = self.context.item_weighted(output)  # each rank's part of the sequences weighs by its tokens
         loss, units, item_weighted = loss_and_units(output, samples)
         check_loss(loss)  # first: what is wrong with the loss itself is said alike on any number of ranks
-        self.losses.backward_of(item_weighted)
+        self.losses.backward_of(item_weighted, samples)
         if self.strategy.world_size > 1 and not window.forwarded:
             raise EngineUsageError(
                 "backward() without a forward through the engine: call eng(x), not eng.module(x), "
@@ -287,6 +287,7 @@ class WindowMachine:
     def discard(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.strategy.discard_window()
+        self.losses.forget_window()
         self.micro_steps -= self.current.micro_steps
         self.current = Window()
 
@@ -294,7 +295,6 @@ class WindowMachine:
         """Reduce, weigh and apply the window's gradient, then count and report it."""
         window, owner = self.current, self.owner
         self.strategy.reduce_gradients()
-        self.losses.window_closed()
         step = self.global_steps + 1
         recorded = self._records(step)
         self.fingerprint_batch()
@@ -303,13 +303,14 @@ class WindowMachine:
             totals = window_totals(window, owner.plan, self.strategy,
                                    over_all_ranks=window.exact_counts or recorded or fingerprint is not None,
                                    same_batch=(self.same_batch, fingerprint) if fingerprint is not None else None,
-                                   holders=self.context.size)
+                                   holders=self.context.size, unread=self.losses.unread_sums())
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
             self.discard()
             raise
         if totals.failed:
             self.discard()
             raise window.failure or failed_on_another_rank("window")
+        self.losses.window_closed(totals.unread)
         window.item_weighted = totals.item_weighted  # a rank that computes no loss learns its kind here
         samples = totals.samples
         lr = float(owner.optimizer.param_groups[0]["lr"])  # the one this window's update uses

@@ -348,15 +348,16 @@ def packing_seams(model: torch.nn.Module, own: ModelLoss | NoModelLoss) -> Seams
 class LossReading:
     """The engine's side of its forwards' losses: the model's own loss marked (``ModelLoss``), and
     mean losses it could not read watched in windows whose micro-batches hold different numbers of
-    items (labels that are not -100, or attention-mask tokens): weighted by rows, those are not the
-    window's mean over items. One warning per run; ``strict: true`` refuses such a loss at its
-    backward whenever the batch carries labels or a mask (on every rank alike: the batches'
-    structure is the same on each)."""
+    items per row (labels that are not -100, or attention-mask tokens), over every rank where the
+    window's statistics travel: weighted by rows, those are not the window's mean over items. One
+    warning per run; ``strict: true`` refuses such a loss at its backward whenever the batch carries
+    labels or a mask (on every rank alike: the batches' structure is the same on each)."""
 
     def __init__(self, model: ModelLoss | NoModelLoss, strict: bool):
         self.model, self.strict = model, strict
         self._last_items = None  # of the last forward: its counted items, a call counting them, or None
-        self._unread: list = []  # items of the window's micro-batches whose mean loss went unread
+        self._unread: list = []  # (items, rows) of the window's micro-batches whose mean loss went unread
+        self._sums = (0.0, 0.0, 0.0)  # of the window's items per row: (micro-batches, Σ, Σ²), this rank's
         self._told = False
 
     def call_arguments(self, kwargs: dict) -> dict:
@@ -368,8 +369,9 @@ class LossReading:
         marked = mean_items(getattr(output, "loss", None))  # its items are counted already
         self._last_items = marked[1] if marked is not None else _batch_items(kwargs)  # counted only if unread
 
-    def backward_of(self, item_weighted: bool) -> None:
-        """The micro-step's loss reaches its backward, read as a sum (``item_weighted``) or not."""
+    def backward_of(self, item_weighted: bool, rows: int) -> None:
+        """The micro-step's loss, of ``rows`` samples, reaches its backward, read as a sum (``item_weighted``)
+        or not."""
         items, self._last_items = self._last_items, None
         if item_weighted or items is None:
             return
@@ -377,22 +379,40 @@ class LossReading:
             raise EngineUsageError(
                 "strict: the loss is a scalar the engine cannot read as (sum, count), while the batch carries "
                 f"labels or an attention mask. {_FIX}")
-        if not self._told:
-            self._unread.append(items() if callable(items) else items)
+        if not self._told and rows:
+            self._unread.append((items() if callable(items) else items, rows))
 
-    def window_closed(self) -> None:
-        """Compare the window's unread micro-batches' items (one host read, only when a loss went unread)."""
-        items, self._unread = self._unread, []
-        if len(items) < 2 or self._told:
+    def unread_sums(self) -> tuple:
+        """The window's unread micro-batches' items per row as ``(count, Σ, Σ²)`` (no host read: tensors
+        where items were counted), for the window's statistics reduction to add up over the ranks."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            self._sums = (0.0, 0.0, 0.0)
+            return self._sums
+        ratios = torch.stack([torch.as_tensor(n).reshape(()).double().cpu() / rows for n, rows in unread])
+        self._sums = (float(len(unread)), ratios.sum(), (ratios * ratios).sum())
+        return self._sums
+
+    def forget_window(self) -> None:
+        """The window was discarded: what its micro-batches held is not compared."""
+        self._unread, self._last_items = [], None
+
+    def window_closed(self, over_ranks: tuple | None) -> None:
+        """Warn once when the window's unread micro-batches (``over_ranks``: summed over every rank by the
+        window's statistics reduction; None: this rank's own) differ in their items per row."""
+        count, total, squares = (float(v) for v in (over_ranks or self._sums))
+        self._sums = (0.0, 0.0, 0.0)
+        if count < 2 or self._told:
             return
-        counts = torch.stack([torch.as_tensor(n).reshape(()).double().cpu() for n in items])
-        low, high = float(counts.min()), float(counts.max())
-        if low != high:
+        spread = count * squares - total * total  # count² × the variance of the items per row
+        if spread > 1e-9 * total * total:
             self._told = True
+            where = "over every rank" if over_ranks is not None else "on this rank"
             log.warning("the loss is a scalar the engine cannot read as (sum, count), and this window's micro-batches "
-                        "hold between %g and %g items (what the model's loss counts, labels that are not -100, or "
-                        "attention-mask tokens): each micro-batch's mean is weighted by its rows, which is not the "
-                        "mean over the window's items. %s (shown once; strict: true makes it an error)", low, high, _FIX)
+                        "(%s) hold different numbers of items per row (what the model's loss counts, labels that are "
+                        "not -100, or attention-mask tokens; %.4g on average): each micro-batch's mean is weighted by "
+                        "its rows, which is not the mean over the window's items. %s (shown once; strict: true makes "
+                        "it an error)", where, total / count, _FIX)
 
 
 _FIX = ("Return the model's own output loss unchanged (m(**batch).loss, which the engine reads by its labels), or "

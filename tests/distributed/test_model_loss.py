@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -79,6 +80,26 @@ def float32_run(rank, world, *, facade: bool, breaking=None):
     return {"diff": max_param_diff(trained, state(expected))}
 
 
+def derived_mean(rank, world, *, lengths):
+    """``.loss * 1.0`` (a mean the engine cannot read) on rows whose items per row are ``lengths``'; the
+    warnings it logs on this rank."""
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("engine").addHandler(handler)
+    try:
+        eng = engine.initialize(o.model("causal"), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},
+                                optimizer=sgd)
+        data = o.batches("causal", 2, lengths=lengths)
+        for batch in data:
+            eng.train_batch(rank_slice(batch, eng.plan), lambda m, b: m(**b).loss * 1.0)
+    finally:
+        logging.getLogger("engine").removeHandler(handler)
+    expected = state(reference_train(o.model("causal"), data, o.own_loss, sgd))
+    return {"diff": max_param_diff(eng.full_state_dict(), expected),
+            "warned": [m for m in seen if "cannot read as (sum, count)" in m]}
+
+
 MESHES = {"zero 0": {}, "zero 3": {"zero_optimization": {"stage": 3}}, "tensor 2": {"tensor_parallel": {"size": 2}},
           "pipeline 2": {"pipeline": {"stages": 2}}}
 # The one accounting broken (G / U left out): every mesh and backend that asks it misses.
@@ -101,6 +122,9 @@ SCENARIOS = {
     "deepspeed backend": functools.partial(float32_run, facade=False),
     "deepspeed facade": functools.partial(float32_run, facade=True),
     **BROKEN_ACCOUNTING,
+    # items per row equal within each rank (10 real tokens on rank 0, 3 on rank 1), different between them
+    "unread mean, ranks differ": functools.partial(derived_mean, lengths=[10] * 4 + [3] * 4),
+    "derived mean, every row alike": functools.partial(derived_mean, lengths=[6] * 8),
 }
 
 
@@ -145,6 +169,9 @@ def test_the_model_own_loss_on_two_ranks_equals_the_full_batch():
                 assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-6), name
             if "eval" in result:
                 assert result["eval"] == pytest.approx(result["expected_eval"], rel=1e-6), name
+    # the unread mean is warned over every rank when it changes the objective, and only then
+    assert all(len(r["warned"]) == 1 and "over every rank" in r["warned"][0] for r in results["unread mean, ranks differ"])
+    assert all(not r["warned"] for r in results["derived mean, every row alike"])
     assert results["token budget"][0]["micro_steps"] > 1
     packed = results["token budget, packed"][0]  # documents end to end: the model computes no padding
     assert packed["padded"] == packed["real"] < results["token budget"][0]["padded"]

@@ -554,3 +554,13 @@ def test_a_pipeline_split_without_a_pipeline_is_said_to_have_no_effect():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto, the default, written or not: nothing to say
         load_config({"train_batch_size": 8, "pipeline": {"stages": 1, "split": "auto"}})
+
+
+def test_a_way_of_counting_the_window_routers_beside_a_per_micro_batch_term_is_refused():
+    from engine.config.checks import check_without_model
+
+    problems = check_without_model(load_config({"train_batch_size": 8, "moe": {"load_balance": "micro_batch",
+                                                                               "global_counts": "hold_forwards"}}))
+    assert any("moe.global_counts: hold_forwards says how the window's router counts are learnt" in p
+               and "load_balance: micro_batch" in p for p in problems), problems
+    assert not check_without_model(load_config({"train_batch_size": 8, "moe": {"load_balance": "micro_batch"}}))
