@@ -126,6 +126,16 @@ class Engine:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.strategy.optimizer
 
+    def parameters(self, recurse: bool = True):
+        """The model's parameters as this rank holds them (``loss_fn(model, micro_batch)`` is handed the
+        engine: a term written ``model.parameters()`` works): whole tensors at ZeRO 0-2, this rank's
+        shard (a DTensor) at ZeRO 3, a stage's own under a pipeline (docs/config.md, "loss_fn's model")."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """``(name, parameter)`` pairs with the user's module's names (see :meth:`parameters`)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
     @property
     def world_size(self) -> int:
         return self.strategy.world_size

@@ -25,7 +25,8 @@ from tests.support.reference import (
     token_batches, token_loss_mean, token_loss_sum,
 )
 from tests.support.scenarios import (
-    assert_misuse_errors, clipped_reference, halving_schedule, misuse_errors, train_batch_failing_at, train_recording,
+    assert_misuse_errors, clipped_reference, halving_schedule, misuse_errors, share, train_batch_failing_at,
+    train_recording,
 )
 
 TOL = 1e-10
@@ -441,3 +442,41 @@ def test_ranks_with_different_configs_fail_clearly_on_every_rank():
             assert "ranks disagree" in message, (case, message)
             assert DIFFERENT[case][2] in message, (case, message)
             assert seconds < 30, (case, seconds)  # at once, not after a collective's timeout
+
+
+# -- loss_fn's model: the user's parameters ----------------------------------------------------------
+L2 = 0.1
+
+
+def _whole(parameter):
+    """A ZeRO-3 parameter is this rank's shard (a DTensor): its whole value, gathered with its gradient."""
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+
+
+def _with_l2(model, batch):
+    """The usual L2 term, written on ``loss_fn``'s model."""
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y) + L2 * sum(_whole(p).pow(2).sum() for p in model.parameters())
+
+
+def _l2_run(rank, world, stage):
+    data = regression_batches(2, 8)
+    eng = engine.initialize(mlp(), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                    "zero_optimization": {"stage": stage}}, optimizer=sgd)
+    for batch in data:
+        eng.train_batch(share(batch, rank, world), _with_l2)
+    expected = reference_train(mlp(), data, _with_l2, sgd)
+    return {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
+            "names": [name for name, _ in eng.named_parameters()], "kinds": {type(p).__name__ for p in eng.parameters()}}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_loss_fn_model_gives_the_user_parameters_for_a_term_of_their_own():
+    results = run_scenarios({stage: functools.partial(_l2_run, stage=stage) for stage in (0, 3)}, world_size=2,
+                            timeout=100)
+    names = [name for name, _ in mlp().named_parameters()]
+    for stage, per_rank in results.items():
+        for result in per_rank:
+            assert result["diff"] < 1e-12 and result["names"] == names, (stage, result)
+    assert results[0][0]["kinds"] == {"Parameter"} and results[3][0]["kinds"] == {"DTensor"}  # ZeRO 3: shards
