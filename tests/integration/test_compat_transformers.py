@@ -5,8 +5,9 @@ uninterrupted, evaluates, logs and calls back as transformers does, and refuses 
 
 from __future__ import annotations
 
-import copy
 import functools
+import json
+import math
 
 import pytest
 import torch
@@ -48,6 +49,18 @@ def test_padded_rows_and_router_term_exact_on_one_process_where_transformers_mis
         assert door.state.log_history[0]["grad_norm"] > 0
     original = h.train(transformers.Trainer, transformers.TrainingArguments, "moe", data, str(tmp_path / "hf"))
     assert h.distance(original, h.reference("moe", data, 4)) > h.MISSED
+
+
+def test_rows_packed_by_data_collator_with_flattening_exact_with_the_router_term(tmp_path):
+    """Each micro-batch one row of its 2 documents (``DataCollatorWithFlattening``); the global batch's 4."""
+    data = h.rows(16)
+    door = h.train(Trainer, TrainingArguments, "moe", data, str(tmp_path / "door"), micro=2, accumulation=2,
+                   collator=h.flattened)
+    expected = h.reference("moe", data, 4, collator=h.flattened)
+    assert h.distance(door, expected) < h.TOL
+    original = h.train(transformers.Trainer, transformers.TrainingArguments, "moe", data, str(tmp_path / "hf"),
+                       micro=2, accumulation=2, collator=h.flattened)
+    assert h.distance(original, expected) > h.MISSED
 
 
 def test_a_short_last_window_is_weighted_by_what_it_holds(tmp_path):
@@ -152,3 +165,20 @@ def test_two_processes_padded_rows_router_term_and_zero_3(tmp_path):
         assert max(results[name]) < h.TOL, (name, results[name])
     assert min(results["moe, transformers' own"]) > h.MISSED
     assert results["ZeRO 3 saved"] == [0.0, 0.0]
+
+
+def test_the_run_clm_shaped_example_trains_evaluates_saves_and_differs_from_its_original_import(tmp_path):
+    """examples/hf_trainer_clm.py as written (the door) and with its import line put back to transformers':
+    both run; the door's model is saved whole and loads; the original trains another model (it adds each
+    micro-batch's router term)."""
+    saved = {}
+    for name, source in h.example_variants(tmp_path).items():
+        out = tmp_path / name
+        h.run_example(source, ["--output_dir", str(out), "--do_train", "--do_eval", "--max_steps", "3",
+                               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                               "--max_train_samples", "32", "--report_to", "none", "--use_cpu", "--seed", "1",
+                               "--train_file", h.CORPUS, "--block_size", "32", "--disable_tqdm", "true"])
+        results = json.loads((out / "all_results.json").read_text())
+        assert results["train_loss"] > 0 and math.isfinite(results["perplexity"])
+        saved[name] = state(transformers.MixtralForCausalLM.from_pretrained(str(out)))
+    assert max_param_diff(saved["door"], saved["original"]) > h.MISSED

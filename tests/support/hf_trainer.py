@@ -6,6 +6,9 @@ longest row. transformers and TRL are imported inside the functions."""
 from __future__ import annotations
 
 import copy
+import runpy
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,8 @@ from tests.support.reference import max_param_diff, reference_train, sgd, state
 # transformers takes the cross entropy (and the routers' term) in float32: the roundings of a run by
 # micro-batches and of the whole batch differ below 1e-8 (tests/support/own_loss.py). A window weighted
 # wrongly misses by 1e-4 and more.
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = str(REPO / "examples" / "data" / "corpus.txt")
 TOL = 1e-7
 MISSED = 1e-4
 VOCAB = 16
@@ -43,9 +48,9 @@ def pad(features: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def global_batches(data: list[dict], global_batch: int) -> list[dict]:
-    """The full-batch reference's batches: consecutive rows (sequential sampling), padded together."""
-    return [pad(data[i:i + global_batch]) for i in range(0, len(data), global_batch)]
+def global_batches(data: list[dict], global_batch: int, collator=pad) -> list[dict]:
+    """The full-batch reference's batches: consecutive rows (sequential sampling), collated together."""
+    return [collator(data[i:i + global_batch]) for i in range(0, len(data), global_batch)]
 
 
 def model(kind: str) -> torch.nn.Module:
@@ -53,11 +58,12 @@ def model(kind: str) -> torch.nn.Module:
     return own_loss.model("causal") if kind == "dense" else moe_models.hf_moe(coef=0.05)
 
 
-def reference(kind: str, data: list[dict], global_batch: int, steps: int = 2) -> dict:
+def reference(kind: str, data: list[dict], global_batch: int, steps: int = 2, collator=pad) -> dict:
     """The plain model trained on its first ``steps`` whole global batches with its own ``.loss`` (SGD, momentum)."""
     net = model(kind)
+    batches = global_batches(data, global_batch, collator)[:steps]
     with moe_models.float64_term(net) if kind == "moe" else _nothing():
-        return state(reference_train(net, global_batches(data, global_batch)[:steps], own_loss.own_loss, sgd))
+        return state(reference_train(net, batches, own_loss.own_loss, sgd))
 
 
 def trainer_args(args_cls, out: str, *, micro: int, accumulation: int, steps: int, **extra):
@@ -69,12 +75,21 @@ def trainer_args(args_cls, out: str, *, micro: int, accumulation: int, steps: in
     return args_cls(**{**settings, **extra})
 
 
+def flattened(features: list[dict]) -> dict:
+    """transformers' ``DataCollatorWithFlattening``: the rows end to end in one row, positions restarting
+    per document, each document's first label -100; run without the cache, with which transformers would
+    let attention cross the documents."""
+    from transformers import DataCollatorWithFlattening
+
+    return {**DataCollatorWithFlattening(return_tensors="pt")(features), "use_cache": False}
+
+
 def train(trainer_cls, args_cls, kind: str, data: list[dict], out: str, *, micro: int = 1, accumulation: int = 4,
-          steps: int = 2, **extra):
+          steps: int = 2, collator=pad, **extra):
     """Train a fresh ``model(kind)`` with ``trainer_cls`` (transformers' or the door's); the trainer."""
     net = copy.deepcopy(model(kind))
     args = trainer_args(args_cls, out, micro=micro, accumulation=accumulation, steps=steps, **extra)
-    trainer = trainer_cls(model=net, args=args, train_dataset=data, data_collator=pad,
+    trainer = trainer_cls(model=net, args=args, train_dataset=data, data_collator=collator,
                           optimizers=(sgd(net.parameters()), None))
     with moe_models.float64_term(net) if kind == "moe" else _nothing():
         trainer.train()
@@ -135,3 +150,27 @@ def saved_under_zero_3(rank: int, world_size: int, out: str) -> float:
     loaded = transformers.MixtralForCausalLM.from_pretrained(f"{out}/zero3/saved", dtype=torch.float64,
                                                                 experts_implementation="eager")
     return max_param_diff(state(loaded), trained_state(trainer))
+
+
+DOOR_IMPORT = "from engine.compat.transformers import Trainer, TrainingArguments"
+ORIGINAL_IMPORT = "from transformers import Trainer, TrainingArguments"
+
+
+def example_variants(where: Path, example: str = "hf_trainer_clm.py", door: str = DOOR_IMPORT,
+                     original: str = ORIGINAL_IMPORT) -> dict[str, Path]:
+    """``examples/<example>`` as written (``door``) and a copy whose import line is the library's own
+    (``original``), beside the helper module it imports."""
+    written = REPO / "examples" / example
+    lines = written.read_text().splitlines(keepends=True)
+    changed = [original + "\n" if line.startswith(door) else line for line in lines]
+    assert changed != lines, f"{example} has no line starting with {door!r}"
+    copy_dir = where / "original_script"
+    copy_dir.mkdir()
+    shutil.copy(REPO / "examples" / "hf_local.py", copy_dir)
+    (copy_dir / example).write_text("".join(changed))
+    return {"door": written, "original": copy_dir / example}
+
+
+def run_example(path: Path, argv: list[str]) -> None:
+    """The script's ``main(argv)`` in this process (imports already paid)."""
+    runpy.run_path(str(path), run_name="example")["main"](argv)
