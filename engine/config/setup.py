@@ -16,7 +16,7 @@ import torch
 from engine.config.deepspeed import deepspeed_config
 from engine.config.offload import TorchOffload
 from engine.config.schema import Config, half_precision, torch_sections
-from engine.config.sharding import shard_size
+from engine.config.sharding import shard_size, shard_size_key
 from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap
 from engine.distributed.mesh import MeshLayout
 from engine.distributed.process_group import DistInfo
@@ -194,7 +194,7 @@ def mesh_layout(config: Config, world_size: int) -> MeshLayout:
                                                       and torch_sections(config).offload.to_host)
     return MeshLayout(world_size, tensor=config.tensor_parallel.size, pipeline=config.pipeline.stages,
                       context=config.context_parallel.size, expert=config.expert_parallel.size, data_sharded=sharded,
-                      shard_size=shard_size(config))
+                      shard_size=shard_size(config), shard_size_key=shard_size_key(config))
 
 
 def _strategy_name(config: Config, mesh: MeshLayout) -> str:

@@ -45,6 +45,15 @@ def shard_size(config) -> int | None:
     return sizes[0] if sizes else None
 
 
+def shard_size_key(config) -> str:
+    """The ``zero_optimization`` key the shard group size was written as: ``shard_size``, or the
+    DeepSpeed key read as it (for messages naming what is in the user's file)."""
+    zero = config.zero_optimization
+    if zero.shard_size is not None:
+        return "shard_size"
+    return next((key for key, value in _deepspeed_sizes(zero).items() if _valid(value)), "shard_size")
+
+
 def shard_size_problems(config) -> list[str]:
     """What is refused about the shard group size, as ``key: problem`` lines."""
     zero = config.zero_optimization

@@ -96,6 +96,7 @@ class MeshLayout:
     expert: int = 1  # borrowed from data × context, not a factor of the world
     data_sharded: bool = False  # the data dimension shards the model (FSDP2) rather than replicates it
     shard_size: int | None = None  # data ranks per shard group when data_sharded (None: all of them)
+    shard_size_key: str = "shard_size"  # the zero_optimization key it was written as (DeepSpeed's, or ours)
 
     def __post_init__(self):
         sizes = {"tensor": self.tensor, "pipeline": self.pipeline, "context": self.context, "expert": self.expert}
@@ -128,14 +129,14 @@ class MeshLayout:
         size, data = self.shard_size, self.data
         if not self.data_sharded:
             raise ConfigError([
-                f"mesh: zero_optimization.shard_size {size} needs a data dimension that shards the model "
-                "(zero_optimization.stage 2 or 3 on backend torch); set the stage, or remove shard_size"])
+                f"mesh: zero_optimization.{self.shard_size_key} {size} needs a data dimension that shards the model "
+                f"(zero_optimization.stage 2 or 3 on backend torch); set the stage, or remove {self.shard_size_key}"])
         if size < 1 or data % size:
             divisors = [d for d in range(1, data + 1) if data % d == 0]
             raise ConfigError([
-                f"mesh: zero_optimization.shard_size {size} does not divide the {data} data rank(s) "
+                f"mesh: zero_optimization.{self.shard_size_key} {size} does not divide the {data} data rank(s) "
                 f"({self.describe()}): data = replicate × shard needs {data} / {size} = {data / size:.4g} whole "
-                f"replicas; use one of {divisors} (or remove shard_size: one shard group of all {data})"])
+                f"replicas; use one of {divisors} (or remove {self.shard_size_key}: one shard group of all {data})"])
 
     # -- sizes -------------------------------------------------------------------------------
     @property
