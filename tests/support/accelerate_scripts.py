@@ -68,7 +68,7 @@ def train_epoch(accelerator, model, optimizer, loader, scheduler) -> list[float]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -100,3 +100,40 @@ def distance(trained: dict, expected: dict) -> float:
     worst = max(float((trained[name].double() - expected[name].double()).abs().max()) for name in expected)
     scale = max(float(value.double().abs().max()) for value in expected.values())
     return worst / scale
+
+
+def clm_reference(max_lines: int, processes: int, *, batch: int = 2, accumulation: int = 4, seed: int = 0,
+                  lr: float = 3e-3, weight_decay: float = 0.01, clip: float = 1.0) -> dict[str, torch.Tensor]:
+    """examples/accelerate_clm.py's one epoch (``--float64``), in plain PyTorch on each whole global batch:
+    ``batch`` x ``processes`` x ``accumulation`` consecutive training rows (the last window: what is left),
+    the mean loss over their real target tokens, the whole gradient clipped, AdamW; its linear schedule built
+    as the script builds it and stepped ``processes`` times per update, as accelerate steps it."""
+    import math
+
+    from transformers import LlamaForCausalLM, get_scheduler
+    from transformers.trainer_utils import set_seed
+
+    from examples import accelerate_clm as clm
+
+    rows = clm.read_rows(str(clm.CORPUS), 48, max_lines)
+    train = rows[len(rows) * 10 // 100:]
+    set_seed(seed)
+    model = LlamaForCausalLM(clm.model_config()).double()
+    no_decay = ["bias", "norm.weight"]
+    groups = [{"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+               "weight_decay": weight_decay},
+              {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)],
+               "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    updates = math.ceil(math.ceil(len(train) / batch) / accumulation)  # the script's count, before sharding
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    global_batch = batch * processes * accumulation
+    for start in range(0, len(train), global_batch):
+        optimizer.zero_grad()
+        model(**clm.collate(train[start:start + global_batch])).loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        for _ in range(processes):
+            scheduler.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 import engine
 from engine.compat import refuse_engine_formed_micro_batches
-from engine.compat.accelerate import operations, tracking
+from engine.compat.accelerate.operations import gather, gather_object, map_tensors, reduce, split_for_process
+from engine.compat.accelerate.tracking import finish, log_values, start_trackers
 from engine.compat.accelerate.boundary import Window
 from engine.compat.accelerate.data import LoaderPosition, PreparedDataLoader
 from engine.compat.accelerate.prepared import PreparedModel, PreparedOptimizer, PreparedScheduler
@@ -74,7 +75,7 @@ class Accelerator:
         if self.settings.cpu and self._dist.device.type != "cpu":
             raise EngineUsageError("Accelerator(cpu=True) with a GPU visible: hide it (CUDA_VISIBLE_DEVICES=) to "
                                    "train on the CPU")
-        _start_accelerate_state(self.settings.cpu)
+        _start_accelerate_state(cpu=self._dist.device.type == "cpu")
         self.position = LoaderPosition()
         self.window = Window(self.settings.accumulation, self.settings.sync_with_dataloader, self.position)
         self._model: PreparedModel | None = None
@@ -302,6 +303,7 @@ class Accelerator:
     def _start_engine(self) -> None:
         if self.engine is not None or self._model is None or self._optimizer is None:
             return
+        _refuse_window_router_term(self._model.module, self.settings.config)
         raw = self._optimizer.optimizer
         eng = engine.initialize(self._model.module, self.settings.config, optimizer=raw, manual_sizes="inputs",
                                 grad_norm_every_step=True)
@@ -416,23 +418,23 @@ class Accelerator:
 
     # -- collectives and processes -------------------------------------------------------------
     def gather(self, tensor):
-        return operations.gather(tensor)
+        return gather(tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """``gather``, less the samples an evaluation loader repeated to complete its last global batch."""
         try:
-            data = operations.gather_object(input_data) if use_gather_object else operations.gather(input_data)
+            data = gather_object(input_data) if use_gather_object else gather(input_data)
         except EngineUsageError:  # not tensors: objects
-            data = operations.gather_object(input_data)
+            data = gather_object(input_data)
         remainder = self.position.remainder
         if not self.position.end_of_dataloader or remainder < 0:
             return data
         if isinstance(data, list) and not all(isinstance(item, torch.Tensor) for item in data):
             return data[:remainder]
-        return operations.map_tensors(data, lambda tensor: tensor[:remainder])
+        return map_tensors(data, lambda tensor: tensor[:remainder])
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        return operations.reduce(tensor, reduction, scale)
+        return reduce(tensor, reduction, scale)
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
         raise EngineUsageError("pad_across_processes() is not provided by Microstep's Accelerator: pad to a common "
@@ -461,7 +463,7 @@ class Accelerator:
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs, apply_padding: bool = False):
-        yield operations.split_for_process(inputs, self.process_index, self.num_processes, apply_padding)
+        yield split_for_process(inputs, self.process_index, self.num_processes, apply_padding)
 
     def print(self, *args, **kwargs) -> None:
         if self.is_local_main_process:
@@ -480,8 +482,8 @@ class Accelerator:
     # -- trackers -------------------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
         if self.is_main_process:
-            self.trackers = tracking.start_trackers(self.settings.log_with, project_name, self.logging_dir, config,
-                                                    init_kwargs or {})
+            self.trackers = start_trackers(self.settings.log_with, project_name, self.logging_dir, config,
+                                           init_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False):
         for tracker in self.trackers:
@@ -491,11 +493,11 @@ class Accelerator:
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         if self.is_main_process:
-            tracking.log_values(self.trackers, values, step, log_kwargs or {})
+            log_values(self.trackers, values, step, log_kwargs or {})
 
     def end_training(self) -> None:
         if self.is_main_process:
-            tracking.finish(self.trackers)
+            finish(self.trackers)
         self.wait_for_everyone()
 
     # -- releasing ------------------------------------------------------------------------------
@@ -527,9 +529,24 @@ def _kind(obj) -> str:
     return "other"
 
 
+def _refuse_window_router_term(model: torch.nn.Module, config) -> None:
+    """A routed model's ``.loss`` adds its load-balancing term, which is the global batch's only when the
+    engine sees a whole window before its first backward; an accelerate loop runs one micro-batch's forward
+    and backward at a time (the engine's manual loop would refuse at the first forward: said here, up front)."""
+    routed = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if routed and config.moe.load_balance == "global":
+        raise EngineUsageError(
+            "prepare(): the model adds its routers' load-balancing term to .loss (output_router_logits), which "
+            "Microstep makes the global batch's (moe.load_balance: global) only where it runs a whole window before "
+            "its first backward; an accelerate loop runs one micro-batch's forward and backward at a time. Train "
+            "it with engine.compat.transformers.Trainer or engine.initialize(...).train_batch, or set "
+            "moe.load_balance: micro_batch in microstep_config to keep each micro-batch's own term")
+
+
 def _start_accelerate_state(cpu: bool) -> None:
     """accelerate's process state, where accelerate is installed: its ``get_logger`` and utilities the script
-    imports from accelerate read it (it joins the process group the engine made)."""
+    imports from accelerate read it (it joins the process group the engine made; on CPUs accelerate sees the
+    processes only when told ``cpu``)."""
     try:
         from accelerate.state import PartialState
     except ImportError:
