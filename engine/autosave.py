@@ -81,7 +81,8 @@ class AutoCheckpoint(EngineHook):
         self.rank = rank
         self.section = section
         self.dir = Path(section.dir).absolute() if section.dir is not None else None
-        self.stop = StopSignals(section.stop_signals) if self.dir is not None and section.stop_signals else None
+        self.stop = StopSignals(section.stop_signals, says=rank == 0) \
+            if self.dir is not None and section.stop_signals else None
         self.data = None  # the DistributedBatches of eng.batches(), whose position is saved
         self.resumed_from: str | None = None
         self._position = None  # the resumed data position, until eng.batches() creates the data

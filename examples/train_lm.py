@@ -342,8 +342,11 @@ def main(argv=None) -> dict:
 
 
 def print_summary(summary: dict, config, out: Path, png: Path) -> None:
+    finished = summary["first_step"] >= summary["steps"]  # resumed with nothing left to train
     lines = [
         "",
+        f"done: the run had already finished at step {summary['steps']} (checkpoint.dir holds it); nothing left to "
+        "train: raise the step count to go on" if finished else
         f"done: {summary['steps']} steps in {summary['seconds']:.1f} s "
         f"({summary['seconds_per_step']:.2f} s/step, {summary['tokens_per_s']:,.0f} tokens/s over "
         f"{summary['world_size']} process(es))",

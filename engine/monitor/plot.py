@@ -47,6 +47,9 @@ def read_metrics(path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     except (OSError, UnicodeDecodeError) as error:
         raise PlotError(f"{path}: cannot be read: {error}") from None
     first = next((line for line in text.splitlines() if line.strip()), "")
+    if not first:
+        raise PlotError(f"{path}: is empty: the monitor writes one record per logged optimizer step (monitor."
+                        "log_every), and this run has logged none yet")
     if first.lstrip().startswith("{"):
         train, evals = _read_jsonl(path, text)
     elif "step" in next(csv.reader([first]), []):

@@ -76,10 +76,12 @@ def report_stop(rank: int, code: int) -> None:
 
 
 class StopSignals:
-    """Remembers the first of ``names`` this process receives, once installed."""
+    """Remembers the first of ``names`` this process receives, once installed. ``says``: this process
+    tells the person at the terminal what a Ctrl-C does (rank 0: one line per run, not one per rank)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], says: bool = True):
         self.signals = [signal.Signals[name] for name in names]
+        self.says = says
         self.received: signal.Signals | None = None
         self._installed = False
 
@@ -186,7 +188,7 @@ class _Handlers:
             for listener in slot.listeners:
                 if listener.received is None:
                     listener.received = sig
-            if sig == signal.SIGINT:
+            if sig == signal.SIGINT and any(listener.says for listener in slot.listeners):
                 os.write(2, b"[microstep] Ctrl-C (SIGINT): saving at the next window boundary, then stopping; "
                             b"Ctrl-C again to stop at once without saving\n")
             return

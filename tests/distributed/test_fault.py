@@ -379,6 +379,7 @@ def test_ctrl_c_under_the_launcher_prints_no_traceback_and_says_what_happened_la
         assert stopped.returncode == 75, err[-4000:]
         assert last.startswith("[launch] SIGINT: the 2 worker(s) saved and stopped with exit code 75"), last
         assert len(listing(out / "checkpoints")) == 1
+        assert err.count("Ctrl-C (SIGINT): saving at the next window boundary") == 1, err[-4000:]  # rank 0's
     else:
         assert stopped.returncode == 128 + signal.SIGINT, err[-4000:]
         assert last.startswith("[launch] Ctrl-C (SIGINT): the workers stopped without saving"), last

@@ -394,3 +394,12 @@ def test_plot_a_missing_or_foreign_file_is_one_line(tmp_path):
     result = run_module("plot", str(tmp_path / "notes.txt"))
     assert result.returncode == 2 and "not a monitor metrics file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plot_an_empty_file_says_it_is_empty(tmp_path):
+    (tmp_path / "monitor.jsonl").write_text("")
+    result = run_module("plot", str(tmp_path / "monitor.jsonl"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'monitor.jsonl'}: is empty: the monitor writes "
+                                                  "one record per logged optimizer step (monitor.log_every), and "
+                                                  "this run has logged none yet"]

@@ -154,6 +154,9 @@ def test_resumed_from_a_checkpoint_it_goes_on_with_the_data_where_it_was(train_l
     assert [loss for _, loss in resumed["train_losses"]] == pytest.approx(
         [loss for step, loss in straight["train_losses"] if step > 4], rel=1e-6)
     assert "resumed at step 4" in out
+    capsys.readouterr()
+    train_lm.main(command)  # again: step 8 is saved, nothing is left
+    assert "done: the run had already finished at step 8" in capsys.readouterr().out
 
 
 def test_the_docs_show_the_checkpoint_flags():
