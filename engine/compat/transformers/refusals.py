@@ -27,6 +27,9 @@ def check_supported(trainer) -> None:
                         "pair")
     if args.n_gpu > 1:
         problems.append("n_gpu > 1 (torch.nn.DataParallel): launch one process per device (torchrun, python -m launch)")
+    if getattr(args, "activation_offloading", False):
+        problems.append("activation_offloading: TRL offloads inside its training_step, which the door does not call "
+                        "(the engine runs each window); use gradient_checkpointing to save activation memory")
     owner = _training_step_owner(type(trainer))
     if owner is not None:
         problems.append(f"training_step is overridden by {owner.__qualname__}: the engine runs each window's "

@@ -4,7 +4,7 @@ TRL's ``compute_loss`` divides the micro-batch's summed token losses by its own 
 transformers' ``num_items_in_batch``) and adds the routers' term divided by the accumulation steps;
 neither is the engine's to read. While training, this ``SFTTrainer`` returns the same objective as
 ``(sum, count)``: the summed negative log-likelihood of the labelled tokens (TRL's fused head,
-``loss_type`` ``nll`` or ``dft``) plus λ times the model's load-balancing term, and the labelled
+``loss_type`` ``nll`` (``chunked_nll`` is its alias) or ``dft``) plus λ times the model's load-balancing term, and the labelled
 tokens; the engine divides by the window's tokens over every rank and makes the term the global
 batch's (a Mixtral's ``load_balancing_loss_func``, which TRL's fused head calls). Evaluation is TRL's.
 The entropy and token accuracy TRL logs are this rank's, without its per-micro-batch gathers.
@@ -19,10 +19,6 @@ import trl
 
 from engine.compat.transformers.arguments import TrainingArguments
 from engine.compat.transformers.trainer import EngineModel, Trainer
-from engine.errors import ConfigError
-
-SUM_LOSSES = ("nll", "dft")  # TRL's loss types whose per-token sum the door hands to the engine
-
 
 @dataclass
 class SFTConfig(trl.SFTConfig, TrainingArguments):
@@ -35,9 +31,6 @@ class SFTTrainer(trl.SFTTrainer, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not isinstance(model, EngineModel):  # evaluation and prediction: TRL's own
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.args.loss_type not in SUM_LOSSES:
-            raise ConfigError([f"loss_type: {self.args.loss_type!r} is not a sum over tokens the engine can weigh; "
-                               f"use one of {', '.join(SUM_LOSSES)}"])
         inputs = {**inputs, "use_cache": False}
         if self.aux_loss_enabled:
             inputs["output_router_logits"] = True
