@@ -1,20 +1,12 @@
 """``deepspeed.utils``: ``logger``, ``log_dist`` and ``RepeatingLoader`` as DeepSpeed's scripts
-use them; ``zero_to_fp32`` consolidates a sharded checkpoint into one state dict."""
+use them; ``logging`` (the same ``logger``), ``timer`` (``ThroughputTimer``); ``zero_to_fp32``
+consolidates a sharded checkpoint into one state dict."""
 from __future__ import annotations
 
-import logging
+from engine.compat.deepspeed.utils.logging import log_dist, logger
+from engine.compat.deepspeed.utils.timer import ThroughputTimer
 
-from engine.distributed.process_group import get_rank
-
-__all__ = ["logger", "log_dist", "RepeatingLoader"]
-
-logger = logging.getLogger("engine")
-
-
-def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the ranks listed (None or containing -1: every rank)."""
-    if ranks is None or -1 in ranks or get_rank() in ranks:
-        logger.log(level, "[Rank %d] %s", get_rank(), message)
+__all__ = ["logger", "log_dist", "RepeatingLoader", "ThroughputTimer"]
 
 
 class RepeatingLoader:

@@ -1,0 +1,122 @@
+"""engine.compat.deepspeed where DeepSpeed was never installed: ZeRO 3 as DeepSpeed scripts see it,
+``--local_rank`` under ``python -m launch``, transformers' ``HfDeepSpeedConfig``, and every name of
+docs/migrating.md's survey table, provided or refused with a message.
+
+The first test launches tests/support/deepspeed_facade_checks.py on two ranks with the deepspeed and
+accelerate packages made absent (tests/support/absent.py); the files its ZeRO-3 saves leave are
+loaded here with ``weights_only=True`` into the Hugging Face model. The second is the control, in
+a process with DeepSpeed installed: every name the table provides is DeepSpeed's own, and a script
+that imports the real package next to the facade gets one warning on ``backend: torch``, none when
+only a library imported it, none on ``backend: deepspeed``."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.cli import free_port
+from tests.support import absent
+from tests.support.deepspeed_facade_checks import tiny_llama
+from tests.support.deepspeed_names import survey_rows
+
+REPO = Path(__file__).resolve().parents[2]
+# Names the surveyed scripts reach that DeepSpeed 0.19 no longer has (bing_bert predates their removal).
+GONE_FROM_DEEPSPEED = {"deepspeed.runtime.config.ONEBIT_LAMB_OPTIMIZER"}
+
+
+def run(cmd: list[str], env: dict, tmp_path: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_zero3_launch_and_names_without_deepspeed(tmp_path):
+    run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "tests/support/deepspeed_facade_checks.py",
+         str(tmp_path)], absent.environment(("deepspeed", "accelerate")), tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, found in enumerate(ranks):
+        assert found["modules"] == {"deepspeed": False, "accelerate": False}
+        # a parser without --local_rank parses as before; one declaring it reads LOCAL_RANK
+        assert found["local_rank"] == {"environment": rank, "undeclared": rank, "declared": rank}
+        zero3 = found["zero3"]
+        assert zero3["sharded"] and zero3["marked"] and zero3["unique_ids"], zero3
+        # exactly the parameter given is whole inside the block; the other stays a shard
+        assert zero3["inside"] == {"status": "AVAILABLE", "whole": True, "value": True,
+                                   "other_status": "NOT_AVAILABLE", "other_sharded": True}
+        assert zero3["after"] == {"status": "NOT_AVAILABLE", "sharded": True}
+        assert zero3["written"] and zero3["others_untouched"] and zero3["loaded"], zero3
+        assert all(map(torch.isfinite, torch.tensor([zero3["loss"], zero3["trains_after"]])))
+        assert found["zero0"] == {"unmarked": True, "written": True}
+        assert found["transformers"] == {"zero3": True, "stage": 3, "offload": True, "transformers_zero3": False,
+                                         "whole": True, "zero3_after": False,
+                                         "transformers_class": "PackageNotFoundError"}
+
+    trained = torch.load(tmp_path / "zero3_module_state_dict.bin", weights_only=True)
+    for saved in ("zero3_pattern.bin", "zero3_16bit.bin", "zero3_module_state_dict.bin"):
+        state = torch.load(tmp_path / saved, weights_only=True)
+        assert all(type(value) is torch.Tensor for value in state.values()), saved
+        model = tiny_llama()
+        model.load_state_dict(state)  # strict: every key, whole shapes
+        assert all(torch.equal(value, trained[name]) for name, value in model.state_dict().items()), saved
+
+    for name, refused in survey_rows():
+        outcome = ranks[0]["names"][name]
+        if not refused:
+            assert outcome == "provided", (name, outcome)
+        elif name.startswith("engine.optimizer."):  # the torch optimizer's missing attribute, as the table says
+            assert outcome.startswith("missing:"), (name, outcome)
+        else:
+            assert outcome.startswith(f"refused: NotProvidedError: {name} is not provided by Microstep ("), \
+                (name, outcome)
+
+
+CONTROL = textwrap.dedent("""
+    import importlib, json, sys, warnings
+    import torch
+    import engine.compat.deepspeed as facade
+    from tests.support.deepspeed_names import resolve, survey_rows
+
+    def exists(name):
+        try:
+            resolve(name, facade=False)
+            return True
+        except (ImportError, AttributeError):
+            return False
+
+    def mixed_warnings(backend):
+        config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "backend": backend}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            facade.initialize(model=torch.nn.Linear(4, 2), config=config)
+        return [str(w.message) for w in caught if "real deepspeed" in str(w.message)]
+
+    found = {"names": {name: exists(name) for name, refused in survey_rows()
+                       if not refused and not name.startswith("engine.")}}
+    importlib.import_module("deepspeed")  # a library's import: nothing of it among the script's names
+    found["library"] = mixed_warnings("torch")
+    import deepspeed  # the script's own: half migrated
+    found["backend_deepspeed"] = mixed_warnings("deepspeed")
+    found["mixed"] = mixed_warnings("torch")
+    found["again"] = mixed_warnings("torch")
+    print("RESULT " + json.dumps(found))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_deepspeed_itself_has_the_names_and_a_mixed_import_warns_once(tmp_path):
+    script = tmp_path / "half_migrated.py"
+    script.write_text(CONTROL)
+    env = absent.environment(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                             LOCAL_WORLD_SIZE="1")
+    out = run([sys.executable, str(script)], env, tmp_path).stdout
+    found = json.loads(out.split("RESULT ", 1)[1])
+    missing = {name for name, present in found["names"].items() if not present}
+    assert missing == GONE_FROM_DEEPSPEED, missing
+    assert found["library"] == [] and found["backend_deepspeed"] == [] and found["again"] == []
+    assert len(found["mixed"]) == 1 and "(deepspeed in half_migrated.py)" in found["mixed"][0], found["mixed"][0]
