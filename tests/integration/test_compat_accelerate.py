@@ -212,11 +212,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@functools.lru_cache(maxsize=1)
+def _clm_reference() -> dict:
+    return scripts.clm_reference(120, 2)
+
+
 def _saved_distance(folder: Path) -> float:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    return scripts.distance(model.state_dict(), scripts.clm_reference(120, 2))
+    return scripts.distance(model.state_dict(), _clm_reference())
 
 
 @pytest.mark.distributed
