@@ -17,7 +17,7 @@ from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
 from engine.window.experts import expert_balance
-from engine.monitor.startup import startup_lines
+from engine.monitor.startup import STARTUP_LOGGER, startup_lines
 from engine.window.model_loss import LossReading, model_loss, packing_seams
 from engine.monitor import Monitor
 from engine.window.pipeline import PipelineWindows
@@ -124,7 +124,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  hooks=(experts,),  # the routers' bias moves at the boundary
                  context=context, losses=LossReading(own_loss, strict=config.strict))
     if dist_info.rank == 0:  # what is on, once
-        log.info("start-up:\n  %s", "\n  ".join(startup_lines(config, setup, plan, own_loss_type=own_loss.loss_type,
+        logging.getLogger(STARTUP_LOGGER).info("start-up:\n  %s", "\n  ".join(startup_lines(config, setup, plan, own_loss_type=own_loss.loss_type,
                                                                  routes=experts.routes)))
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate

@@ -98,7 +98,7 @@ def check() -> None:
         warnings.warn(
             f"torch {torch.__version__} is newer than Microstep was tested with (torch {_tested_range()}); "
             "every torch internal it uses is present, so training goes on. If results look wrong, "
-            "python -m engine verify compares your config against one process (see README)",
+            "python -m engine verify compares your config against one process (docs/exactness.md)",
             UntestedFrameworkWarning, stacklevel=3)
 
 

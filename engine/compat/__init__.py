@@ -29,6 +29,6 @@ def refuse_engine_formed_micro_batches(config: Config, loop: str) -> None:
         problems.append(f"pipeline.stages: {config.pipeline.stages}: under a pipeline the accumulation steps are the "
                         f"schedule's micro-batches, which the {loop} loop (one engine(x) / backward / step per "
                         "micro-batch) cannot drive; train with engine.initialize(model, config) and "
-                        "eng.train_batch((inputs, labels), loss_fn) (README: Pipeline parallelism)")
+                        "eng.train_batch((inputs, labels), loss_fn) (docs/parallelism.md: Pipeline parallelism)")
     if problems:
         raise ConfigError(locate(config, problems))

@@ -13,6 +13,7 @@ import torch
 from engine.config.setup import Setup
 from engine.config.sharding import shard_size_key
 
+STARTUP_LOGGER = "engine.startup"  # a tool that builds engines to measure them (explore) may quiet it
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 

@@ -162,10 +162,10 @@ def test_the_docs_engine_commands_print_what_they_show(tmp_path, doc, command, s
 
 
 def test_the_docs_verify_figures_may_round_differently_but_not_exceed_the_tolerance():
-    """README's verify example: its rounding-dependent figures (1.95e-05 in README, 1.77e-05 on other
+    """docs/exactness.md's verify example: its rounding-dependent figures (1.95e-05 there, 1.77e-05 on other
     CPUs) may differ within the stated tolerance 0.001; words, names, losses and |update| may not."""
     [(command, shown)] = [(command, shown) for doc, command, shown, _ in SESSIONS
-                          if doc.name == "README.md" and " verify " in command]
+                          if doc.name == "exactness.md" and " verify " in command]
     printed = re.sub(r"^\.\.\.\n", "", shown, flags=re.M)  # the rows the doc leaves out: none
     assert "1.95e-05     4.650e-06   2.389e-01" in printed
     assert "(worst model.layers.0.self_attn.q_proj.weight: 1.95e-05)" in printed
