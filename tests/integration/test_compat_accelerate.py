@@ -56,6 +56,15 @@ def test_one_process_exact_where_accelerate_misses():
     _check_exact(_exact_and_control(1), 1)
 
 
+def test_own_mean_loss_and_a_short_last_window():
+    """10 rows in micro-batches of 3, accumulation 2: the last window holds 3 + 1 rows, each weighted by
+    its rows; accelerate halves each micro-batch's mean."""
+    rows = scripts.regression_rows(10)
+    expected = scripts.mean_loss_reference(rows, window_rows=6)
+    assert scripts.distance(scripts.run_mean_loss_script(True, rows), expected) < 1e-12
+    assert scripts.distance(scripts.run_mean_loss_script(False, rows), expected) > MISSES
+
+
 # -- two processes: one spawn, several scenarios ----------------------------------------------------
 def _two_processes(rank, world_size):
     return _exact_and_control(world_size)

@@ -137,3 +137,42 @@ def clm_reference(max_lines: int, processes: int, *, batch: int = 2, accumulatio
         for _ in range(processes):
             scheduler.step()
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def regression_rows(count: int = 10, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(count, 8, generator=g, dtype=torch.float64), torch.randn(count, 3, generator=g, dtype=torch.float64)
+    return [(x[i], y[i]) for i in range(count)]
+
+
+def run_mean_loss_script(door: bool, rows: list, batch_size: int = 3, accumulation: int = 2) -> dict:
+    """A script whose loss is its own mean (``F.mse_loss``) over each micro-batch, one process: the data
+    ends inside the last window (the data loader's last batch syncs, as accelerate does)."""
+    from tests.support.reference import mlp
+
+    accelerator = accelerator_class(door)(gradient_accumulation_steps=accumulation, cpu=True)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(rows, batch_size=batch_size))
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: value.detach().clone() for name, value in accelerator.get_state_dict(model).items()}
+
+
+def mean_loss_reference(rows: list, window_rows: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the mean squared error over each whole window of ``window_rows`` rows (the last: what is left)."""
+    from tests.support.reference import mlp
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for start in range(0, len(rows), window_rows):
+        inputs = torch.stack([x for x, _ in rows[start:start + window_rows]])
+        targets = torch.stack([y for _, y in rows[start:start + window_rows]])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -465,6 +466,22 @@ class Accelerator:
     def split_between_processes(self, inputs, apply_padding: bool = False):
         yield split_for_process(inputs, self.process_index, self.num_processes, apply_padding)
 
+    def on_main_process(self, function):
+        """A decorator: ``function`` runs on the main process only (elsewhere it returns None)."""
+        return _only_where(lambda: self.is_main_process, function)
+
+    def on_local_main_process(self, function):
+        return _only_where(lambda: self.is_local_main_process, function)
+
+    def on_last_process(self, function):
+        return _only_where(lambda: self.is_last_process, function)
+
+    def on_process(self, function=None, process_index: int | None = None):
+        """A decorator (``@accelerator.on_process(process_index=1)``): ``function`` runs on that process only."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return _only_where(lambda: self.process_index == process_index, function)
+
     def print(self, *args, **kwargs) -> None:
         if self.is_local_main_process:
             print(*args, **kwargs)
@@ -514,6 +531,13 @@ class Accelerator:
         return [None for _ in objects]
 
     clear = free_memory
+
+
+def _only_where(here, function):
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        return function(*args, **kwargs) if here() else None
+    return run
 
 
 def _kind(obj) -> str:

@@ -6,8 +6,8 @@ batches are taken ``num_processes`` at a time (one global batch of a micro-step)
 gets the k-th. With ``split_batches`` each of the loader's batches is one global batch, cut into
 ``num_processes`` equal slices. As accelerate's ``even_batches`` does, an incomplete last global batch
 (``drop_last`` false) is completed with the epoch's first samples, so every process runs the same
-number of micro-steps; ``remainder`` says how many of its samples are real (``gather_for_metrics``
-drops the rest). A shuffling loader's order is drawn from one seed agreed by the ranks (rank 0's
+number of micro-steps (one process keeps the loader's batches as they are); ``remainder`` says how
+many of its samples are real (``gather_for_metrics`` drops the rest). A shuffling loader's order is drawn from one seed agreed by the ranks (rank 0's
 ``torch.initial_seed()``, or the ``DataLoaderConfiguration``'s ``data_seed``) plus the epoch: the
 same permutation on every rank, another each pass (``set_epoch`` sets it).
 """
@@ -114,6 +114,10 @@ class PreparedDataLoader:
         """This rank's index lists for the current pass; sets ``remainder``."""
         batches = self._global_batches()
         size = self.loader.batch_size
+        if self.world_size == 1:  # accelerate leaves one process's loader as it is: nothing to complete
+            if not count_only:
+                self.remainder = -1
+            return batches
         if self.split_batches:
             remainder = len(batches[-1]) if batches and len(batches[-1]) < size else -1
             batches = [b if len(b) == size else self._completed(b, size, batches) for b in batches]
