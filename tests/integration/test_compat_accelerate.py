@@ -114,8 +114,20 @@ def _collectives(door: bool):
             "gather": accelerator.gather(torch.tensor([accelerator.process_index])).tolist()}
 
 
+def _sharding(door: bool, split_batches: bool, drop_last: bool):
+    """The batches each process gets of 7 samples in batches of 4 (split_batches: each cut in two)."""
+    from accelerate import DataLoaderConfiguration
+
+    accelerator = scripts.accelerator_class(door)(cpu=True,
+                                                  dataloader_config=DataLoaderConfiguration(split_batches=split_batches))
+    loader = accelerator.prepare(DataLoader([torch.tensor([i]) for i in range(7)], batch_size=4, drop_last=drop_last))
+    return [(batch.flatten().tolist(), accelerator.gather_for_metrics(batch).flatten().tolist()) for batch in loader]
+
+
 def _collectives_alike(rank, world_size):
-    return _collectives(True), _collectives(False)
+    shardings = [(split, drop) for split in (False, True) for drop in (False, True)]
+    return ((_collectives(True), *[_sharding(True, *case) for case in shardings]),
+            (_collectives(False), *[_sharding(False, *case) for case in shardings]))
 
 
 @pytest.mark.distributed
@@ -134,7 +146,7 @@ def test_two_processes(tmp_path):
         assert difference == 0.0 and straight_lr == resumed_lr, results["resume"]
     for door, control in results["collectives"]:
         assert door == control
-    assert results["collectives"][0][0]["gathered"] == [[0, 1, 2, 3], [4]]
+    assert results["collectives"][0][0][0]["gathered"] == [[0, 1, 2, 3], [4]]
 
 
 # -- settings: honoured or refused by name ---------------------------------------------------------
