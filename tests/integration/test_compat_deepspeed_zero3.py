@@ -88,6 +88,13 @@ CONTROL = textwrap.dedent("""
         except (ImportError, AttributeError):
             return False
 
+    def status_equal():
+        # backend: deepspeed marks parameters with DeepSpeed's own enum; the script compares with the facade's
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as Real
+        Facade = facade.zero.ZeroParamStatus
+        return [Real.NOT_AVAILABLE == Facade.NOT_AVAILABLE, Facade.AVAILABLE == Real.AVAILABLE,
+                Real.AVAILABLE != Facade.NOT_AVAILABLE]
+
     def mixed_warnings(backend):
         config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "backend": backend}
         with warnings.catch_warnings(record=True) as caught:
@@ -97,6 +104,7 @@ CONTROL = textwrap.dedent("""
 
     found = {"names": {name: exists(name) for name, refused in survey_rows()
                        if not refused and not name.startswith("engine.")}}
+    found["status_equal"] = status_equal()
     importlib.import_module("deepspeed")  # a library's import: nothing of it among the script's names
     found["library"] = mixed_warnings("torch")
     import deepspeed  # the script's own: half migrated
@@ -118,5 +126,6 @@ def test_deepspeed_itself_has_the_names_and_a_mixed_import_warns_once(tmp_path):
     found = json.loads(out.split("RESULT ", 1)[1])
     missing = {name for name, present in found["names"].items() if not present}
     assert missing == GONE_FROM_DEEPSPEED, missing
+    assert found["status_equal"] == [True, True, True]
     assert found["library"] == [] and found["backend_deepspeed"] == [] and found["again"] == []
     assert len(found["mixed"]) == 1 and "(deepspeed in half_migrated.py)" in found["mixed"][0], found["mixed"][0]

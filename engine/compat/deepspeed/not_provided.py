@@ -13,7 +13,7 @@ from engine.errors import MicrostepError
 __all__ = ["NotProvidedError", "NOT_PROVIDED", "refusal", "refusing_getattr"]
 
 _PIPELINE = ("the config's pipeline section with engine.initialize(model, config) and "
-             "eng.train_batch((inputs, labels), loss_fn) (README: Pipeline parallelism)")
+             "eng.train_batch((inputs, labels), loss_fn) (docs/parallelism.md: Pipeline parallelism)")
 _OWN_LAYERS = "train the model's own layers (e.g. a Hugging Face model's); Microstep has no DeepSpeed kernels"
 
 # name as a DeepSpeed script writes it -> what to use instead

@@ -10,10 +10,12 @@ parameters it is given, each whole on every rank for the block: every torch oper
 such a parameter inside the block (``p.data``, ``p.data.cpu()``, ``p.copy_(x)``,
 ``module.state_dict()``, ...) sees the whole plain tensor, as the same object does inside
 DeepSpeed's block. With ``modifier_rank``, that rank's whole values at the end of the block are
-every rank's, each rank keeping its own shard of them. Parameters that are whole already
-(ZeRO 0-2 between windows) need no gathering; with ``modifier_rank`` the engine holding them
-writes that rank's values into its shards and replicas (``engine.Engine.gathered_parameters``).
-Enter the block on every rank, with the same parameters in the same order, as in DeepSpeed.
+every rank's, each rank keeping its own shard of them. Given every parameter of an engine's model,
+the engine gathers the model at once (``engine.Engine.gathered_parameters``): its module then
+holds whole parameters too, which the sharded objects given stand for. Parameters that are whole
+already (ZeRO 0-2 between windows) need no gathering; with ``modifier_rank`` the engine holding
+them writes that rank's values into its shards and replicas. Enter the block on every rank, with
+the same parameters in the same order, as in DeepSpeed.
 
 ``Init()`` is accepted and builds the model whole: Microstep shards it in ``initialize``
 (the peak while building is the whole model, not a shard of it).
@@ -43,6 +45,14 @@ class ZeroParamStatus(enum.Enum):
     NOT_AVAILABLE = 2  # this rank holds its shard only
     INFLIGHT = 3  # being gathered (DeepSpeed's prefetch; never set here)
 
+    def __eq__(self, other):
+        # DeepSpeed's own enum (backend: deepspeed marks the parameters with it) compares by name
+        if isinstance(other, enum.Enum) and type(other).__name__ == "ZeroParamStatus":
+            return self.name == other.name
+        return NotImplemented
+
+    __hash__ = enum.Enum.__hash__
+
 
 def register(eng) -> None:
     """Make ``eng`` (an ``engine.Engine``) findable by ``GatheredParameters`` and mark its
@@ -66,17 +76,22 @@ def _owner(params):
 
 
 class _WholeParameters(TorchFunctionMode):
-    """For the block: each torch operation on one of the sharded ``params`` runs on its whole
-    value (gathered at entry, a plain tensor), so the parameter object reads and writes as a
-    whole one. Other tensors pass through untouched."""
+    """For the block: each torch operation on one of the sharded parameters runs on its whole value
+    (a plain tensor), so the parameter object reads and writes as a whole one. Other tensors pass
+    through untouched."""
 
-    def __init__(self, params: list[DTensor]):
+    def __init__(self, whole: dict):
         super().__init__()
-        self.params = params
-        self.whole = {}  # id(param) -> (param, its whole value)
-        for param in params:
-            value = param.full_tensor().detach().requires_grad_(param.requires_grad)
-            self.whole[id(param)] = (param, value)
+        self.whole = whole  # id(param) -> (param, its whole value)
+
+    @classmethod
+    def gathered(cls, params: list[DTensor]) -> _WholeParameters:
+        """Each of ``params`` gathered alone (one collective each, in order, on every rank)."""
+        return cls({id(p): (p, p.full_tensor().detach().requires_grad_(p.requires_grad)) for p in params})
+
+    @property
+    def params(self) -> list[DTensor]:
+        return [param for param, _ in self.whole.values()]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.__hash__:  # the parameter stays the same key (optimizer state, sets)
@@ -111,6 +126,12 @@ def _set_status(params, status: ZeroParamStatus) -> None:
             param.ds_status = status
 
 
+def _covers_model(eng, sharded: list[DTensor]) -> bool:
+    """Whether ``sharded`` holds every sharded parameter of ``eng``'s module (a whole-model gather)."""
+    given = {id(p) for p in sharded}
+    return all(id(p) in given for p in eng.module.parameters() if isinstance(p, DTensor))
+
+
 class GatheredParameters(contextlib.AbstractContextManager):
     """DeepSpeed's ``zero.GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)``."""
 
@@ -128,12 +149,19 @@ class GatheredParameters(contextlib.AbstractContextManager):
             return self
         sharded = [p for p in self.params if isinstance(p, DTensor)]
         whole = [p for p in self.params if not isinstance(p, DTensor)]
-        eng = _owner(whole) if whole else None
-        if eng is not None:  # whole here; the engine writes a modifier's values into its shards / replicas
+        eng = _owner(self.params)
+        if eng is not None and (whole or _covers_model(eng, sharded)):
+            # The engine's own gather of the whole model (one pass over its units); it writes a modifier's
+            # values into its shards / replicas. The sharded objects given stand for the gathered ones.
+            names = {id(p): name for name, p in eng.module.named_parameters()}
             self._context = eng.gathered_parameters(self.modifier_rank)
             self._context.__enter__()
-        if sharded:
-            self._mode = _WholeParameters(sharded)
+            if sharded:
+                gathered = dict(eng.module.named_parameters())
+                self._mode = _WholeParameters({id(p): (p, gathered[names[id(p)]]) for p in sharded})
+        elif sharded:  # exactly these, one by one
+            self._mode = _WholeParameters.gathered(sharded)
+        if self._mode is not None:
             _set_status(sharded, ZeroParamStatus.AVAILABLE)
             self._mode.__enter__()
         return self
@@ -144,7 +172,7 @@ class GatheredParameters(contextlib.AbstractContextManager):
         if mode is not None:
             mode.__exit__(*exc_info)
             _set_status(mode.params, ZeroParamStatus.NOT_AVAILABLE)
-            if self.modifier_rank is not None and exc_info[0] is None:
+            if context is None and self.modifier_rank is not None and exc_info[0] is None:
                 mode.write_back(self.modifier_rank)
         if context is not None:
             return context.__exit__(*exc_info)
