@@ -37,8 +37,8 @@ MISSES = 1e-3  # accelerate's mean of micro-batch means is off by 1e-2 here
 def _exact_and_control(processes: int, **door_kwargs) -> dict:
     rows = scripts.padded_rows(ROWS)
     expected = scripts.reference(rows, processes)
-    door = scripts.run_script(True, rows, processes, cpu=True, **door_kwargs)
-    control = scripts.run_script(False, rows, processes, cpu=True)
+    door = scripts.run_script(True, rows, processes, **door_kwargs)
+    control = scripts.run_script(False, rows, processes)
     return {"door": scripts.distance(door["state"], expected), "control": scripts.distance(control["state"], expected),
             "scheduler": (door["scheduler_steps"], control["scheduler_steps"]),
             "lr": (door["last_lr"], control["last_lr"])}
@@ -72,7 +72,7 @@ def _two_processes(rank, world_size):
 
 def _zero3(rank, world_size):
     rows = scripts.padded_rows(ROWS)
-    trained = scripts.run_script(True, rows, world_size, cpu=True,
+    trained = scripts.run_script(True, rows, world_size,
                                  microstep_config={"zero_optimization": {"stage": 3}})
     return scripts.distance(trained["state"], scripts.reference(rows, world_size))
 
@@ -81,14 +81,14 @@ def _resume(rank, world_size, folder):
     """Two epochs straight, against one epoch, save_state, a fresh script (another initialisation) that
     load_state's and runs the second epoch."""
     rows = scripts.padded_rows(ROWS)
-    accelerator, *parts = scripts.build(True, rows, world_size, cpu=True)
+    accelerator, *parts = scripts.build(True, rows, world_size)
     scripts.train_epoch(accelerator, *parts)
     accelerator.save_state(folder)
     scripts.train_epoch(accelerator, *parts)
     straight = accelerator.get_state_dict(parts[0])
     straight_lr = parts[3].get_last_lr()
     accelerator.free_memory()
-    resumed, *again = scripts.build(True, rows, world_size, cpu=True, seed=7)
+    resumed, *again = scripts.build(True, rows, world_size, seed=7)
     resumed.load_state(folder)
     scripts.train_epoch(resumed, *again)
     after = resumed.get_state_dict(again[0])
@@ -98,7 +98,7 @@ def _resume(rank, world_size, folder):
 def _collectives(door: bool):
     """What an evaluation loop gathers: 5 samples, 2 per process (the last global batch completed with
     the first samples, which gather_for_metrics drops), and the other helpers' answers."""
-    accelerator = scripts.accelerator_class(door)(cpu=True)
+    accelerator = scripts.accelerator_class(door)()
     loader = accelerator.prepare(DataLoader([torch.tensor([i]) for i in range(5)], batch_size=2))
     seen, gathered = [], []
     for batch in loader:
@@ -118,8 +118,7 @@ def _sharding(door: bool, split_batches: bool, drop_last: bool):
     """The batches each process gets of 7 samples in batches of 4 (split_batches: each cut in two)."""
     from accelerate import DataLoaderConfiguration
 
-    accelerator = scripts.accelerator_class(door)(cpu=True,
-                                                  dataloader_config=DataLoaderConfiguration(split_batches=split_batches))
+    accelerator = scripts.accelerator_class(door)(dataloader_config=DataLoaderConfiguration(split_batches=split_batches))
     loader = accelerator.prepare(DataLoader([torch.tensor([i]) for i in range(7)], batch_size=4, drop_last=drop_last))
     return [(batch.flatten().tolist(), accelerator.gather_for_metrics(batch).flatten().tolist()) for batch in loader]
 
@@ -195,13 +194,13 @@ def test_refusals_name_the_setting(arguments, environ, named):
 
 
 def test_router_term_refused_at_prepare():
-    accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+    accelerator = Accelerator(gradient_accumulation_steps=4)
     with pytest.raises(EngineUsageError, match="moe.load_balance: micro_batch"):
         _prepared(accelerator, hf_moe())
 
 
 def test_backward_outside_accumulate_refused():
-    accelerator = Accelerator(gradient_accumulation_steps=4, cpu=True)
+    accelerator = Accelerator(gradient_accumulation_steps=4)
     model, _ = _prepared(accelerator)
     batch = scripts.padded_rows(2)[0]
     loss = model(**{key: value[None] for key, value in batch.items()}).loss

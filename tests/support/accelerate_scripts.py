@@ -9,6 +9,8 @@ batches r, r + n, ... of each micro-step."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -36,15 +38,18 @@ def padded_rows(count: int, seed: int = 5) -> list[dict]:
 
 
 def accelerator_class(door: bool):
+    """Microstep's Accelerator, or accelerate's told ``cpu=True`` (without it accelerate leaves CPU processes
+    apart, each training alone on the whole data)."""
     if door:
         from engine.compat.accelerate import Accelerator
-    else:
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
 
-        AcceleratorState._reset_state(True)  # accelerate's singletons: each run starts anew
-        GradientState._reset_state()
-    return Accelerator
+        return Accelerator
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # accelerate's singletons: each run starts anew
+    GradientState._reset_state()
+    return functools.partial(Accelerator, cpu=True)
 
 
 def build(door: bool, rows: list[dict], processes: int, *, seed: int = 0, **accelerator_kwargs):
@@ -150,7 +155,7 @@ def run_mean_loss_script(door: bool, rows: list, batch_size: int = 3, accumulati
     ends inside the last window (the data loader's last batch syncs, as accelerate does)."""
     from tests.support.reference import mlp
 
-    accelerator = accelerator_class(door)(gradient_accumulation_steps=accumulation, cpu=True)
+    accelerator = accelerator_class(door)(gradient_accumulation_steps=accumulation)
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(rows, batch_size=batch_size))
