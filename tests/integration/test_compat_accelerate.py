@@ -65,6 +65,18 @@ def test_own_mean_loss_and_a_short_last_window():
     assert scripts.distance(scripts.run_mean_loss_script(False, rows), expected) > MISSES
 
 
+def test_save_model_loads_with_from_pretrained(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    accelerator, model, *rest = scripts.build(True, scripts.padded_rows(scripts.GLOBAL_BATCH), 1)
+    scripts.train_epoch(accelerator, model, *rest)
+    accelerator.save_model(model, tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
+    trained = accelerator.get_state_dict(model)
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    accelerator.free_memory()
+
+
 # -- two processes: one spawn, several scenarios ----------------------------------------------------
 def _two_processes(rank, world_size):
     return _exact_and_control(world_size)
@@ -118,7 +130,8 @@ def _sharding(door: bool, split_batches: bool, drop_last: bool):
     """The batches each process gets of 7 samples in batches of 4 (split_batches: each cut in two)."""
     from accelerate import DataLoaderConfiguration
 
-    accelerator = scripts.accelerator_class(door)(dataloader_config=DataLoaderConfiguration(split_batches=split_batches))
+    loading = DataLoaderConfiguration(split_batches=split_batches)
+    accelerator = scripts.accelerator_class(door)(dataloader_config=loading)
     loader = accelerator.prepare(DataLoader([torch.tensor([i]) for i in range(7)], batch_size=4, drop_last=drop_last))
     return [(batch.flatten().tolist(), accelerator.gather_for_metrics(batch).flatten().tolist()) for batch in loader]
 

@@ -146,7 +146,8 @@ def clm_reference(max_lines: int, processes: int, *, batch: int = 2, accumulatio
 
 def regression_rows(count: int = 10, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(count, 8, generator=g, dtype=torch.float64), torch.randn(count, 3, generator=g, dtype=torch.float64)
+    x = torch.randn(count, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(count, 3, generator=g, dtype=torch.float64)
     return [(x[i], y[i]) for i in range(count)]
 
 

@@ -7,9 +7,10 @@ gets the k-th. With ``split_batches`` each of the loader's batches is one global
 ``num_processes`` equal slices. As accelerate's ``even_batches`` does, an incomplete last global batch
 (``drop_last`` false) is completed with the epoch's first samples, so every process runs the same
 number of micro-steps (one process keeps the loader's batches as they are); ``remainder`` says how
-many of its samples are real (``gather_for_metrics`` drops the rest). A shuffling loader's order is drawn from one seed agreed by the ranks (rank 0's
-``torch.initial_seed()``, or the ``DataLoaderConfiguration``'s ``data_seed``) plus the epoch: the
-same permutation on every rank, another each pass (``set_epoch`` sets it).
+many of its samples are real (``gather_for_metrics`` drops the rest). A shuffling loader's order is
+drawn from one seed agreed by the ranks (rank 0's ``torch.initial_seed()``, or the
+``DataLoaderConfiguration``'s ``data_seed``) plus the epoch: the same permutation on every rank,
+another each pass (``set_epoch`` sets it).
 """
 
 from __future__ import annotations
