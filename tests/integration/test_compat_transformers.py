@@ -119,6 +119,19 @@ def test_save_model_loads_with_from_pretrained_and_a_resumed_run_continues_as_if
     assert whole.predict(data[:4]).metrics["test_loss"] == pytest.approx(mine, rel=1e-12)
 
 
+@pytest.mark.parametrize("optim, built", [("adamw_torch_fused", "AdamW"), ("sgd", "SGD"), ("adafactor", "Adafactor")])
+def test_the_optim_argument_builds_transformers_optimizer_which_the_engine_steps(tmp_path, optim, built):
+    net = h.model("dense")
+    args = h.trainer_args(TrainingArguments, str(tmp_path), micro=2, accumulation=2, steps=1, optim=optim,
+                          lr_scheduler_type="cosine", warmup_steps=0)
+    trainer = Trainer(model=net, args=args, train_dataset=h.rows(8), data_collator=h.pad)
+    before = state(net)
+    trainer.train()
+    assert type(trainer.microstep_engine.optimizer).__name__ == built
+    assert trainer.lr_scheduler is trainer.microstep_engine.lr_scheduler
+    assert max_param_diff(h.trained_state(trainer), before) > 0
+
+
 class OwnStep(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         return super().training_step(model, inputs, num_items_in_batch)
