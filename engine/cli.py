@@ -2,21 +2,25 @@
 
 Each subcommand is one ``run_<name>(args) -> int`` function registered in
 ``build_parser``; user mistakes print a message (no traceback) and exit with code 2.
+
+Each ``run_<name>`` imports what its subcommand needs when it runs, not this module: ``--help``
+then imports no torch, and ``validate`` / ``plan`` neither torch.distributed.tensor nor the
+engine (seconds of imports for a config check). Only this entry module does so; the imported
+modules themselves import at their top as everywhere else.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
-from engine.batching.mesh_plan import describe_data_ranks, plan_for_mesh
-from engine.config.setup import mesh_layout, model_parallel_dimensions
-from engine.config.schema import Config, load_config
-from engine.config.checks import check_without_model
 from engine.errors import ConfigError, MicrostepError
 from engine.config.factories import FactoryError, load_factory
-from engine.monitor.plot import plot_metrics
-from engine.verify import verify
+
+if TYPE_CHECKING:
+    from engine.config.schema import Config
 
 USAGE_ERROR = 2
 NOT_EQUAL = 1  # verify: the N processes and the one process trained different models
@@ -31,6 +35,11 @@ def add_override_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    # the planner and the config only (see the module's docstring)
+    from engine.batching.mesh_plan import describe_data_ranks, plan_for_mesh
+    from engine.config.schema import load_config
+    from engine.config.setup import mesh_layout
+
     config = load_config(args.config, args.overrides)
     mesh = mesh_layout(config, args.world_size)
     plan = plan_for_mesh(config, mesh, args.rank)
@@ -41,6 +50,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    # the config and its model-free checks only (see the module's docstring)
+    from engine.config.checks import check_without_model
+    from engine.config.schema import load_config
+
     config = load_config(args.config, args.overrides)
     problems = check_without_model(config)
     if problems:
@@ -72,12 +85,15 @@ def _model_output_loss(model, batch):
 
 
 def run_explore(args: argparse.Namespace) -> int:
+    # the whole engine: explore trains a real model (see the module's docstring)
     from pathlib import Path
 
     import torch
 
     import engine
     from engine.autotune.report import format_table, save_json, save_plot
+    from engine.monitor.startup import STARTUP_LOGGER
+    from engine.config.schema import load_config
 
     overrides = args.overrides + ["train_micro_batch_size_per_gpu=explore", "gradient_accumulation_steps=null"]
     config = load_config(args.config, overrides)
@@ -85,6 +101,7 @@ def run_explore(args: argparse.Namespace) -> int:
     make_batch = load_factory(args.batch)
     loss_fn = load_factory(args.loss) if args.loss else _model_output_loss
     optimizer = None if config.optimizer else (lambda params: torch.optim.SGD(params, lr=0.0))  # never stepped
+    logging.getLogger(STARTUP_LOGGER).setLevel(logging.WARNING)  # a measurement, not a run: its table says it
     eng = engine.initialize(model, config, optimizer=optimizer)
     eng.micro_batch_tuner.warmup, eng.micro_batch_tuner.repeats = args.warmup, args.repeats
     batch = make_batch(eng.plan.per_device_batch_size)
@@ -104,6 +121,9 @@ def run_explore(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    # the whole engine, on N processes and one (see the module's docstring)
+    from engine import verify
+
     result = verify(args.config, args.model, args.batch, args.loss, nproc=args.nproc, steps=args.steps,
                     dtype=args.dtype, overrides=args.overrides, timeout_seconds=args.timeout, show=args.show)
     return 0 if result.equal else NOT_EQUAL
@@ -111,6 +131,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def summarize(config: Config) -> str:
     """One line naming the settings that matter most."""
+    from engine.config.setup import model_parallel_dimensions  # as run_validate's imports
+
     def batch_value(value):
         return "-" if value is None else str(value)
 
@@ -215,7 +237,10 @@ def build_parser(prog: str = MODULE_COMMAND) -> argparse.ArgumentParser:
 
 
 def run_plot(args) -> int:
+    # the monitor's plotting (matplotlib) only (see the module's docstring)
     from pathlib import Path
+
+    from engine.monitor.plot import plot_metrics
 
     out = args.out or str(Path(args.metrics).with_suffix(".png"))
     for path in plot_metrics(args.metrics, out, per_panel=args.per_panel):

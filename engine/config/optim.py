@@ -405,20 +405,33 @@ def build_deepspeed_scheduler(section, optimizer: torch.optim.Optimizer) -> LRSc
     return _build("scheduler", DEEPSPEED_SCHEDULERS, section.type, dict(section.params), optimizer)
 
 
+def _checked_only(cls: type) -> type:
+    """``cls`` whose ``add_param_group`` skips torch's ``_disable_dynamo`` wrapper, for a build
+    that is only checked: the wrapper's first call imports torch._dynamo (about 1.3 s of CPU,
+    torch.distributed.tensor with it) to guard a compile that a config check never runs. Where
+    the method has no wrapper, ``inspect.unwrap`` returns it as it is."""
+    return type(cls.__name__, (cls,), {"add_param_group": inspect.unwrap(cls.add_param_group)})
+
+
+CHECKED_OPTIMIZERS = {name: _checked_only(cls) for name, cls in OPTIMIZERS.items()}
+
+
 def check_sections(optimizer, scheduler) -> list[str]:
     """What building the config's ``optimizer`` / ``scheduler`` sections (either may be None)
     would refuse, found by building them on a stand-in parameter: no model needed."""
     problems: list[str] = []
     built = None
+    stand_in = [torch.nn.Parameter(torch.zeros(1))]
     if optimizer is not None:
         try:
-            built = build_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
+            type_name, kwargs = _deepspeed_adam_params(optimizer.type, optimizer.params)
+            built = _build("optimizer", CHECKED_OPTIMIZERS, type_name, kwargs, stand_in)
         except ConfigError as error:
             problems += error.problems
     if scheduler is not None:
         # Without a usable optimizer section the script brings its own: stand in with one that
         # has what momentum-cycling schedules (CyclicLR, OneCycleLR) need.
-        built = built or torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+        built = built or CHECKED_OPTIMIZERS["sgd"](stand_in, lr=0.1, momentum=0.9)
         try:
             build_scheduler(scheduler, built)
         except ConfigError as error:
