@@ -62,7 +62,7 @@ def main(argv=None):
             "workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, micro {MICRO}, accumulation {accumulation}, "
                         f"AdamW, {info.world_size} ranks, gloo, train_batch",
             "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ms_per_agreement": alone_s * 1e3,
-            "agreements_per_step": {"stage 0": 1, "stage 3": accumulation + 1}})
+            "agreements_per_step": {"stage 0": 1, "stage 3": accumulation + 1}}, record=args.record)
     for eng in engines:
         unchecked(eng).close()
     dist.barrier()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import engine
 from bench.checkpoint_cost import endless, lm_workload, slowest
-from bench.common import save, shared_temp_directory
+from bench.common import add_record_argument, save, shared_temp_directory
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from examples.train_lm import DEFAULT_CONFIG, token_loss
 
@@ -48,6 +48,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=10, help="optimizer steps between saves")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --every steps per variant")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -99,7 +100,7 @@ def main(argv=None):
         save(f"async_checkpoint_w{info.world_size}", {
             "workload": f"examples/train_lm.py GPT ({params / 1e3:.0f}k parameters), configs/lm_tiny.yaml "
                         f"(global batch 64 lines, accumulation {engines['no save'].plan.gradient_accumulation_steps} "
-                        f"on {info.world_size} rank(s)), AdamW, monitor off", **results})
+                        f"on {info.world_size} rank(s)), AdamW, monitor off", **results}, record=args.record)
         shutil.rmtree(directory, ignore_errors=True)
 
 

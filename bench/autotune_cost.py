@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 import torch
 
 import engine
-from bench.common import batch, mlp, mse, save
+from bench.common import add_record_argument, batch, mlp, mse, save
 
 BATCH, FITS = 64, 16
 
@@ -70,6 +70,7 @@ def timed(fn) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     base, data = mlp(), batch(BATCH)
@@ -108,7 +109,7 @@ def main(argv=None):
     for name, value in results.items():
         print(f"{name:72s} {value:8.2f}")
     save("autotune_cost", {"workload": f"MLP 4.2M params, per-device batch {BATCH}, out of memory above micro {FITS}, "
-                                       "AdamW fp32, 1 process, 1 thread", "results": results})
+                                       "AdamW fp32, 1 process, 1 thread", "results": results}, record=args.record)
 
 
 if __name__ == "__main__":

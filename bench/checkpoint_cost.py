@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import batch, interleaved, mlp, save, shared_temp_directory
+from bench.common import add_record_argument, batch, interleaved, mlp, save, shared_temp_directory
 from bench.common import mse as bench_mse
 from engine.state.checkpoint import damaged_files, verify_checkpoint
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
@@ -116,6 +116,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2, help="steps per round and variant")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--agreements", type=int, default=200)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -188,7 +189,7 @@ def main(argv=None):
             "workload": f"examples/train_lm.py GPT ({params / 1e3:.0f}k parameters), configs/lm_tiny.yaml "
                         f"(global batch 64 lines, accumulation {plain.plan.gradient_accumulation_steps} on "
                         f"{info.world_size} rank(s)), AdamW, monitor off",
-            "rounds": args.rounds, "steps_per_round": args.steps, "saves": args.saves, **results})
+            "rounds": args.rounds, "steps_per_round": args.steps, "saves": args.saves, **results}, record=args.record)
     plain.close()
     watched.close()
     if info.rank == 0:

@@ -22,7 +22,7 @@ import functools
 import torch
 
 import engine
-from bench.common import interleaved, save
+from bench.common import add_record_argument, interleaved, save
 from bench.model_transforms import lm, lm_loss, tokens
 from engine.autotune.report import format_table
 
@@ -45,6 +45,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed windows per explore candidate")
     parser.add_argument("--fits-without", type=int, default=2, choices=(1, 2, 4, 8, 16),
                         help="the largest micro size the limit lets fit without checkpointing")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, batch = lm(layers=4, width=64), tokens(GLOBAL)
@@ -75,7 +76,7 @@ def main(argv=None):
                            "checkpointing": eng.micro_batch_tuner.checkpointing,
                            "explored": [dataclasses.asdict(row) for row in eng.micro_batch_tuner.explored],
                            "ms_per_step": times[name] * 1e3} for name, eng in chosen.items()},
-        "ratio_with_lever_over_micro_size_only": ratio})
+        "ratio_with_lever_over_micro_size_only": ratio}, record=args.record)
 
 
 if __name__ == "__main__":

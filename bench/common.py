@@ -2,6 +2,9 @@
 
 Timings are compared within one run: variants alternate round by round so that machine
 noise hits them alike, and each variant's per-step time is the median over rounds.
+
+Result files go to bench/results/latest/ (untracked); ``--record`` writes bench/results/, the
+tracked files docs/benchmarks.md quotes, so that trying a documented command changes no figure.
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # recorded: tracked, quoted by docs/benchmarks.md
+LATEST = RESULTS / "latest"  # any other run's (.gitignore)
+
+
+def add_record_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--record", action="store_true",
+                        help="write the tracked bench/results/ file that docs/benchmarks.md quotes "
+                             "(default: bench/results/latest/, untracked)")
+
+
+def results_directory(record: bool) -> Path:
+    """Where a run's result files go: bench/results/ when recorded, else bench/results/latest/."""
+    return RESULTS if record else LATEST
 
 
 def mlp(width: int = 1024, depth: int = 4, seed: int = 0) -> torch.nn.Module:
@@ -51,15 +66,16 @@ def adamw(params):
 
 
 def start_ranks(description: str, rounds: int, argv=None, steps: int = 3):
-    """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``), the process
-    group, one thread per rank, and the workload: (args, dist info, model, this rank's share
-    of the global batch)."""
+    """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``, ``--record``),
+    the process group, one thread per rank, and the workload: (args, dist info, model, this
+    rank's share of the global batch)."""
     from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 
     strip_local_rank_arg(argv)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--steps", type=int, default=steps)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -130,12 +146,14 @@ def cpu_interleaved(runs: dict, rounds: int, steps: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+def save(name: str, payload: dict, record: bool = False) -> Path:
+    """Write ``name``.json into ``results_directory(record)``; its path."""
+    directory = results_directory(record)
+    directory.mkdir(parents=True, exist_ok=True)
     payload = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                            "cpu": platform.processor() or platform.machine(),
                            "threads": torch.get_num_threads()}, **payload}
-    path = RESULTS / f"{name}.json"
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

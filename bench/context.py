@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import engine
-from bench.common import cpu_interleaved, interleaved, save
+from bench.common import add_record_argument, cpu_interleaved, interleaved, save
 from engine.context.ring import RingExchange
 from engine.context.sharding import ContextShards
 from engine.context.ulysses import SequenceAttention, UlyssesExchange
@@ -178,6 +178,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--method", choices=("ulysses", "ring"), default="ulysses")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -228,7 +229,7 @@ def main(argv=None):
                       f"({m['gathered_ratio']:.2f}), {s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
         name = "context" if args.method == "ulysses" else f"context_{args.method}"
         save(f"{name}_w{info.world_size}", {"method": args.method, "load_average": load, "rows": ROWS, "micro_batch": MICRO,
-                                             "memory": memory, "speed": speed})
+                                             "memory": memory, "speed": speed}, record=args.record)
     dist.destroy_process_group()
 
 

@@ -163,7 +163,7 @@ def main(argv=None):
         "bytes": "CommCounter (torch.distributed + DDP hook) + CommCounter.watch_deepspeed (DeepSpeed's comm backend), "
                  "each collective once, ring-model bytes one rank sends",
         "load_average_1min": {"before": load_before[0], "after": load_after[0], "cores": os.cpu_count()},
-        "variants": result})
+        "variants": result}, record=args.record)
 
 
 if __name__ == "__main__":

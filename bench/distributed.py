@@ -171,7 +171,7 @@ def main(argv=None):
     save(f"distributed_w{info.world_size}", {
         "workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW fp32, "
                     f"{info.world_size} ranks gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
-        "variants": result})
+        "variants": result}, record=args.record)
 
 
 if __name__ == "__main__":

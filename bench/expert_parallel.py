@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import engine
-from bench.common import adamw, cpu_interleaved, interleaved, save
+from bench.common import adamw, add_record_argument, cpu_interleaved, interleaved, save
 from bench.moe import SEQ, VOCAB, hf_loss, mixtral
 from torch.nn.parallel import DistributedDataParallel
 
@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
             "sequence": SEQ, "rows": rows, "against_hand": {
                 "engine_seconds": times[ENGINE_TERM], "hand_seconds": times[HAND_TERM], "ratio": against_hand,
                 "engine_cpu_seconds": cpu[ENGINE_TERM], "hand_cpu_seconds": cpu[HAND_TERM],
-                "cpu_ratio": cpu_against_hand}}))
+                "cpu_ratio": cpu_against_hand}}, record=args.record))
     for eng in (*engines.values(), per_micro_batch):
         eng.close()
 

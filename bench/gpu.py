@@ -22,7 +22,7 @@ What it runs:
    does not fit), and which the tuner chose.
 
 Writes ``gpu_<device>.json`` and ``gpu_<device>.md`` (a markdown table) into --out
-(default bench/results/).
+(default bench/results/latest/; bench/results/ with --record).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import engine
-from bench.common import RESULTS
+from bench.common import add_record_argument, results_directory
 from bench.model_transforms import lm, saved_activation_bytes, tokens
 from engine.autotune.report import format_table
 from engine.memory import held_bytes, storage_bytes
@@ -359,8 +359,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--toy", action="store_true", help="toy size even on a GPU")
     parser.add_argument("--no-compile", action="store_true", help="eager blocks (compiling is slow on CPU)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="the folder for its files (default: as --record says)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
+    out = args.out or results_directory(args.record)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     size = sizes(device, args.toy)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -370,10 +372,10 @@ def main(argv=None) -> dict:
     report["checkpointing_choice"] = run_reported(checkpointing_choice, device, size)
     report["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized() or dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         name = "gpu_" + report["device"].replace(" ", "_")
-        (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (args.out / f"{name}.md").write_text(markdown(report))
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{name}.md").write_text(markdown(report))
         print(markdown(report))
     return report
 

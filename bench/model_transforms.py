@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import engine
-from bench.common import interleaved, save
+from bench.common import add_record_argument, interleaved, save
 from engine.memory import held_bytes, storage_bytes
 from engine.strategies.model_transforms import repeated_blocks
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -122,6 +122,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="also time compiled against eager")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, batch = lm(args.layers, args.width), tokens()
@@ -155,7 +156,7 @@ def main(argv=None):
     save("model_transforms" + ("_compile" if args.compile else ""), {
         "workload": f"examples/gpt.py, {args.layers} layers, width {args.width}, {TIME} tokens, global batch {GLOBAL}, "
                     f"micro {MICRO}, AdamW, 1 process, 1 thread",
-        "memory": memory, "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratios": ratios})
+        "memory": memory, "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratios": ratios}, record=args.record)
 
 
 if __name__ == "__main__":

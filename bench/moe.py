@@ -36,7 +36,7 @@ import weakref
 import torch
 
 import engine
-from bench.common import adamw, interleaved, save
+from bench.common import adamw, add_record_argument, interleaved, save
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from engine.memory import format_bytes, storage_bytes, storages
 
@@ -112,6 +112,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -158,7 +159,7 @@ def main(argv=None) -> None:
         name = f"moe_w{info.world_size}" if info.world_size > 1 else "moe"
         print("results:", save(name + (f"_zero{args.stage}" if args.stage else ""),
                                {"stage": args.stage, "rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH,
-                                "accumulation": ACCUMULATION, "sequence": SEQ, "rows": rows}))
+                                "accumulation": ACCUMULATION, "sequence": SEQ, "rows": rows}, record=args.record))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import copy
 import torch
 
 import engine
-from bench.common import adamw, interleaved, save
+from bench.common import adamw, add_record_argument, interleaved, save
 from bench.moe import ACCUMULATION, GLOBAL_BATCH, SEQ, hf_loss, lm_batch, mixtral
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 
@@ -40,6 +40,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
         suffix = "" if args.schedule == "1f1b" else f"_{args.schedule}"
         print("results:", save(f"moe_pipeline_w{info.world_size}{suffix}", {
             "schedule": args.schedule, "global_counts": engines["global"].experts.global_counts, "rounds": args.rounds, "steps": args.steps, "global_batch": GLOBAL_BATCH, "accumulation": ACCUMULATION,
-            "sequence": SEQ, "rows": rows}))
+            "sequence": SEQ, "rows": rows}, record=args.record))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import copy
 import torch
 
 import engine
-from bench.common import batch, interleaved, mlp, mse, save
+from bench.common import add_record_argument, batch, interleaved, mlp, mse, save
 
 GLOBAL_BATCH, MICRO = 64, 16
 
@@ -37,6 +37,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -64,7 +65,7 @@ def main(argv=None):
     save("non_finite_cost", {"workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, micro {MICRO}, AdamW, "
                                          "1 process, train_batch, no clipping",
                              "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratio_vs_no_check": ratios,
-                             "check_alone_ms": check * 1e3, "check_fraction_of_step": check / base})
+                             "check_alone_ms": check * 1e3, "check_fraction_of_step": check / base}, record=args.record)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script (e.g. under a launcher): make `
 import torch
 
 import engine
-from bench.common import adamw, interleaved, save
+from bench.common import adamw, add_record_argument, interleaved, save
 from bench.token_budget import skewed_batch
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 
@@ -56,6 +56,7 @@ def main(argv=None):
     parser.add_argument("--longest", type=int, default=512, help="longest document (tokens)")
     parser.add_argument("--long-rows", type=int, default=4, help="long documents per device batch")
     parser.add_argument("--budget", type=int, default=1024, help="micro_batch_tokens (N)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -100,7 +101,7 @@ def main(argv=None):
                   f"{row['real_tokens_per_s']:8.0f} {row['micro_steps']:5d} {row['padding_fraction']:8.1%} "
                   f"{row['peak_memory_mb']:8.1f}")
         save(f"packing_w{info.world_size}", {"rows": args.rows, "longest": args.longest, "budget": args.budget,
-                                             "variants": rows})
+                                             "variants": rows}, record=args.record)
     for eng in engines.values():
         eng.close()
 

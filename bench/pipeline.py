@@ -164,7 +164,7 @@ def main(argv=None):
     save(f"pipeline_w{info.world_size}", {
         "workload": f"MLP 4.2M params in 2 stages, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW "
                     f"fp32, 2 ranks gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
-        "variants": result, "bubble": bubble, "stages": stages})
+        "variants": result, "bubble": bubble, "stages": stages}, record=args.record)
 
 
 def _sent_bytes() -> int:

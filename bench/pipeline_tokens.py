@@ -149,7 +149,7 @@ def main(argv=None):
         "workload": f"8-layer token MLP with causal mixing, {ROWS} rows per window of at most {LONGEST} tokens, 2 "
                     f"stages 1F1B, AdamW fp32, 2 ranks gloo, {args.rounds} rounds x {args.steps} steps, median, "
                     "slowest rank; per window: micro-steps, schedules built (over every window run), padding share",
-        "streams": result})
+        "streams": result}, record=args.record)
 
 
 if __name__ == "__main__":

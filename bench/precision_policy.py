@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     from bench.common import save
 
     argv = sys.argv[1:] if argv is None else argv
+    record = "--record" in argv  # as every bench's --record (bench/common.py)
     if "--bytes" in argv:
         import torch.distributed as dist
 
@@ -116,14 +117,14 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             for stage, row in rows.items():
                 print(stage, row)
-            save(f"precision_policy_bytes_w{dist.get_world_size()}", rows)
+            save(f"precision_policy_bytes_w{dist.get_world_size()}", rows, record=record)
         return
     errors = accumulation_errors()
     print("| A | " + " | ".join(errors) + " |")
     print("|---|" + "---|" * len(errors))
     for a in ACCUMULATIONS:
         print(f"| {a} | " + " | ".join(f"{errors[mode][a]:.2e}" for mode in errors) + " |")
-    save("precision_policy", {mode: {str(a): e for a, e in row.items()} for mode, row in errors.items()})
+    save("precision_policy", {mode: {str(a): e for a, e in row.items()} for mode, row in errors.items()}, record=record)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import copy
 import torch
 
 import engine
-from bench.common import batch, interleaved, mlp, mse, save
+from bench.common import add_record_argument, batch, interleaved, mlp, mse, save
 
 GLOBAL_BATCH, MICRO = 64, 16
 
@@ -28,6 +28,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (1: steadier on a shared 2-core machine)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -73,7 +74,7 @@ def main(argv=None):
         print(f"{name:32s} {t * 1e3:8.2f} ms/step   ratio {ratios[name]:.3f}")
     save("single_overhead", {"workload": f"MLP 4.2M params, global batch {GLOBAL_BATCH}, micro {MICRO}, "
                                          f"accumulation {accumulation}, AdamW, 1 process",
-                             "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratio_vs_hand": ratios})
+                             "ms_per_step": {k: v * 1e3 for k, v in times.items()}, "ratio_vs_hand": ratios}, record=args.record)
 
 
 if __name__ == "__main__":

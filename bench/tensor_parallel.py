@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import engine
-from bench.common import GLOBAL_BATCH, adamw, batch, cpu_interleaved, interleaved, mlp, mse, save
+from bench.common import GLOBAL_BATCH, adamw, add_record_argument, batch, cpu_interleaved, interleaved, mlp, mse, save
 from engine.adapters.torch_internals import fsdp_comms, fsdp_held_tensors
 from engine.distributed.collectives import all_reduce_mean_
 from engine.memory import held_bytes, storage_bytes
@@ -185,6 +185,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -225,7 +226,7 @@ def main(argv=None):
     save(f"tensor_parallel_w{info.world_size}", {
         "workload": f"MLP 4.2M params, {mesh}, global batch {GLOBAL_BATCH}, accumulation {ACCUMULATION}, AdamW fp32, "
                     f"gloo, {args.rounds} rounds x {args.steps} steps, median, slowest rank",
-        "variants": result})
+        "variants": result}, record=args.record)
 
 
 if __name__ == "__main__":

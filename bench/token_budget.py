@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
-from bench.common import adamw, interleaved, save
+from bench.common import adamw, add_record_argument, interleaved, save
 from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 from gpt import GPT, GPTConfig
 
@@ -64,6 +64,7 @@ def main(argv=None):
     parser.add_argument("--longest", type=int, default=512, help="longest sequence (tokens)")
     parser.add_argument("--long-rows", type=int, default=4, help="long sequences per device batch")
     parser.add_argument("--budget", type=int, default=4096, help="micro_batch_tokens (padded tokens)")
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)
@@ -123,7 +124,7 @@ def main(argv=None):
                         f"{args.rows} sequences: {args.long_rows} of {args.longest * 3 // 4}-{args.longest} tokens, "
                         f"the rest {args.longest // 32}-{args.longest * 3 // 16}; AdamW, fp32, (sum, count) loss",
             "lengths_rank0": lengths.tolist(), "rounds": args.rounds, "steps": args.steps,
-            "variants": rows})
+            "variants": rows}, record=args.record)
     for eng in engines.values():
         eng.close()
 

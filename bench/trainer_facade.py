@@ -40,7 +40,7 @@ import torch.distributed as dist
 import transformers
 
 import engine
-from bench.common import save
+from bench.common import add_record_argument, save
 from engine.compat.transformers import Trainer, TrainingArguments
 
 MICRO, ACCUMULATION, SEQUENCE, VOCAB, WARMUP = 4, 4, 128, 1024, 2
@@ -116,6 +116,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6)
     engine.strip_local_rank_arg(argv)
+    add_record_argument(parser)
     args = parser.parse_args(argv)
     info = engine.init_distributed()
     torch.set_num_threads(1)
@@ -145,7 +146,7 @@ def main(argv=None):
             for name, value in ratios[measure].items():
                 print(f"{measure:>4} {name:>20}: {value:.3f}")
         save("trainer_facade", {"world_size": info.world_size, "rounds": args.rounds, "steps": args.steps,
-                                "median_seconds": medians, "ratios": ratios, "samples": samples})
+                                "median_seconds": medians, "ratios": ratios, "samples": samples}, record=args.record)
 
 if __name__ == "__main__":
     main()

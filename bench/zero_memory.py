@@ -141,7 +141,7 @@ def main(argv=None):
     save(f"zero_memory_w{info.world_size}", {
         "workload": f"MLP 4.2M params (P = {P / 1e6:.1f} MB fp32), AdamW, global batch {GLOBAL_BATCH}, "
                     f"{info.world_size} ranks gloo; held = max over the backwards of a window (A >= 2 shown in docs)",
-        "rows": rows})
+        "rows": rows}, record=args.record)
 
 
 if __name__ == "__main__":
