@@ -257,6 +257,22 @@ def _saved_distance(folder: Path) -> float:
     return scripts.distance(model.state_dict(), _clm_reference())
 
 
+def test_clm_example_resumes_mid_epoch(tmp_path):
+    """One process: the run saved at step 3, resumed by a second run (load_state, skip_first_batches), ends
+    with the uninterrupted run's weights."""
+    from transformers import LlamaForCausalLM
+
+    from examples import accelerate_clm
+
+    args = ["--max_lines", "60", "--float64", "--checkpointing_steps", "3"]
+    accelerate_clm.main([*args, "--output_dir", str(tmp_path / "straight")])
+    accelerate_clm.main([*args, "--output_dir", str(tmp_path / "resumed"),
+                         "--resume_from_checkpoint", str(tmp_path / "straight" / "step_3")])
+    straight, resumed = (LlamaForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float64).state_dict()
+                         for name in ("straight", "resumed"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_clm_example_under_python_m_launch(tmp_path):
