@@ -6,7 +6,7 @@ with deepspeed and accelerate absent (tests/integration/test_compat_deepspeed_ze
 never declares ``--local_rank`` (``add_config_arguments`` must not need it). At ZeRO 3: the marks
 of partitioned parameters, ``GatheredParameters`` gathering exactly the parameters given (reads,
 writes with ``modifier_rank``, DeepSpeed-Chat's load into a submodule), the usual per-parameter
-save, ``module_state_dict()`` and ``save_16bit_model`` (files left in OUT_DIR for the test to load);
+save, ``module_state_dict()`` and ``save_16bit_model`` (files left in OUT_DIR for the test to load), the model built under ``zero.Init``;
 at ZeRO 0 the same script's branch without marks; ``HfDeepSpeedConfig`` and ``from_pretrained``;
 every name of docs/migrating.md's survey table. Each rank writes OUT_DIR/rank<N>.json.
 """
@@ -73,7 +73,8 @@ def written_by_rank0(ds_engine, param, rank: int) -> bool:
 
 
 def zero3(out: str, rank: int) -> dict:
-    model = tiny_llama()
+    with deepspeed.zero.Init(config_dict_or_path={**CONFIG, "zero_optimization": {"stage": 3}}):
+        model = tiny_llama()  # built whole: initialize shards it
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     ds_engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 3}})
     module = ds_engine.module
