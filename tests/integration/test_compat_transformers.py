@@ -35,7 +35,7 @@ class Events(transformers.TrainerCallback):
         return object.__getattribute__(self, name)
 
 
-def test_padded_rows_and_router_term_exact_on_one_process_where_transformers_misses_the_term(tmp_path):
+def test_padded_rows_router_term_and_no_loss_kwargs_exact_on_one_process_where_transformers_misses(tmp_path):
     data = h.rows(16)
     for kind in ("dense", "moe"):
         expected = h.reference(kind, data, 4)
@@ -47,8 +47,11 @@ def test_padded_rows_and_router_term_exact_on_one_process_where_transformers_mis
             first = net(**h.global_batches(data, 4)[0]).loss.item()
         assert door.state.log_history[0]["loss"] == pytest.approx(first, rel=1e-6)
         assert door.state.log_history[0]["grad_norm"] > 0
-    original = h.train(transformers.Trainer, transformers.TrainingArguments, "moe", data, str(tmp_path / "hf"))
-    assert h.distance(original, h.reference("moe", data, 4)) > h.MISSED
+    for kind in ("moe", "no loss kwargs"):
+        original = h.train(transformers.Trainer, transformers.TrainingArguments, kind, data, str(tmp_path / "hf"))
+        assert h.distance(original, h.reference(kind, data, 4)) > h.MISSED, kind
+    door = h.train(Trainer, TrainingArguments, "no loss kwargs", data, str(tmp_path / "no loss kwargs"))
+    assert h.distance(door, h.reference("no loss kwargs", data, 4)) < h.TOL
 
 
 def test_rows_packed_by_data_collator_with_flattening_exact_with_the_router_term(tmp_path):

@@ -54,8 +54,15 @@ def global_batches(data: list[dict], global_batch: int, collator=pad) -> list[di
 
 
 def model(kind: str) -> torch.nn.Module:
-    """``dense``: a float64 Llama; ``moe``: a float64 Mixtral whose ``.loss`` holds its routers' term."""
-    return own_loss.model("causal") if kind == "dense" else moe_models.hf_moe(coef=0.05)
+    """``dense``: a float64 Llama; ``moe``: a float64 Mixtral whose ``.loss`` holds its routers' term;
+    ``no loss kwargs``: the Llama saying its forward takes no ``num_items_in_batch`` (as a model whose
+    forward has no ``**kwargs``), for which transformers divides each micro-batch's mean by the accumulation."""
+    if kind == "moe":
+        return moe_models.hf_moe(coef=0.05)
+    net = own_loss.model("causal")
+    if kind == "no loss kwargs":
+        net.accepts_loss_kwargs = False
+    return net
 
 
 def reference(kind: str, data: list[dict], global_batch: int, steps: int = 2, collator=pad) -> dict:
