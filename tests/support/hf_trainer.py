@@ -142,21 +142,26 @@ def original_against_reference(rank: int, world_size: int, kind: str, out: str, 
     return distance(trainer, reference(kind, data, micro * accumulation * world_size))
 
 
-def saved_under_zero_3(rank: int, world_size: int, out: str) -> float:
-    """``save_model`` after a ZeRO 3 run: the folder ``from_pretrained`` loads holds the whole weights."""
-    import transformers
-
+def saved_under_zero_3(rank: int, world_size: int, out: str) -> tuple[float, float]:
+    """``save_model`` after a ZeRO 3 run: the folder ``from_pretrained`` loads holds the whole weights, and
+    ``evaluate()`` on the sharded model agrees with transformers' own evaluation of the loaded one: the
+    weights' distance and the evaluation losses' relative difference."""
     import torch.distributed as dist
+    import transformers
 
     from engine.compat.transformers import Trainer, TrainingArguments
 
-    trainer = train(Trainer, TrainingArguments, "moe", rows(8 * world_size), f"{out}/zero3", accumulation=2,
+    data = rows(8 * world_size)
+    trainer = train(Trainer, TrainingArguments, "moe", data, f"{out}/zero3", accumulation=2,
                     microstep={"zero_optimization": {"stage": 3}})
     trainer.save_model(f"{out}/zero3/saved")
     dist.barrier()
     loaded = transformers.MixtralForCausalLM.from_pretrained(f"{out}/zero3/saved", dtype=torch.float64,
-                                                                experts_implementation="eager")
-    return max_param_diff(state(loaded), trained_state(trainer))
+                                                             experts_implementation="eager")
+    mine = trainer.evaluate(data)["eval_loss"]
+    theirs = transformers.Trainer(model=loaded, args=transformers.TrainingArguments(
+        output_dir=f"{out}/zero3/eval", report_to=[], use_cpu=True), data_collator=pad).evaluate(data)["eval_loss"]
+    return max_param_diff(state(loaded), trained_state(trainer)), abs(mine - theirs) / theirs
 
 
 DOOR_IMPORT = "from engine.compat.transformers import Trainer, TrainingArguments"
