@@ -19,7 +19,7 @@ optimizer step; its micro-batches already collated), the own loop's ``train_batc
 slowest rank's) and in CPU time (the process's, averaged over the ranks: on a machine shared with other
 work, what the variant computes without waiting for a core). Each round builds every variant afresh
 (rotating order) and trains ``--steps`` steps, of which the first two are warm-up.
-Result: bench/results/trainer_facade.json.
+Result: bench/results/trainer_facade_w<W>.json.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main(argv=None):
                 print(f"{measure:>4} {name:>14}: {value * 1000:8.1f} ms per step (median of {count})")
             for name, value in ratios[measure].items():
                 print(f"{measure:>4} {name:>20}: {value:.3f}")
-        save("trainer_facade", {"world_size": info.world_size, "rounds": args.rounds, "steps": args.steps,
+        save(f"trainer_facade_w{info.world_size}", {"world_size": info.world_size, "rounds": args.rounds, "steps": args.steps,
                                 "median_seconds": medians, "ratios": ratios, "samples": samples}, record=args.record)
 
 if __name__ == "__main__":
