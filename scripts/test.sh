@@ -2,6 +2,17 @@
 # Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+workers=${MICROSTEP_TEST_WORKERS:-2}
+# How long a run takes on 2 cores, setup included, said before it starts (issue 55). 2 workers:
+# 774 s in the last CI run. One: estimated, not run whole: a sample of test files run both ways
+# (2026-12-06, other sessions loading the machine) took 1.38x as long per file beside a second
+# worker, so one worker takes about 2 / 1.38 = 1.45x the 2 workers' test time.
+case "$workers" in
+  2) estimate="about 13 minutes with 2 workers" ;;
+  0|1) estimate="about 18 minutes with one worker (an estimate; 2 workers: about 13)" ;;
+  *) estimate="not measured with $workers workers (2 workers: about 13 minutes)" ;;
+esac
+echo "[test] $estimate on a quiet 2-core machine, setup included; longer while other work runs (this machine: $(nproc) cores)" >&2
 bash scripts/setup.sh
 # DeepSpeed compiles a small shared-memory op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
@@ -10,8 +21,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # says PYTHONDONTWRITEBYTECODE, each would compile the repository's sources again: compile them once.
 .venv/bin/python -m compileall -q engine launch examples bench tests > /dev/null
 # Two workers (pytest-xdist), each taking whole test files: a file's module fixtures run once, and
-# the second core is not idle while a test waits on its ranks or on a launcher (about 10 minutes on
-# 2 cores instead of 14). One worker: MICROSTEP_TEST_WORKERS=0 bash scripts/test.sh
+# the second core is not idle while a test waits on its ranks or on a launcher (the times above).
+# One worker: MICROSTEP_TEST_WORKERS=0 bash scripts/test.sh
 # -ra: the summary at the end names every skip with its reason (a test this machine cannot run), and
 # every failure; written here, not only in pyproject's addopts (a bare -rs would replace it and drop the failures).
-exec .venv/bin/python -m pytest -q -ra -n "${MICROSTEP_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -ra -n "$workers" --dist loadfile "$@"
