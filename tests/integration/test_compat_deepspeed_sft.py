@@ -3,10 +3,13 @@ causal LM, right-padded rows labelled -100 at the padding, FusedAdam on weight-d
 schedule, accumulation 2, clipping 1.0, its own ZeRO-3 save), launched by ``python -m launch`` on two
 processes with DeepSpeed and accelerate absent: at ZeRO 0 and ZeRO 3 the model it saves loads with
 ``weights_only=True`` into the Hugging Face model and equals float64 plain PyTorch on each whole
-global batch. The control is the same file with DeepSpeed's import lines, under the deepspeed
-launcher with DeepSpeed 0.19 (ZeRO 0): it averages the micro-batches' token means and misses."""
+global batch. The control is the same file with DeepSpeed's import lines, run with DeepSpeed 0.19 (ZeRO 0) on two
+gloo ranks that receive ``--local_rank`` as under the deepspeed launcher (tests/support/dist_utils.py's
+ranks, which spare the launcher's start-up): it averages the micro-batches' token means and misses."""
 
+import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from examples.deepspeed_sft import WEIGHTS_NAME, optimizer_grouped_parameters, parse_args, synthetic_rows
 from tests.support import absent
+from tests.support.dist_utils import run_distributed
 from tests.support.deepspeed_facade_checks import tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,12 +73,20 @@ def reference(model_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def launch(script: Path, stage: int, out: Path, env: dict, *launcher: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "launch", *launcher, "--nproc-per-node", str(WORLD), str(script),
+def launch(script: Path, stage: int, out: Path, env: dict) -> str:
+    result = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", str(WORLD), str(script),
                              "--model_name_or_path", str(out.parent / "model"), "--zero_stage", str(stage),
                              "--output_dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
     return result.stdout
+
+
+def run_script(rank: int, world_size: int, path: str, argv: list[str]) -> None:
+    """The script at ``path`` on this rank, given ``--local_rank`` as the deepspeed launcher gives it."""
+    spec = importlib.util.spec_from_file_location("deepspeed_sft_control", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([f"--local_rank={rank}", *argv])
 
 
 def saved_distance(out: Path, expected: dict[str, torch.Tensor]) -> float:
@@ -102,6 +114,8 @@ def test_sft_script_with_only_its_imports_changed_is_exact_at_zero_0_and_3_witho
     assert len(changed) == 5 and all(line.startswith(("import ", "from ")) for line in changed), changed
     control = tmp_path / "deepspeed_sft.py"
     control.write_text(original)
-    with_deepspeed = absent.environment(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
-    launch(control, 0, tmp_path / "deepspeed_zero0", with_deepspeed, "--launcher", "deepspeed")
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    run_distributed(run_script, WORLD, timeout=240, env={"TORCH_EXTENSIONS_DIR": extensions},
+                    args=(str(control), ["--model_name_or_path", str(tmp_path / "model"), "--zero_stage", "0",
+                                         "--output_dir", str(tmp_path / "deepspeed_zero0")]))
     assert saved_distance(tmp_path / "deepspeed_zero0", expected) > MISS
