@@ -1,7 +1,8 @@
 """``from engine.compat.accelerate import Accelerator``: an accelerate script with that one import line
 changed trains the whole global batch's objective, against the float64 full-batch reference, while
 accelerate's own Accelerator on the same script (the control) misses: a tiny Llama on padded rows of 2 to
-12 real tokens, accumulation 4, on 1 and 2 processes (and ZeRO 3 from a Microstep config); the scheduler
+12 real tokens, accumulation 4, on 1 and 2 processes (and ZeRO 3 from a Microstep config), and a Mixtral
+whose .loss adds its router term (the window's, as the full batch's); the scheduler
 steps as accelerate's; save_state / load_state continue as if uninterrupted; gather_for_metrics,
 split_between_processes, reduce answer as accelerate's; what accelerate launch sets is honoured or
 refused by name; examples/accelerate_clm.py (run_clm_no_trainer's shape) under ``python -m launch`` and
@@ -107,6 +108,10 @@ def _resume(rank, world_size, folder):
     return max(float((straight[k] - after[k]).abs().max()) for k in straight), straight_lr, again[3].get_last_lr()
 
 
+def _router_term_two(rank, world_size):
+    return _router_term(world_size)
+
+
 def _collectives(door: bool):
     """What an evaluation loop gathers: 5 samples, 2 per process (the last global batch completed with
     the first samples, which gather_for_metrics drops), and the other helpers' answers."""
@@ -147,12 +152,15 @@ def _collectives_alike(rank, world_size):
 def test_two_processes(tmp_path):
     results = run_scenarios({
         "exact": _two_processes,
+        "router term": _router_term_two,
         "zero3": _zero3,
         "resume": functools.partial(_resume, folder=str(tmp_path / "state")),
         "collectives": _collectives_alike,
     }, world_size=2, timeout=200)
     for result in results["exact"]:
         _check_exact(result, 2)
+    for result in results["router term"]:
+        _check_router_term(result)
     assert all(distance < TOL for distance in results["zero3"]), results["zero3"]
     for difference, straight_lr, resumed_lr in results["resume"]:
         assert difference == 0.0 and straight_lr == resumed_lr, results["resume"]
@@ -206,10 +214,36 @@ def test_refusals_name_the_setting(arguments, environ, named):
         read_settings(arguments, environ)
 
 
-def test_router_term_refused_at_prepare():
+def _router_term(processes: int) -> dict:
+    rows = scripts.moe_rows(ROWS)
+    expected = scripts.moe_reference(rows)
+    micro_batch_term = {"moe": {"load_balance": "micro_batch"}}
+    return {"door": scripts.distance(scripts.run_moe_script(True, rows, processes), expected),
+            "door, the term per micro-batch": scripts.distance(
+                scripts.run_moe_script(True, rows, processes, microstep_config=micro_batch_term), expected),
+            "control": scripts.distance(scripts.run_moe_script(False, rows, processes), expected)}
+
+
+def _check_router_term(result: dict) -> None:
+    assert result["door"] < TOL, result
+    assert result["door, the term per micro-batch"] > 1e-4, result  # the window's term is what makes it exact
+    assert result["control"] > MISSES, result
+
+
+def test_router_term_one_process():
+    """A Mixtral's .loss with its load-balancing term: the door holds each window and runs it whole."""
+    _check_router_term(_router_term(1))
+
+
+def test_router_term_window_takes_the_model_loss_unchanged():
     accelerator = Accelerator(gradient_accumulation_steps=4)
-    with pytest.raises(EngineUsageError, match="moe.load_balance: micro_batch"):
-        _prepared(accelerator, hf_moe())
+    model, _ = _prepared(accelerator, hf_moe())
+    batch = {key: value[None] for key, value in scripts.moe_rows(1)[0].items()}
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss
+        with pytest.raises(EngineUsageError, match="unchanged"):
+            accelerator.backward(loss * 2)
+    accelerator.free_memory()
 
 
 def test_backward_outside_accumulate_refused():

@@ -182,3 +182,52 @@ def mean_loss_reference(rows: list, window_rows: int) -> dict[str, torch.Tensor]
         torch.nn.functional.mse_loss(model(inputs), targets).backward()
         optimizer.step()
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+ROUTER_COEF = 0.05
+
+
+def moe_rows(count: int, seed: int = 3) -> list[dict]:
+    """Padded rows (2 to 6 real tokens) for the Mixtral, one dict per row."""
+    from tests.support.moe_models import lm_batches
+
+    batch = lm_batches(1, count, padded=True, seed=seed)[0]
+    return [{key: value[i] for key, value in batch.items()} for i in range(count)]
+
+
+def run_moe_script(door: bool, rows: list[dict], processes: int, **accelerator_kwargs) -> dict[str, torch.Tensor]:
+    """The same loop on a Mixtral whose ``.loss`` adds its router term (``output_router_logits``), SGD with
+    momentum; the term computed in float64 (``float64_term``) as in the reference."""
+    from tests.support.moe_models import float64_term, hf_moe
+
+    accelerator = accelerator_class(door)(gradient_accumulation_steps=ACCUMULATION, **accelerator_kwargs)
+    model = hf_moe(coef=ROUTER_COEF)
+    in_float64 = float64_term(model)  # of the model's own class (ZeRO 3 makes another)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = DataLoader(rows, batch_size=GLOBAL_BATCH // (processes * ACCUMULATION), shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with in_float64:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    return {name: value.detach().cpu().clone() for name, value in accelerator.get_state_dict(model).items()}
+
+
+def moe_reference(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on each whole global batch: the mean over its real target tokens plus the coefficient
+    times the whole batch's load-balancing term, in float64."""
+    from tests.support.moe_models import float64_term, full_batch_loss, hf_moe
+
+    model = hf_moe(coef=ROUTER_COEF)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = full_batch_loss(ROUTER_COEF)
+    with float64_term(model):
+        for start in range(0, len(rows) - GLOBAL_BATCH + 1, GLOBAL_BATCH):
+            batch = {key: torch.stack([row[key] for row in rows[start:start + GLOBAL_BATCH]]) for key in rows[0]}
+            optimizer.zero_grad()
+            loss_fn(model, batch).backward()
+            optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}

@@ -304,7 +304,6 @@ class Accelerator:
     def _start_engine(self) -> None:
         if self.engine is not None or self._model is None or self._optimizer is None:
             return
-        _refuse_window_router_term(self._model.module, self.settings.config)
         raw = self._optimizer.optimizer
         eng = engine.initialize(self._model.module, self.settings.config, optimizer=raw, manual_sizes="inputs",
                                 grad_norm_every_step=True)
@@ -313,6 +312,8 @@ class Accelerator:
                                    "section?): remove the optimizer section from the Microstep config")
         self._model.module = eng.module
         self.window.engine = eng
+        if _adds_window_router_term(self._model.module, self.settings.config):
+            self.window.held = []  # its windows run whole at their close (engine.compat.accelerate.boundary)
 
     # -- the model's state -------------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
@@ -522,7 +523,7 @@ class Accelerator:
         """Release the engine and every prepared object (a later ``prepare`` starts anew). Collective."""
         if self.engine is not None:
             self.engine.close()
-        self.window.engine = None
+        self.window.engine, self.window.held = None, None
         self._model, self._optimizer = None, None
         self._schedulers, self._loaders, self._custom_objects = [], [], []
         gc.collect()
@@ -553,18 +554,11 @@ def _kind(obj) -> str:
     return "other"
 
 
-def _refuse_window_router_term(model: torch.nn.Module, config) -> None:
-    """A routed model's ``.loss`` adds its load-balancing term, which is the global batch's only when the
-    engine sees a whole window before its first backward; an accelerate loop runs one micro-batch's forward
-    and backward at a time (the engine's manual loop would refuse at the first forward: said here, up front)."""
+def _adds_window_router_term(model: torch.nn.Module, config) -> bool:
+    """Whether ``model``'s ``.loss`` adds its routers' load-balancing term, which the engine makes the global
+    batch's (``moe.load_balance: global``): then the door holds each window (see engine.compat.accelerate.boundary)."""
     routed = getattr(getattr(model, "config", None), "output_router_logits", False)
-    if routed and config.moe.load_balance == "global":
-        raise EngineUsageError(
-            "prepare(): the model adds its routers' load-balancing term to .loss (output_router_logits), which "
-            "Microstep makes the global batch's (moe.load_balance: global) only where it runs a whole window before "
-            "its first backward; an accelerate loop runs one micro-batch's forward and backward at a time. Train "
-            "it with engine.compat.transformers.Trainer or engine.initialize(...).train_batch, or set "
-            "moe.load_balance: micro_batch in microstep_config to keep each micro-batch's own term")
+    return bool(routed) and config.moe.load_balance == "global"
 
 
 def _start_accelerate_state(cpu: bool) -> None:

@@ -33,6 +33,8 @@ class PreparedModel(torch.nn.Module):
         eng = self.window.engine
         if eng is None:  # prepared without an optimizer: evaluation only
             return self.module(*args, **kwargs)
+        if self.window.held is not None and torch.is_grad_enabled():  # a routed model's held window
+            return self.window.held_forward(eng, args, kwargs)
         return eng(*args, **kwargs)
 
     def __getattr__(self, name: str):
