@@ -18,7 +18,9 @@ forward is the engine's, which reads the model's own ``.loss`` as (sum, count) b
 handed; ``backward`` weights each micro-batch by its share of the whole window over every process
 (never accelerate's fixed 1 / gradient_accumulation_steps); the engine owns the boundary, where the
 script's ``optimizer.step()`` / ``zero_grad()`` / ``lr_scheduler.step()`` act (``boundary``,
-``prepared``). Data loaders are sharded per process as accelerate shards them (``data``). Where the
+``prepared``). A mixture of experts whose ``.loss`` adds its routers' term has its windows held and
+run whole at their close, so that the term is the global batch's (``boundary``). Data loaders are
+sharded per process as accelerate shards them (``data``). Where the
 engine's config comes from, and which ``accelerate launch`` settings are honoured or refused:
 ``settings``. What differs from accelerate: docs/huggingface.md, section Accelerate.
 
