@@ -49,9 +49,9 @@ def train(trainer_cls, config_cls, kind: str, data, out: str, *, micro: int = 2,
           steps: int = 2, **extra):
     """A fresh ``hf_trainer.model(kind)`` trained padding-free by ``trainer_cls`` (TRL's or the door's)."""
     net = copy.deepcopy(hf_trainer.model(kind))
+    settings = dict(padding_free=True, max_length=None, bf16=False)  # TRL's gradient_checkpointing=True kept
     args = hf_trainer.trainer_args(config_cls, out, micro=micro, accumulation=accumulation, steps=steps,
-                                   padding_free=True, max_length=None, bf16=False, gradient_checkpointing=False,
-                                   **extra)
+                                   **{**settings, **extra})
     trainer = trainer_cls(model=net, args=args, train_dataset=data, processing_class=tokenizer(),
                           optimizers=(sgd(net.parameters()), None))
     with moe_models.float64_term(net) if kind == "moe" else hf_trainer._nothing():
