@@ -66,6 +66,29 @@ def test_own_mean_loss_and_a_short_last_window():
     assert scripts.distance(scripts.run_mean_loss_script(False, rows), expected) > MISSES
 
 
+def test_clip_grad_norm_clips_the_whole_window():
+    """clip_grad_norm_ at the syncing micro-step: the norm before clipping is the whole global batch's
+    gradient's, and the update is the full batch's clipped one."""
+    rows = scripts.padded_rows(scripts.GLOBAL_BATCH)
+    accelerator, model, optimizer, loader, _ = scripts.build(True, rows, 1)
+    norms = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.1))
+            optimizer.step()
+            optimizer.zero_grad()
+    reference = scripts.llama(layers=2)
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    reference(**batch).loss.backward()
+    full_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    torch.optim.SGD(reference.parameters(), lr=scripts.LR, momentum=scripts.MOMENTUM).step()
+    assert len(norms) == 1 and float(norms[0]) == pytest.approx(float(full_norm), rel=TOL)
+    assert scripts.distance(accelerator.get_state_dict(model), reference.state_dict()) < TOL
+    accelerator.free_memory()
+
+
 def test_save_model_loads_with_from_pretrained(tmp_path):
     from transformers import LlamaForCausalLM
 
