@@ -178,7 +178,7 @@ def test_a_deepspeed_json_is_read_with_its_auto_values_filled(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_two_processes_padded_rows_router_term_and_zero_3(tmp_path):
+def test_two_processes_padded_rows_router_term_zero_3_saved_and_resumed(tmp_path):
     out = str(tmp_path)
     results = run_scenarios({
         "dense": functools.partial(h.door_against_reference, kind="dense", out=out),
@@ -187,12 +187,14 @@ def test_two_processes_padded_rows_router_term_and_zero_3(tmp_path):
         "moe, ZeRO 3": functools.partial(h.door_against_reference, kind="moe", out=out,
                                          microstep={"zero_optimization": {"stage": 3}}),
         "ZeRO 3 saved": functools.partial(h.saved_under_zero_3, out=out),
+        "ZeRO 3 resumed": functools.partial(h.resumed_under_zero_3, out=out),
     }, world_size=2, timeout=200)
     for name in ("dense", "moe", "moe, ZeRO 3"):
         assert max(results[name]) < h.TOL, (name, results[name])
     assert min(results["moe, transformers' own"]) > h.MISSED
     assert [weights for weights, _ in results["ZeRO 3 saved"]] == [0.0, 0.0]
     assert max(evaluation for _, evaluation in results["ZeRO 3 saved"]) < 1e-12
+    assert max(results["ZeRO 3 resumed"]) < 1e-12
 
 
 def test_the_run_clm_shaped_example_trains_evaluates_saves_and_differs_from_its_original_import(tmp_path):

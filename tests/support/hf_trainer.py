@@ -186,3 +186,24 @@ def example_variants(where: Path, example: str = "hf_trainer_clm.py", door: str 
 def run_example(path: Path, argv: list[str]) -> None:
     """The script's ``main(argv)`` in this process (imports already paid)."""
     runpy.run_path(str(path), run_name="example")["main"](argv)
+
+
+def resumed_under_zero_3(rank: int, world_size: int, out: str) -> float:
+    """A run of 4 steps checkpointed at step 2 (sharded, ZeRO 3, AdamW and a linear schedule, shuffled data)
+    and the run resumed from that checkpoint: the distance between their final weights."""
+    from engine.compat.transformers import Trainer, TrainingArguments
+
+    data = rows(8 * world_size)
+
+    def run(where: str, resume: str | None = None):
+        args = TrainingArguments(output_dir=where, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                 max_steps=4, learning_rate=0.01, warmup_steps=1, save_strategy="steps",
+                                 save_steps=2, report_to=[], use_cpu=True, seed=3, disable_tqdm=True,
+                                 microstep={"zero_optimization": {"stage": 3}})
+        trainer = Trainer(model=model("moe"), args=args, train_dataset=data, data_collator=pad)
+        with moe_models.float64_term(trainer.model):
+            trainer.train(resume_from_checkpoint=resume)
+        return trained_state(trainer)
+
+    whole = run(f"{out}/resume/whole")
+    return max_param_diff(run(f"{out}/resume/resumed", resume=f"{out}/resume/whole/checkpoint-2"), whole)
