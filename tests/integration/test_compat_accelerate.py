@@ -101,6 +101,20 @@ def test_save_model_loads_with_from_pretrained(tmp_path):
     accelerator.free_memory()
 
 
+def test_automatic_checkpoint_naming_keeps_total_limit(tmp_path):
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = Accelerator(gradient_accumulation_steps=4, project_config=project)
+    _prepared(accelerator)
+    for _ in range(3):
+        accelerator.save_state()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    accelerator.load_state()  # the newest
+    assert accelerator.save_state().endswith("checkpoint_3")
+    accelerator.free_memory()
+
+
 # -- two processes: one spawn, several scenarios ----------------------------------------------------
 def _two_processes(rank, world_size):
     return _exact_and_control(world_size)

@@ -7,6 +7,7 @@ import functools
 import gc
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,22 +396,34 @@ class Accelerator:
         self.save_iteration = door["save_iteration"]
 
     def _checkpoint_dir(self, output_dir) -> str:
+        """``output_dir``, or the next automatically named one (the oldest dropped past ``total_limit``)."""
         if output_dir is not None:
             return str(output_dir)
         if not (self.settings.automatic_checkpoint_naming and self.project_dir):
             raise EngineUsageError("save_state(): give output_dir, or ProjectConfiguration(project_dir=..., "
                                    "automatic_checkpoint_naming=True)")
+        limit = self.settings.total_limit
+        if limit and self.is_main_process:
+            saved = self._automatic_checkpoints()
+            for old in saved[:max(len(saved) + 1 - limit, 0)]:
+                shutil.rmtree(old)
+        self.wait_for_everyone()
         return os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
 
     def _newest_checkpoint(self) -> str:
         if not (self.settings.automatic_checkpoint_naming and self.project_dir):
             raise EngineUsageError("load_state(): give input_dir, or use automatic_checkpoint_naming")
+        saved = self._automatic_checkpoints()
+        if not saved:
+            raise EngineUsageError(f"load_state(): no checkpoint under {self.project_dir}/checkpoints")
+        return saved[-1]
+
+    def _automatic_checkpoints(self) -> list[str]:
+        """The automatically named checkpoints, oldest first."""
         folder = os.path.join(self.project_dir, "checkpoints")
-        names = sorted(os.listdir(folder), key=lambda name: int(name.rsplit("_", 1)[-1])) if os.path.isdir(folder) \
-            else []
-        if not names:
-            raise EngineUsageError(f"load_state(): no checkpoint under {folder}")
-        return os.path.join(folder, names[-1])
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        names = sorted((n for n in names if n.startswith("checkpoint_")), key=lambda n: int(n.rsplit("_", 1)[-1]))
+        return [os.path.join(folder, name) for name in names]
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """The prepared ``dataloader`` starting this pass after its first ``num_batches`` batches (resuming)."""
