@@ -73,12 +73,23 @@ def reference(model_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def launch(script: Path, stage: int, out: Path, env: dict) -> str:
-    result = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", str(WORLD), str(script),
+def launch(script: Path, stage: int, out: Path, env: dict) -> subprocess.Popen:
+    """``python -m launch --nproc-per-node 2 script ...`` started; :func:`finish` waits for it."""
+    return subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", str(WORLD), str(script),
                              "--model_name_or_path", str(out.parent / "model"), "--zero_stage", str(stage),
-                             "--output_dir", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
-    return result.stdout
+                             "--output_dir", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: int = 300) -> str:
+    """The process's stdout, once it has exited 0."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
+    return out
 
 
 def run_script(rank: int, world_size: int, path: str, argv: list[str]) -> None:
@@ -101,12 +112,6 @@ def saved_distance(out: Path, expected: dict[str, torch.Tensor]) -> float:
 def test_sft_script_with_only_its_imports_changed_is_exact_at_zero_0_and_3_without_deepspeed(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "model")
     expected = reference(tmp_path / "model")
-    without_deepspeed = absent.environment(("deepspeed", "accelerate"))
-    for stage in (0, 3):
-        out = launch(SCRIPT, stage, tmp_path / f"zero{stage}", without_deepspeed)
-        assert "epoch 2/2: eval loss" in out, out  # tput_timer.update_epoch_count() after each epoch
-        assert saved_distance(tmp_path / f"zero{stage}", expected) < TOL, stage
-
     source = SCRIPT.read_text()
     original = deepspeed_imports(source)
     changed = [line for line, before in zip(source.splitlines(), original.splitlines()) if line != before]
@@ -114,8 +119,15 @@ def test_sft_script_with_only_its_imports_changed_is_exact_at_zero_0_and_3_witho
     assert len(changed) == 5 and all(line.startswith(("import ", "from ")) for line in changed), changed
     control = tmp_path / "deepspeed_sft.py"
     control.write_text(original)
+
+    # Both launches and the control at once: their processes mostly wait on imports.
+    without_deepspeed = absent.environment(("deepspeed", "accelerate"))
+    launches = {stage: launch(SCRIPT, stage, tmp_path / f"zero{stage}", without_deepspeed) for stage in (0, 3)}
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     run_distributed(run_script, WORLD, timeout=240, env={"TORCH_EXTENSIONS_DIR": extensions},
                     args=(str(control), ["--model_name_or_path", str(tmp_path / "model"), "--zero_stage", "0",
                                          "--output_dir", str(tmp_path / "deepspeed_zero0")]))
+    for stage, process in launches.items():
+        assert "epoch 2/2: eval loss" in finish(process), stage  # tput_timer.update_epoch_count() after each epoch
+        assert saved_distance(tmp_path / f"zero{stage}", expected) < TOL, stage
     assert saved_distance(tmp_path / "deepspeed_zero0", expected) > MISS

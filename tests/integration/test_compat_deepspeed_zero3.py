@@ -2,10 +2,10 @@
 ``--local_rank`` under ``python -m launch``, transformers' ``HfDeepSpeedConfig``, and every name of
 docs/migrating.md's survey table, provided or refused with a message.
 
-The first test launches tests/support/deepspeed_facade_checks.py on two ranks with the deepspeed and
-accelerate packages made absent (tests/support/absent.py); the files its ZeRO-3 saves leave are
-loaded here with ``weights_only=True`` into the Hugging Face model. The second is the control, in
-a process with DeepSpeed installed: every name the table provides is DeepSpeed's own, and a script
+One test, two processes: tests/support/deepspeed_facade_checks.py launched on two ranks with the
+deepspeed and accelerate packages made absent (tests/support/absent.py; the files its ZeRO-3 saves
+leave are loaded here with ``weights_only=True`` into the Hugging Face model), and the control, a
+process with DeepSpeed installed: every name the table provides is DeepSpeed's own, and a script
 that imports the real package next to the facade gets one warning on ``backend: torch``, none when
 only a library imported it, none on ``backend: deepspeed``."""
 
@@ -26,55 +26,9 @@ from tests.support.deepspeed_names import survey_rows
 REPO = Path(__file__).resolve().parents[2]
 # Names the surveyed scripts reach that DeepSpeed 0.19 no longer has (bing_bert predates their removal).
 GONE_FROM_DEEPSPEED = {"deepspeed.runtime.config.ONEBIT_LAMB_OPTIMIZER"}
-
-
-def run(cmd: list[str], env: dict, tmp_path: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
-    return result
-
-
-@pytest.mark.timeout(300)
-def test_zero3_launch_and_names_without_deepspeed(tmp_path):
-    run([sys.executable, "-m", "launch", "--nproc-per-node", "2", "tests/support/deepspeed_facade_checks.py",
-         str(tmp_path)], absent.environment(("deepspeed", "accelerate")), tmp_path)
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    for rank, found in enumerate(ranks):
-        assert found["modules"] == {"deepspeed": False, "accelerate": False}
-        # a parser without --local_rank parses as before; one declaring it reads LOCAL_RANK
-        assert found["local_rank"] == {"environment": rank, "undeclared": rank, "declared": rank}
-        zero3 = found["zero3"]
-        assert zero3["sharded"] and zero3["marked"] and zero3["unique_ids"], zero3
-        # exactly the parameter given is whole inside the block; the other stays a shard
-        assert zero3["inside"] == {"status": "AVAILABLE", "whole": True, "value": True,
-                                   "other_status": "NOT_AVAILABLE", "other_sharded": True}
-        assert zero3["after"] == {"status": "NOT_AVAILABLE", "sharded": True}
-        assert zero3["written"] and zero3["others_untouched"] and zero3["loaded"], zero3
-        assert all(map(torch.isfinite, torch.tensor([zero3["loss"], zero3["trains_after"]])))
-        assert found["zero0"] == {"unmarked": True, "written": True}
-        assert found["transformers"] == {"zero3": True, "stage": 3, "offload": True, "transformers_zero3": False,
-                                         "whole": True, "zero3_after": False,
-                                         "transformers_class": "PackageNotFoundError"}
-
-    trained = torch.load(tmp_path / "zero3_module_state_dict.bin", weights_only=True)
-    for saved in ("zero3_pattern.bin", "zero3_16bit.bin", "zero3_module_state_dict.bin"):
-        state = torch.load(tmp_path / saved, weights_only=True)
-        assert all(type(value) is torch.Tensor for value in state.values()), saved
-        model = tiny_llama()
-        model.load_state_dict(state)  # strict: every key, whole shapes
-        assert all(torch.equal(value, trained[name]) for name, value in model.state_dict().items()), saved
-
-    for name, refused in survey_rows():
-        outcome = ranks[0]["names"][name]
-        if not refused:
-            assert outcome == "provided", (name, outcome)
-        elif name.startswith("engine.optimizer."):  # the torch optimizer's missing attribute, as the table says
-            assert outcome.startswith("missing:"), (name, outcome)
-        else:
-            assert outcome.startswith(f"refused: NotProvidedError: {name} is not provided by Microstep ("), \
-                (name, outcome)
-
-
+# The control, with DeepSpeed installed, in one process: the table's provided names are DeepSpeed's
+# own; a half-migrated script is warned once on backend: torch, not for a library's import, not on
+# backend: deepspeed.
 CONTROL = textwrap.dedent("""
     import importlib, json, sys, warnings
     import torch
@@ -115,14 +69,79 @@ CONTROL = textwrap.dedent("""
 """)
 
 
+
+def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: int = 240) -> str:
+    """The process's stdout, once it has exited 0."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
+    return out
+
+
 @pytest.mark.timeout(300)
-def test_deepspeed_itself_has_the_names_and_a_mixed_import_warns_once(tmp_path):
+def test_facade_without_deepspeed_and_deepspeed_itself_as_the_control(tmp_path):
+    # the two processes at once: the launch's ranks and the control mostly wait on imports
     script = tmp_path / "half_migrated.py"
     script.write_text(CONTROL)
-    env = absent.environment(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"), MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                             LOCAL_WORLD_SIZE="1")
-    out = run([sys.executable, str(script)], env, tmp_path).stdout
+    control = start([sys.executable, str(script)],
+                    absent.environment(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                                       LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"))
+    facade = start([sys.executable, "-m", "launch", "--nproc-per-node", "2", "tests/support/deepspeed_facade_checks.py",
+                    str(tmp_path)], absent.environment(("deepspeed", "accelerate")))
+    finish(facade)
+    check_facade(tmp_path)
+    check_control(finish(control))
+
+
+def check_facade(tmp_path: Path) -> None:
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, found in enumerate(ranks):
+        assert found["modules"] == {"deepspeed": False, "accelerate": False}
+        # a parser without --local_rank parses as before; one declaring it reads LOCAL_RANK
+        assert found["local_rank"] == {"environment": rank, "undeclared": rank, "declared": rank}
+        zero3 = found["zero3"]
+        assert zero3["sharded"] and zero3["marked"] and zero3["unique_ids"], zero3
+        # exactly the parameter given is whole inside the block; the other stays a shard
+        assert zero3["inside"] == {"status": "AVAILABLE", "whole": True, "value": True,
+                                   "other_status": "NOT_AVAILABLE", "other_sharded": True}
+        assert zero3["after"] == {"status": "NOT_AVAILABLE", "sharded": True}
+        assert zero3["written"] and zero3["others_untouched"] and zero3["loaded"], zero3
+        assert all(map(torch.isfinite, torch.tensor([zero3["loss"], zero3["trains_after"]])))
+        assert found["zero0"] == {"unmarked": True, "written": True}
+        assert found["transformers"] == {"zero3": True, "stage": 3, "offload": True, "transformers_zero3": False,
+                                         "whole": True, "zero3_after": False,
+                                         "transformers_class": "PackageNotFoundError"}
+
+    trained = torch.load(tmp_path / "zero3_module_state_dict.bin", weights_only=True)
+    for saved in ("zero3_pattern.bin", "zero3_16bit.bin", "zero3_module_state_dict.bin"):
+        state = torch.load(tmp_path / saved, weights_only=True)
+        assert all(type(value) is torch.Tensor for value in state.values()), saved
+        model = tiny_llama()
+        model.load_state_dict(state)  # strict: every key, whole shapes
+        assert all(torch.equal(value, trained[name]) for name, value in model.state_dict().items()), saved
+
+    for name, refused in survey_rows():
+        outcome = ranks[0]["names"][name]
+        if not refused:
+            assert outcome == "provided", (name, outcome)
+        elif name.startswith("engine.optimizer."):  # the torch optimizer's missing attribute, as the table says
+            assert outcome.startswith("missing:"), (name, outcome)
+        else:
+            assert outcome.startswith(f"refused: NotProvidedError: {name} is not provided by Microstep ("), \
+                (name, outcome)
+
+
+
+
+def check_control(out: str) -> None:
     found = json.loads(out.split("RESULT ", 1)[1])
     missing = {name for name, present in found["names"].items() if not present}
     assert missing == GONE_FROM_DEEPSPEED, missing
