@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # public name -> the module that defines it, imported when the name is first read
-LAZY_EXPORTS = {
+_LAZY_EXPORTS = {
     "initialize": "engine.build",
     "Engine": "engine.engine",
     "loss_on_outputs": "engine.losses",
@@ -73,7 +73,7 @@ LAZY_EXPORTS = {
 
 
 def __getattr__(name: str):
-    module = LAZY_EXPORTS.get(name)
+    module = _LAZY_EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -82,7 +82,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(LAZY_EXPORTS))
+    return sorted(set(globals()) | set(_LAZY_EXPORTS))
 
 
 class _Package(types.ModuleType):
@@ -92,7 +92,7 @@ class _Package(types.ModuleType):
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" \
-                and LAZY_EXPORTS.get(name) == value.__name__:
+                and _LAZY_EXPORTS.get(name) == value.__name__:
             value = getattr(value, name)
         super().__setattr__(name, value)
 
