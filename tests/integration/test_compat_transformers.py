@@ -155,6 +155,7 @@ class OwnStep(Trainer):
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor: the smoothed loss"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size: transformers halves the global batch"),
     ({"microstep": {"tensor_parallel": {"size": 2}}}, "tensor_parallel: 2: the Trainer's data loader"),
+    ({"microstep": {"train_micro_batch_size_per_gpu": "auto"}}, "'auto': the Trainer's data loader forms"),
     ({"trainer": OwnStep}, "training_step is overridden by OwnStep"),
 ])
 def test_what_the_door_cannot_run_is_refused_in_one_line(tmp_path, change, message):

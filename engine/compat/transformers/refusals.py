@@ -38,16 +38,27 @@ def check_supported(trainer) -> None:
         raise ConfigError(problems)
 
 
-def check_mesh(config: dict) -> None:
-    """The door's data comes from accelerate, one batch per process: a mesh whose ranks share a batch
-    (tensor, context, pipeline) would be handed different ones."""
+def check_config(config: dict) -> None:
+    """What the engine config may not ask of the door: micro-batches are the data loader's, one batch per
+    process (a mesh whose ranks share a batch, tensor / context / pipeline, would be handed different ones;
+    an automatic micro size or a token budget would have the engine form them)."""
+    problems = []
     sizes = {"tensor_parallel": config.get("tensor_parallel", {}).get("size", 1),
              "context_parallel": config.get("context_parallel", {}).get("size", 1),
              "pipeline": config.get("pipeline", {}).get("stages", 1)}
     shared = [f"{key}: {size}" for key, size in sizes.items() if size not in (1, None)]
     if shared:
-        raise ConfigError([f"{', '.join(shared)}: the Trainer's data loader gives every process its own batch, while "
-                           "these ranks must share one; train such a mesh with engine.initialize and eng.batches()"])
+        problems.append(f"{', '.join(shared)}: the Trainer's data loader gives every process its own batch, while "
+                        "these ranks must share one; train such a mesh with engine.initialize and eng.batches()")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    if micro in ("auto", "explore"):
+        problems.append(f"train_micro_batch_size_per_gpu: {micro!r}: the Trainer's data loader forms the "
+                        "micro-batches (per_device_train_batch_size); give a number")
+    if config.get("micro_batch_tokens") is not None:
+        problems.append("micro_batch_tokens: the Trainer's data loader forms the micro-batches "
+                        "(per_device_train_batch_size); remove micro_batch_tokens")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _training_step_owner(cls):

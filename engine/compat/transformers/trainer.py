@@ -41,7 +41,7 @@ from accelerate import skip_first_batches
 
 import engine
 from engine.compat.transformers.arguments import engine_config
-from engine.compat.transformers.refusals import check_supported, check_mesh
+from engine.compat.transformers.refusals import check_config, check_supported
 
 ENGINE_STATE_DIR = "microstep"  # inside a checkpoint folder
 
@@ -158,7 +158,7 @@ class Trainer(transformers.Trainer):
             return self.microstep_engine
         config = engine_config(self.args, world_size=self.args.world_size, max_steps=max_steps,
                                hidden_size=getattr(getattr(self.model, "config", None), "hidden_size", None))
-        check_mesh(config)
+        check_config(config)
         optimizer = None if "optimizer" in config and self.optimizer is None else self.create_optimizer()
         scheduler = None if "scheduler" in config and self.lr_scheduler is None else \
             (lambda built: self.create_scheduler(num_training_steps=max_steps, optimizer=built))
