@@ -1,7 +1,8 @@
 """examples/deepspeed_sft.py, a DeepSpeed-Chat-style supervised fine-tuning script (a Hugging Face
 causal LM, right-padded rows labelled -100 at the padding, FusedAdam on weight-decay groups, a cosine
 schedule, accumulation 2, clipping 1.0, its own ZeRO-3 save), launched by ``python -m launch`` on two
-processes with DeepSpeed and accelerate absent: at ZeRO 0 and ZeRO 3 the model it saves loads with
+processes with DeepSpeed and accelerate absent: at ZeRO 0, ZeRO 3 and ZeRO 3 with ``--offload``
+(``DeepSpeedCPUAdam``, the optimizer on the host) the model it saves loads with
 ``weights_only=True`` into the Hugging Face model and equals float64 plain PyTorch on each whole
 global batch. The control is the same file with DeepSpeed's import lines, run with DeepSpeed 0.19 (ZeRO 0) on two
 gloo ranks that receive ``--local_rank`` as under the deepspeed launcher (tests/support/dist_utils.py's
@@ -73,12 +74,11 @@ def reference(model_dir: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def launch(script: Path, stage: int, out: Path, env: dict) -> subprocess.Popen:
+def launch(script: Path, out: Path, env: dict, *script_args: str) -> subprocess.Popen:
     """``python -m launch --nproc-per-node 2 script ...`` started; :func:`finish` waits for it."""
     return subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", str(WORLD), str(script),
-                             "--model_name_or_path", str(out.parent / "model"), "--zero_stage", str(stage),
-                             "--output_dir", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--model_name_or_path", str(out.parent / "model"), "--output_dir", str(out),
+                             *script_args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(process: subprocess.Popen, timeout: int = 300) -> str:
@@ -122,12 +122,14 @@ def test_sft_script_with_only_its_imports_changed_is_exact_at_zero_0_and_3_witho
 
     # Both launches and the control at once: their processes mostly wait on imports.
     without_deepspeed = absent.environment(("deepspeed", "accelerate"))
-    launches = {stage: launch(SCRIPT, stage, tmp_path / f"zero{stage}", without_deepspeed) for stage in (0, 3)}
+    runs = {"zero0": ["--zero_stage", "0"], "zero3": ["--zero_stage", "3"],
+            "zero3-offload": ["--zero_stage", "3", "--offload"]}  # --offload: DeepSpeedCPUAdam, offload_optimizer
+    launches = {name: launch(SCRIPT, tmp_path / name, without_deepspeed, *args) for name, args in runs.items()}
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     run_distributed(run_script, WORLD, timeout=240, env={"TORCH_EXTENSIONS_DIR": extensions},
                     args=(str(control), ["--model_name_or_path", str(tmp_path / "model"), "--zero_stage", "0",
                                          "--output_dir", str(tmp_path / "deepspeed_zero0")]))
-    for stage, process in launches.items():
-        assert "epoch 2/2: eval loss" in finish(process), stage  # tput_timer.update_epoch_count() after each epoch
-        assert saved_distance(tmp_path / f"zero{stage}", expected) < TOL, stage
+    for name, process in launches.items():
+        assert "epoch 2/2: eval loss" in finish(process), name  # tput_timer.update_epoch_count() after each epoch
+        assert saved_distance(tmp_path / name, expected) < TOL, name
     assert saved_distance(tmp_path / "deepspeed_zero0", expected) > MISS
