@@ -25,6 +25,12 @@ def check_supported(trainer) -> None:
         problems.append("compute_loss_func: its loss is scaled by transformers' num_items_in_batch, which the door "
                         "does not hand in; override compute_loss to return the model's own .loss or a (sum, count) "
                         "pair")
+    if trainer.is_deepspeed_enabled:
+        problems.append("deepspeed: transformers' own TrainingArguments started DeepSpeed; import TrainingArguments "
+                        "from engine.compat.transformers, which reads the JSON as Microstep's config")
+    if trainer.is_fsdp_enabled:
+        problems.append("fsdp: transformers' FSDP would hold the model besides the engine; drop fsdp and set "
+                        "microstep={'zero_optimization': {'stage': 3}}")
     if args.n_gpu > 1:
         problems.append("n_gpu > 1 (torch.nn.DataParallel): launch one process per device (torchrun, python -m launch)")
     if getattr(args, "activation_offloading", False):
