@@ -3,10 +3,11 @@
 TRL's ``compute_loss`` divides the micro-batch's summed token losses by its own tokens (or by
 transformers' ``num_items_in_batch``) and adds the routers' term divided by the accumulation steps;
 neither is the engine's to read. While training, this ``SFTTrainer`` returns the same objective as
-``(sum, count)``: the summed negative log-likelihood of the labelled tokens (TRL's fused head,
-``loss_type`` ``nll`` (``chunked_nll`` is its alias) or ``dft``) plus λ times the model's load-balancing term, and the labelled
-tokens; the engine divides by the window's tokens over every rank and makes the term the global
-batch's (a Mixtral's ``load_balancing_loss_func``, which TRL's fused head calls). Evaluation is TRL's.
+``(sum, count)``: the summed negative log-likelihood of the labelled tokens (TRL's fused head;
+``loss_type`` ``nll``, its alias ``chunked_nll``, or ``dft``) plus λ times the model's load-balancing
+term, and the labelled tokens; the engine divides by the window's tokens over every rank and makes the
+term the global batch's (a Mixtral's ``load_balancing_loss_func``, which TRL's fused head calls).
+Evaluation is TRL's.
 The entropy and token accuracy TRL logs are this rank's, without its per-micro-batch gathers.
 """
 
@@ -19,6 +20,7 @@ import trl
 
 from engine.compat.transformers.arguments import TrainingArguments
 from engine.compat.transformers.trainer import EngineModel, Trainer
+
 
 @dataclass
 class SFTConfig(trl.SFTConfig, TrainingArguments):
