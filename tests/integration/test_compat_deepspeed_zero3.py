@@ -42,6 +42,13 @@ CONTROL = textwrap.dedent("""
         except (ImportError, AttributeError):
             return False
 
+    def from_pretrained_imports_deepspeed(directory):
+        # with DeepSpeed installed, the facade's HfDeepSpeedConfig at ZeRO 3 leaves from_pretrained alone
+        from transformers import AutoModelForCausalLM
+        dschf = facade.HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        return [facade.is_deepspeed_zero3_enabled(), "deepspeed" in sys.modules, model.num_parameters() > 0]
+
     def status_equal():
         # backend: deepspeed marks parameters with DeepSpeed's own enum; the script compares with the facade's
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as Real
@@ -56,8 +63,9 @@ CONTROL = textwrap.dedent("""
             facade.initialize(model=torch.nn.Linear(4, 2), config=config)
         return [str(w.message) for w in caught if "real deepspeed" in str(w.message)]
 
-    found = {"names": {name: exists(name) for name, refused in survey_rows()
-                       if not refused and not name.startswith("engine.")}}
+    found = {"from_pretrained": from_pretrained_imports_deepspeed(sys.argv[1])}
+    found["names"] = {name: exists(name) for name, refused in survey_rows()
+                      if not refused and not name.startswith("engine.")}
     found["status_equal"] = status_equal()
     importlib.import_module("deepspeed")  # a library's import: nothing of it among the script's names
     found["library"] = mixed_warnings("torch")
@@ -90,7 +98,8 @@ def test_facade_without_deepspeed_and_deepspeed_itself_as_the_control(tmp_path):
     # the two processes at once: the launch's ranks and the control mostly wait on imports
     script = tmp_path / "half_migrated.py"
     script.write_text(CONTROL)
-    control = start([sys.executable, str(script)],
+    tiny_llama().save_pretrained(tmp_path / "control_model")  # here: transformers' save imports deepspeed
+    control = start([sys.executable, str(script), str(tmp_path / "control_model")],
                     absent.environment(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                                        LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1"))
@@ -145,6 +154,7 @@ def check_control(out: str) -> None:
     found = json.loads(out.split("RESULT ", 1)[1])
     missing = {name for name, present in found["names"].items() if not present}
     assert missing == GONE_FROM_DEEPSPEED, missing
+    assert found["from_pretrained"] == [True, False, True]  # zero3 on, deepspeed not imported, a whole model
     assert found["status_equal"] == [True, True, True]
     assert found["library"] == [] and found["backend_deepspeed"] == [] and found["again"] == []
     assert len(found["mixed"]) == 1 and "(deepspeed in half_migrated.py)" in found["mixed"][0], found["mixed"][0]
