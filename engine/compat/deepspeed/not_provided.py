@@ -3,7 +3,7 @@
 A refused name raises :class:`NotProvidedError` (an ``ImportError``) where the script reaches it:
 ``from engine.compat.deepspeed.pipe import PipelineModule``, ``deepspeed.init_inference(...)``,
 ``model_engine.train_batch()``. Its message is one line naming the replacement; docs/migrating.md
-lists the same names ("Not provided") and tests/integration/test_compat_deepspeed_survey.py checks
+lists the same names ("Not provided") and tests/integration/test_compat_deepspeed_zero3.py checks
 that the two agree.
 """
 from __future__ import annotations
