@@ -31,6 +31,7 @@ import sys
 import tempfile
 
 DEFAULT_MASTER_PORT = 29500
+WORKER_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_site")
 DEEPSPEED_INSTALL_HINT = "pip install 'microstep[deepspeed]'"
 # SIGUSR1 is Slurm's usual warning before a time limit (sbatch --signal); the engine saves and
 # stops on it (checkpoint.stop_signals), so it must not end the launcher.
@@ -218,6 +219,8 @@ def run(cmd: list[str], *, forward: bool = True, workers: int | None = None) -> 
         # Forwarding, cmd gets a session of its own: a Ctrl-C in the terminal reaches this
         # process only, which passes it on once, instead of reaching cmd twice.
         env = dict(os.environ, **{ERROR_REPORT_DIR: errors})
+        # the workers' Ctrl-C before the engine handles it: no traceback (launch/worker_site/sitecustomize.py)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [WORKER_SITE, os.environ.get("PYTHONPATH")]))
         if reports is not None:
             env[STOP_REPORT_DIR] = reports
         child = subprocess.Popen(cmd, start_new_session=forward, env=env)

@@ -413,3 +413,32 @@ def test_outside_the_launcher_a_microstep_error_keeps_python_s_own_report():
     done = subprocess.run([sys.executable, "-c", "import engine; raise engine.ConfigError(['x: bad'])"], cwd=REPO,
                           env=dict(env, PYTHONPATH=repo_first_on_path(REPO)), text=True, capture_output=True)
     assert done.returncode == 1 and "Traceback" in done.stderr and "engine.errors.ConfigError: x: bad" in done.stderr
+
+
+SLOW_START = """
+import os, time
+print("started", os.environ["RANK"], flush=True)
+time.sleep(60)  # as a script importing torch: the engine handles no signal yet
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_before_the_engine_handles_it_prints_no_traceback(tmp_path):
+    """A Ctrl-C while the workers start (before the engine is imported): each worker ends without Python's
+    KeyboardInterrupt traceback (launch/worker_site), and the launcher's last line says what happened."""
+    script = tmp_path / "slow_start.py"
+    script.write_text(SLOW_START)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_first_on_path(REPO)}
+    launcher = subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", "2", str(script)], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        started = [launcher.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("started") for line in started), started
+        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal sends a Ctrl-C to its foreground job
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.rstrip().splitlines()[-1].startswith("[launch] Ctrl-C (SIGINT): the workers stopped without saving")
