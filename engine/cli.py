@@ -11,7 +11,6 @@ modules themselves import at their top as everywhere else.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import warnings
 from typing import TYPE_CHECKING
@@ -92,7 +91,7 @@ def run_explore(args: argparse.Namespace) -> int:
 
     import engine
     from engine.autotune.report import format_table, save_json, save_plot
-    from engine.monitor.startup import STARTUP_LOGGER
+    from engine.monitor.startup import quiet_startup
     from engine.config.schema import load_config
 
     overrides = args.overrides + ["train_micro_batch_size_per_gpu=explore", "gradient_accumulation_steps=null"]
@@ -101,8 +100,8 @@ def run_explore(args: argparse.Namespace) -> int:
     make_batch = load_factory(args.batch)
     loss_fn = load_factory(args.loss) if args.loss else _model_output_loss
     optimizer = None if config.optimizer else (lambda params: torch.optim.SGD(params, lr=0.0))  # never stepped
-    logging.getLogger(STARTUP_LOGGER).setLevel(logging.WARNING)  # a measurement, not a run: its table says it
-    eng = engine.initialize(model, config, optimizer=optimizer)
+    with quiet_startup():  # a measurement, not a run: its table says what it measured
+        eng = engine.initialize(model, config, optimizer=optimizer)
     eng.micro_batch_tuner.warmup, eng.micro_batch_tuner.repeats = args.warmup, args.repeats
     batch = make_batch(eng.plan.per_device_batch_size)
     rows = eng.micro_batch_tuner.explore(eng, batch, loss_fn)

@@ -8,12 +8,15 @@ experts' balance, precision, and whether the model's own loss is read.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 from engine.config.setup import Setup
 from engine.config.sharding import shard_size_key
 
-STARTUP_LOGGER = "engine.startup"  # a tool that builds engines to measure them (explore) may quiet it
+STARTUP_LOGGER = "engine.startup"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
@@ -33,6 +36,19 @@ def _holder(setup: Setup) -> str:
     names = {"deepspeed": "DeepSpeed's engine", "pipeline": "pipeline stages", "fsdp": "FSDP2 (sharded)",
              "ddp": "DDP", "replicas": "replicas averaged after each window"}
     return f"{names.get(setup.holder, setup.holder)}, ZeRO {setup.stage} (backend {setup.backend})"
+
+
+@contextlib.contextmanager
+def quiet_startup():
+    """Engines built inside say nothing at start-up: a tool that builds one to measure it (``explore``)
+    prints its own summary."""
+    logger = logging.getLogger(STARTUP_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def startup_lines(config, setup: Setup, plan, *, own_loss_type: str | None, routes: bool) -> list[str]:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from examples.deepspeed_sft import WEIGHTS_NAME, optimizer_grouped_parameters, parse_args, synthetic_rows
 from tests.support import absent
+from tests.support.absent import finish
 from tests.support.dist_utils import run_distributed
 from tests.support.deepspeed_facade_checks import tiny_llama
 
@@ -79,17 +80,6 @@ def launch(script: Path, out: Path, env: dict, *script_args: str) -> subprocess.
     return subprocess.Popen([sys.executable, "-m", "launch", "--nproc-per-node", str(WORLD), str(script),
                              "--model_name_or_path", str(out.parent / "model"), "--output_dir", str(out),
                              *script_args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: int = 300) -> str:
-    """The process's stdout, once it has exited 0."""
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    assert process.returncode == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
-    return out
 
 
 def run_script(rank: int, world_size: int, path: str, argv: list[str]) -> None:

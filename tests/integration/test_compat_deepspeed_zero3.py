@@ -20,6 +20,7 @@ import torch
 
 from launch.cli import free_port
 from tests.support import absent
+from tests.support.absent import finish
 from tests.support.deepspeed_facade_checks import tiny_llama
 from tests.support.deepspeed_names import survey_rows
 
@@ -80,17 +81,6 @@ CONTROL = textwrap.dedent("""
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: int = 240) -> str:
-    """The process's stdout, once it has exited 0."""
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    assert process.returncode == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
-    return out
 
 
 @pytest.mark.timeout(300)

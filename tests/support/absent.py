@@ -4,6 +4,7 @@ installed, with the real package as the control in another process of the same t
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from tests.support.dist_utils import repo_first_on_path
@@ -21,3 +22,14 @@ def environment(absent: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join([str(BLOCKER), env["PYTHONPATH"]])
         env["MICROSTEP_ABSENT_PACKAGES"] = ",".join(absent)
     return env
+
+
+def finish(process: subprocess.Popen, timeout: int = 300) -> str:
+    """The process's stdout, once it has exited 0 (its output in the failure otherwise)."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
+    return out
