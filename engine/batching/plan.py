@@ -502,7 +502,10 @@ def plan_from_config(config, world_size: int, rank: int = 0) -> BatchPlan:
             and config.gradient_accumulation_steps is not None):
         notes = ["batch_split has no effect: the data defines the batches"] if config.batch_split == "balanced" else []
         return data_defined_plan(world_size, config.gradient_accumulation_steps, rank, notes)
-    return resolve_batch_plan(world_size, config.train_batch_size,
-                              config.train_micro_batch_size_per_gpu,
-                              config.gradient_accumulation_steps, config.batch_split,
-                              rank, config.auto_max, config.micro_batch_tokens)
+    try:
+        return resolve_batch_plan(world_size, config.train_batch_size,
+                                  config.train_micro_batch_size_per_gpu,
+                                  config.gradient_accumulation_steps, config.batch_split,
+                                  rank, config.auto_max, config.micro_batch_tokens)
+    except BatchConfigError as error:  # the keys as the user wrote them (an alias: batch_size, ...)
+        raise BatchConfigError(config.as_written(str(error))) from None

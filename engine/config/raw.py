@@ -1,6 +1,7 @@
 """A config as read from its source: plain data plus where each key path was written."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,14 @@ class RawConfig:
     data: Any
     source: str
     locations: dict[KeyPath, str] = field(default_factory=dict)  # path -> "file:line"
+    written_as: dict[str, str] = field(default_factory=dict)  # canonical top-level key -> the alias written
+
+    def as_written(self, text: str) -> str:
+        """``text`` with each top-level key the source wrote under another name (Colossal-AI's, Cerebras',
+        Hugging Face's spelling) named as written."""
+        for canonical, alias in self.written_as.items():
+            text = re.sub(rf"(?<![\w.]){re.escape(canonical)}(?!\w)", alias, text)
+        return text
 
     @classmethod
     def with_lines(cls, data, source: str, lines: dict[KeyPath, int]) -> RawConfig:

@@ -418,6 +418,7 @@ class Config(BaseModel):
 
     _source: str = PrivateAttr(default="<Config>")
     _locations: dict = PrivateAttr(default_factory=dict)  # key path -> "file:line"
+    _written_as: dict = PrivateAttr(default_factory=dict)  # canonical top-level key -> the alias written
     _torch_sections: Any = PrivateAttr(default=None)  # (what they were read from, TorchSections): torch_sections
 
     @field_validator("bf16")
@@ -432,6 +433,10 @@ class Config(BaseModel):
     def source(self) -> str:
         """Where this config came from (a path, ``<dict>``); not part of ``to_dict``."""
         return self._source
+
+    def as_written(self, text: str) -> str:
+        """``text`` (a message naming config keys) with each key the config wrote as an alias named as written."""
+        return RawConfig({}, self.source, {}, self._written_as).as_written(text)
 
     def to_dict(self) -> dict:
         """The canonical plain dict: every key, defaults included, aliases resolved."""
@@ -508,8 +513,8 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
     except ValidationError as error:
         problems += [_describe(raw, detail) for detail in error.errors()]
     if problems:
-        raise ConfigError(sorted(problems, key=lambda problem: _line_of(problem, raw.source)))
-    config._source, config._locations = raw.source, raw.locations
+        raise ConfigError(sorted(map(raw.as_written, problems), key=lambda problem: _line_of(problem, raw.source)))
+    config._source, config._locations, config._written_as = raw.source, raw.locations, raw.written_as
     unused = deepspeed_only_settings(config)
     if config.backend == "torch":  # DeepSpeed's monitor sections drive the monitor (engine.config.deepspeed_monitor)
         monitor, read, monitor_problems = monitor_from_deepspeed(config.deepspeed_extras, config.monitor)
@@ -538,8 +543,8 @@ def load_config(source, overrides=None, caller_reads=frozenset()) -> Config:
 def locate(config: Config, problems: list[str]) -> list[str]:
     """``key.path: problem`` lines prefixed with where the key was written, in reading order
     (as ``load_config`` reports), for checks made after loading."""
-    raw = RawConfig({}, config.source, config._locations)
-    located = [f"{raw.where(_canonical_path(tuple(problem.split(':', 1)[0].split('.'))))}: {problem}"
+    raw = RawConfig({}, config.source, config._locations, config._written_as)
+    located = [f"{raw.where(_canonical_path(tuple(problem.split(':', 1)[0].split('.'))))}: {raw.as_written(problem)}"
                for problem in problems]
     return sorted(located, key=lambda problem: _line_of(problem, raw.source))
 
@@ -558,6 +563,7 @@ def _resolve_aliases(raw: RawConfig, problems: list[str]) -> None:
             continue
         data[canonical] = value
         raw.move((alias,), (canonical,))
+        raw.written_as[canonical] = alias
 
 
 def _read_autotp_size(raw: RawConfig, problems: list[str]) -> None:

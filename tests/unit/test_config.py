@@ -1,6 +1,7 @@
 """Config loading: every format and alias, overrides, and one clear error for bad input."""
 import json
 import pickle
+import re
 import sys
 import textwrap
 import warnings
@@ -11,6 +12,7 @@ import pytest
 from engine.batching.plan import plan_from_config
 from engine.config.deepspeed import DEEPSPEED_TOP_LEVEL_KEYS
 from engine.config.schema import ALIASES, Config, ConfigError, load_config
+from engine.errors import BatchConfigError
 from engine.config.colossalai import COLOSSALAI_TOP_LEVEL_KEYS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -564,3 +566,18 @@ def test_a_way_of_counting_the_window_routers_beside_a_per_micro_batch_term_is_r
     assert any("moe.global_counts: hold_forwards says how the window's router counts are learnt" in p
                and "load_balance: micro_batch" in p for p in problems), problems
     assert not check_without_model(load_config({"train_batch_size": 8, "moe": {"load_balance": "micro_batch"}}))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("batch_size: 30\ngradient_accumulation: 4\nmicro_batch_size: 4\n",
+     "batch_size 30 is not divisible by world size 4"),  # the planner's words, as the Cerebras / Colossal keys
+    ("per_device_train_batch_size: 0\n",
+     "per_device_train_batch_size: expected a positive integer"),  # the schema's, as Hugging Face's key
+])
+def test_errors_name_the_key_as_the_user_wrote_it(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises((ConfigError, BatchConfigError)) as caught:
+        plan_from_config(load_config(path), 4)
+    assert expected in str(caught.value)
+    assert not re.search(r"(?<!\w)(train_batch_size|train_micro_batch_size_per_gpu)\b", str(caught.value))
