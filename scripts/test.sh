@@ -4,13 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 workers=${MICROSTEP_TEST_WORKERS:-2}
 # How long a run takes on 2 cores, setup included, said before it starts (issue 55). 2 workers:
-# 774 s in the last CI run. One: estimated, not run whole: a sample of test files run both ways
+# 848 s on a quiet machine with the Hugging Face doors' tests (2026-12-06, setup already done). One: estimated, not run whole: a sample of test files run both ways
 # (2026-12-06, other sessions loading the machine) took 1.38x as long per file beside a second
 # worker, so one worker takes about 2 / 1.38 = 1.45x the 2 workers' test time.
 case "$workers" in
-  2) estimate="about 13 minutes with 2 workers" ;;
-  0|1) estimate="about 18 minutes with one worker (an estimate; 2 workers: about 13)" ;;
-  *) estimate="not measured with $workers workers (2 workers: about 13 minutes)" ;;
+  2) estimate="about 14 minutes with 2 workers" ;;
+  0|1) estimate="about 20 minutes with one worker (an estimate; 2 workers: about 14)" ;;
+  *) estimate="not measured with $workers workers (2 workers: about 14 minutes)" ;;
 esac
 echo "[test] $estimate on a quiet 2-core machine, setup included; longer while other work runs (this machine: $(nproc) cores)" >&2
 bash scripts/setup.sh
