@@ -18,11 +18,7 @@ class RawConfig:
     written_as: dict[str, str] = field(default_factory=dict)  # canonical top-level key -> the alias written
 
     def as_written(self, text: str) -> str:
-        """``text`` with each top-level key the source wrote under another name (Colossal-AI's, Cerebras',
-        Hugging Face's spelling) named as written."""
-        for canonical, alias in self.written_as.items():
-            text = re.sub(rf"(?<![\w.]){re.escape(canonical)}(?!\w)", alias, text)
-        return text
+        return name_as_written(text, self.written_as)
 
     @classmethod
     def with_lines(cls, data, source: str, lines: dict[KeyPath, int]) -> RawConfig:
@@ -44,3 +40,11 @@ class RawConfig:
         """Re-file the locations under `old` to `new` after a key was renamed or moved."""
         for path in [p for p in self.locations if p[:len(old)] == old]:
             self.locations[new + path[len(old):]] = self.locations.pop(path)
+
+
+def name_as_written(text: str, written_as: dict[str, str]) -> str:
+    """``text`` with each canonical top-level key of ``written_as`` named as the source wrote it (Colossal-AI's,
+    Cerebras', Hugging Face's spelling)."""
+    for canonical, alias in written_as.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(canonical)}(?!\w)", alias, text)
+    return text

@@ -31,7 +31,7 @@ from engine.config.deepspeed import (DEEPSPEED_CHECKPOINT_KEYS, DEEPSPEED_EXPERT
                                      DEEPSPEED_TOP_LEVEL_KEYS, DEEPSPEED_ZERO_KEYS, deepspeed_only_settings,
                                      read_autotp_size)
 from engine.config.loaders import ConfigError, parse_scalar, read_file
-from engine.config.raw import KeyPath, RawConfig
+from engine.config.raw import KeyPath, RawConfig, name_as_written
 from engine.config.offload import KEYS as OFFLOAD_KEYS, TorchOffload, torch_offload
 from engine.config.sharding import DEEPSPEED_SHARD_SIZE_KEYS
 from engine.config.torch_features import (OVERLAP_KEYS, SECTIONS as TORCH_FEATURE_SECTIONS, TorchFeatures, TorchOverlap,
@@ -436,7 +436,7 @@ class Config(BaseModel):
 
     def as_written(self, text: str) -> str:
         """``text`` (a message naming config keys) with each key the config wrote as an alias named as written."""
-        return RawConfig({}, self.source, {}, self._written_as).as_written(text)
+        return name_as_written(text, self._written_as)
 
     def to_dict(self) -> dict:
         """The canonical plain dict: every key, defaults included, aliases resolved."""

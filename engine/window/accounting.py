@@ -131,7 +131,7 @@ class WindowTotals:
     squares: float | None  # Σ squares of the reduced gradient, when the reduction carried them
     item_weighted: bool  # (sum, count) losses
     failed: bool  # a rank's loss failed in this window (``Window.failure``): nothing is applied
-    unread: tuple | None  # over every rank: (micro-batches, Σ, Σ²) of unread means' items per row; None: not reduced
+    unread: tuple  # (micro-batches, Σ, Σ²) of unread means' items per row, over the ranks where reduced
 
 
 def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=None,
@@ -150,11 +150,11 @@ def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=No
     only the last stage computes them (its stages learn them here, in the reduction the window
     makes anyway, not in a broadcast of their own). ``unread``: this rank's sums of the items per row
     of the micro-batches whose mean loss went unread (``LossReading.unread_sums``), summed over the
-    ranks in the same reduction (``WindowTotals.unread``)."""
+    ranks in the same reduction (``WindowTotals.unread``; this rank's own where nothing is reduced)."""
     if not over_all_ranks:
         samples = plan.window_samples(window.micro_steps)
         return WindowTotals(window.loss_total() / window.samples, samples, samples, (None, None), None,
-                            bool(window.item_weighted), failed=False, unread=None)
+                            bool(window.item_weighted), failed=False, unread=tuple(unread))
     device = strategy.device
     cost = window.tokens
     copies = strategy.loss_copies

@@ -300,8 +300,8 @@ class WindowMachine:
         self.fingerprint_batch()
         fingerprint, self.batch_fingerprint = self.batch_fingerprint, None
         try:  # a fingerprint to compare makes the statistics travel over the ranks (the manual loop's too)
-            totals = window_totals(window, owner.plan, self.strategy,
-                                   over_all_ranks=window.exact_counts or recorded or fingerprint is not None,
+            over_all_ranks = window.exact_counts or recorded or fingerprint is not None
+            totals = window_totals(window, owner.plan, self.strategy, over_all_ranks=over_all_ranks,
                                    same_batch=(self.same_batch, fingerprint) if fingerprint is not None else None,
                                    holders=self.context.size, unread=self.losses.unread_sums())
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
@@ -310,7 +310,7 @@ class WindowMachine:
         if totals.failed:
             self.discard()
             raise window.failure or failed_on_another_rank("window")
-        self.losses.window_closed(totals.unread)
+        self.losses.window_closed(totals.unread, over_ranks=over_all_ranks)
         window.item_weighted = totals.item_weighted  # a rank that computes no loss learns its kind here
         samples = totals.samples
         lr = float(owner.optimizer.param_groups[0]["lr"])  # the one this window's update uses

@@ -118,9 +118,7 @@ BY_OWN_LOSS: dict[str, Reading] = {  # loss type -> what a forward's own loss mo
 }
 # Every loss type transformers defines that is not read, and why (tests/unit/test_model_loss.py sorts
 # every key of transformers' LOSS_MAPPING into READ_TYPES or NOT_READ).
-READ_TYPES = frozenset({"ForCausalLM", "ForConditionalGeneration", "ForMaskedLM", "ForTokenClassification",
-                        "ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
-                        "ForVideoClassification"})
+READ_TYPES = frozenset(BY_OWN_LOSS) | {"ForCausalLM"}  # a causal LM's own loss only through transformers' function
 NOT_READ = {
     "ForQuestionAnswering": "the mean of two cross entropies over rows, positions clamped: return (sum, count)",
     "ForSemanticSegmentation": "a mean over pixels plus an auxiliary head's: return (sum, count)",
@@ -357,7 +355,6 @@ class LossReading:
         self.model, self.strict = model, strict
         self._last_items = None  # of the last forward: its counted items, a call counting them, or None
         self._unread: list = []  # (items, rows) of the window's micro-batches whose mean loss went unread
-        self._sums = (0.0, 0.0, 0.0)  # of the window's items per row: (micro-batches, Σ, Σ²), this rank's
         self._told = False
 
     def call_arguments(self, kwargs: dict) -> dict:
@@ -383,31 +380,28 @@ class LossReading:
             self._unread.append((items() if callable(items) else items, rows))
 
     def unread_sums(self) -> tuple:
-        """The window's unread micro-batches' items per row as ``(count, Σ, Σ²)`` (no host read: tensors
-        where items were counted), for the window's statistics reduction to add up over the ranks."""
+        """The window's unread micro-batches' items per row as ``(count, Σ, Σ²)``, for the window's
+        statistics reduction to add up over the ranks; the window's record of them is cleared."""
         unread, self._unread = self._unread, []
         if not unread:
-            self._sums = (0.0, 0.0, 0.0)
-            return self._sums
+            return (0.0, 0.0, 0.0)
         ratios = torch.stack([torch.as_tensor(n).reshape(()).double().cpu() / rows for n, rows in unread])
-        self._sums = (float(len(unread)), ratios.sum(), (ratios * ratios).sum())
-        return self._sums
+        return (float(len(unread)), ratios.sum(), (ratios * ratios).sum())
 
     def forget_window(self) -> None:
         """The window was discarded: what its micro-batches held is not compared."""
         self._unread, self._last_items = [], None
 
-    def window_closed(self, over_ranks: tuple | None) -> None:
-        """Warn once when the window's unread micro-batches (``over_ranks``: summed over every rank by the
-        window's statistics reduction; None: this rank's own) differ in their items per row."""
-        count, total, squares = (float(v) for v in (over_ranks or self._sums))
-        self._sums = (0.0, 0.0, 0.0)
+    def window_closed(self, sums: tuple, over_ranks: bool) -> None:
+        """Warn once when the window's unread micro-batches (their ``unread_sums``, added up over every rank
+        where ``over_ranks``, else this rank's own) differ in their items per row."""
+        count, total, squares = (float(v) for v in sums)
         if count < 2 or self._told:
             return
         spread = count * squares - total * total  # count² × the variance of the items per row
         if spread > 1e-9 * total * total:
             self._told = True
-            where = "over every rank" if over_ranks is not None else "on this rank"
+            where = "over every rank" if over_ranks else "on this rank"
             log.warning("the loss is a scalar the engine cannot read as (sum, count), and this window's micro-batches "
                         "(%s) hold different numbers of items per row (what the model's loss counts, labels that are "
                         "not -100, or attention-mask tokens; %.4g on average): each micro-batch's mean is weighted by "

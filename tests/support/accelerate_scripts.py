@@ -62,8 +62,8 @@ def build(door: bool, rows: list[dict], processes: int, *, seed: int = 0, **acce
     return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
 
 
-def train_epoch(accelerator, model, optimizer, loader, scheduler) -> list[float]:
-    """The user's loop, unchanged; returns the losses it saw."""
+def train_epoch(accelerator, model, optimizer, loader, scheduler=None) -> list[float]:
+    """The user's loop, unchanged (its scheduler where it has one); returns the losses it saw."""
     losses = []
     model.train()
     for batch in loader:
@@ -71,7 +71,8 @@ def train_epoch(accelerator, model, optimizer, loader, scheduler) -> list[float]
             loss = model(**batch).loss
             accelerator.backward(loss)
             optimizer.step()
-            scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
             optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return losses
@@ -207,12 +208,7 @@ def run_moe_script(door: bool, rows: list[dict], processes: int, **accelerator_k
     loader = DataLoader(rows, batch_size=GLOBAL_BATCH // (processes * ACCUMULATION), shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     with in_float64:
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+        train_epoch(accelerator, model, optimizer, loader)
     return {name: value.detach().cpu().clone() for name, value in accelerator.get_state_dict(model).items()}
 
 

@@ -44,6 +44,12 @@ class PreparedModel(torch.nn.Module):
             return getattr(super().__getattr__("module"), name)
 
 
+def _wrapped(name: str) -> property:
+    """The wrapped optimizer's ``name``, read and written through."""
+    return property(lambda self: getattr(self.optimizer, name),
+                    lambda self, value: setattr(self.optimizer, name, value))
+
+
 class PreparedOptimizer(torch.optim.Optimizer):
     """accelerate's optimizer wrapper, over the engine (see the module's docstring). A subclass of
     ``torch.optim.Optimizer`` so that schedulers built on it after ``prepare`` accept it."""
@@ -52,29 +58,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         # torch's Optimizer.__init__ is not called: every attribute it would set is the wrapped one's
         self.optimizer, self.window = optimizer, window
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups):
-        self.optimizer.param_groups = groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, state):
-        self.optimizer.state = state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, defaults):
-        self.optimizer.defaults = defaults
+    param_groups = _wrapped("param_groups")
+    state = _wrapped("state")
+    defaults = _wrapped("defaults")
 
     def add_param_group(self, param_group: dict) -> None:
         raise EngineUsageError("optimizer.add_param_group() after prepare(): the engine holds the parameters it was "
