@@ -22,7 +22,9 @@ all-reduce of the gradients per window, divides by the window's token count, ste
 simple way: every rank's keys and values all-gathered (differentiably: the backward sends each
 rank the gradients of its part, an all-to-all, and sums them), the
 part's queries over the whole sequence by SDPA with the causal mask of global positions; its
-activations are measured too (it saves the whole sequence's keys and values per layer). Variants
+activations are measured too (it saves the whole sequence's keys and values per layer); and a
+fourth, ``ulysses``, the engine with ``method: ulysses`` on the same batches, so that ring / Ulysses
+is a ratio of medians from one run. Variants
 interleaved, the slowest rank's time, median over rounds; tokens/s counts every padded
 position of the global batch. CPU time per step (mean over ranks, median over rounds) as well:
 on a shared machine, what each variant computes without the time spent waiting for a core.
@@ -202,6 +204,9 @@ def main(argv=None):
         if args.method == "ring":
             gathered = HandContext(length, info.rank, size, "gathered")
             runs["gathered"] = lambda: gathered.step(batch)
+            ulysses = engine.initialize(copy.deepcopy(whole), {
+                **cfg, "context_parallel": {"size": size, "method": "ulysses"}})
+            runs["ulysses"] = lambda: ulysses.train_batch(batch, token_sum)
             memory[-1]["gathered_bytes"] = saved_bytes(lambda: gathered.loss(micro)[0],
                                                        list(gathered.model.parameters()))
             memory[-1]["gathered_ratio"] = memory[-1]["gathered_bytes"] / alone
@@ -214,7 +219,11 @@ def main(argv=None):
                       "hand_cpu_s": cpu["hand"], "cpu_ratio": cpu["engine"] / cpu["hand"]})
         if "gathered" in runs:
             speed[-1].update({"gathered_s": times["gathered"], "gathered_tokens_per_s": tokens / times["gathered"],
-                              "gathered_cpu_s": cpu["gathered"], "gathered_cpu_ratio": cpu["engine"] / cpu["gathered"]})
+                              "gathered_cpu_s": cpu["gathered"], "gathered_cpu_ratio": cpu["engine"] / cpu["gathered"],
+                              "ulysses_s": times["ulysses"], "ulysses_cpu_s": cpu["ulysses"],
+                              "ulysses_ratio": times["engine"] / times["ulysses"],
+                              "ulysses_cpu_ratio": cpu["engine"] / cpu["ulysses"]})
+            ulysses.close()
         eng.close()
     if info.rank == 0:
         load = os.getloadavg()
@@ -227,6 +236,9 @@ def main(argv=None):
             if "gathered_bytes" in m:
                 print(f"        gathered by hand: activations {m['gathered_bytes'] / 2**20:.1f} MiB "
                       f"({m['gathered_ratio']:.2f}), {s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
+                print(f"        the engine with Ulysses, same run: ring / Ulysses time {s['ulysses_ratio']:.3f}, "
+                      f"CPU time {s['ulysses_cpu_ratio']:.3f} ({s['engine_cpu_s'] * 1e3:.1f} / "
+                      f"{s['ulysses_cpu_s'] * 1e3:.1f} ms)")
         name = "context" if args.method == "ulysses" else f"context_{args.method}"
         save(f"{name}_w{info.world_size}", {"method": args.method, "load_average": load, "rows": ROWS, "micro_batch": MICRO,
                                              "memory": memory, "speed": speed}, record=args.record)

@@ -14,6 +14,7 @@ checked in each version for each. What ``check`` decides at ``engine.initialize`
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable, NamedTuple
 
@@ -140,6 +141,7 @@ class FusedCpuAttention(NamedTuple):
 
     forward: Callable
     backward: Callable
+    grouped_query: bool  # takes fewer key/value heads than query heads (and gives their gradients)
 
 
 # The signatures ring attention calls them with: (positional names, keyword-only names, results).
@@ -170,7 +172,22 @@ def fused_cpu_attention() -> FusedCpuAttention | None:
     found = {name: getattr(ops, name, None) for name in FUSED_CPU_ATTENTION_SCHEMAS}
     if any(op is None or _signature(op) != FUSED_CPU_ATTENTION_SCHEMAS[name] for name, op in found.items()):
         return None
-    return FusedCpuAttention(*found.values())
+    forward, backward = found.values()
+    return FusedCpuAttention(forward, backward, _takes_grouped_query(forward, backward))
+
+
+@functools.cache
+def _takes_grouped_query(forward, backward) -> bool:
+    """Whether the kernel attends 2 query heads to 1 key/value head and gives that head's gradients,
+    tried once on a few numbers (what the schema cannot say; the kernel itself checks the shapes):
+    where it does, grouped-query keys and values reach it with their own heads, not repeated."""
+    query, key = torch.ones(1, 2, 2, 4), torch.ones(1, 1, 2, 4)
+    try:
+        output, logsumexp = forward(query, key, key, 0.0, True)
+        gradients = backward(output, query, key, key, output, logsumexp, 0.0, True)
+    except RuntimeError:
+        return False
+    return output.shape == query.shape and all(g.shape == t.shape for g, t in zip(gradients, (query, key, key)))
 
 
 # -- autograd ----------------------------------------------------------------------------------

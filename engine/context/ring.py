@@ -20,11 +20,13 @@ document in a block counts nothing there (log-sum-exp −∞).
 
 The backward runs the ring again, in the same order: a block's gradients come from the saved
 output and log-sum-exp of the whole row (the flash-attention backward), the query gradient
-accumulates here, and the key and value gradients travel with their part and arrive home after
-one more step. So a rank saves its own part only (queries, keys, values, output, log-sum-exp):
-activations are 1/N of one process's, whatever the length, and the heads need not divide by N
-(Ulysses' limit); grouped-query attention's keys and values go round with their own heads, repeated
-to the queries' in each block only.
+accumulates here, and the key and value gradients of a passed part start at the first rank it
+reaches, travel with it, and arrive home after one more step (the own block's stay home). So a
+rank saves its own part only (queries, keys, values, output, log-sum-exp): activations are 1/N of
+one process's, whatever the length, and the heads need not divide by N (Ulysses' limit);
+grouped-query attention's keys and values go round with their own heads and reach the fused
+kernel so (where it takes them: torch 2.13's does), repeated to the queries' inside a block
+otherwise.
 
 A block runs PyTorch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
 backward, which take and give the log-sum-exp; a private op, reached through
@@ -179,23 +181,32 @@ class RingBlocks:
 
 class FusedCpuBlocks:
     """A block through PyTorch's fused CPU attention kernel (``engine.adapters.torch_internals``),
-    which gives the log-sum-exp and takes it back in its backward."""
+    which gives the log-sum-exp and takes it back in its backward. Grouped-query keys and values
+    reach it with their own heads where it takes them so (torch's own check), else repeated."""
 
     def __init__(self, kernel: FusedCpuAttention):
         self.kernel = kernel
 
     def forward(self, query, key, value, block: Block, scale: float):
+        if not self.kernel.grouped_query:
+            key, value = _repeated(key, query.shape[1]), _repeated(value, query.shape[1])
         mask = _additive(block.allowed, query.dtype)
         output, logsumexp = self.kernel.forward(query, key, value, 0.0, block.causal, attn_mask=mask, scale=scale)
         return output, _nothing_seen(logsumexp, block.allowed)
 
     def backward(self, grad_output, query, key, value, output, logsumexp, block: Block, scale: float):
-        return self.kernel.backward(grad_output, query, key, value, output, logsumexp, 0.0, block.causal,
-                                    attn_mask=_additive(block.allowed, query.dtype), scale=scale)
+        heads = key.shape[1]
+        if not self.kernel.grouped_query:
+            key, value = _repeated(key, query.shape[1]), _repeated(value, query.shape[1])
+        grad_query, grad_key, grad_value = self.kernel.backward(
+            grad_output, query, key, value, output, logsumexp, 0.0, block.causal,
+            attn_mask=_additive(block.allowed, query.dtype), scale=scale)
+        return grad_query, _folded(grad_key, heads), _folded(grad_value, heads)
 
 
 class MatmulBlocks:
-    """A block written in matmuls (any device; scores in at least float32): the kernel's equations."""
+    """A block written in matmuls (any device; scores in at least float32): the kernel's equations,
+    grouped-query keys and values repeated to the queries' heads inside the block."""
 
     @staticmethod
     def _scores(query, key, block: Block, scale: float):
@@ -208,13 +219,16 @@ class MatmulBlocks:
 
     @staticmethod
     def forward(query, key, value, block: Block, scale: float):
-        scores = MatmulBlocks._scores(query, key, block, scale)
+        heads = query.shape[1]
+        scores = MatmulBlocks._scores(query, _repeated(key, heads), block, scale)
         logsumexp = torch.logsumexp(scores, dim=-1)
         probabilities = torch.exp(scores - _finite(logsumexp)[..., None])
-        return torch.matmul(probabilities, value.to(scores.dtype)).to(query.dtype), logsumexp
+        return torch.matmul(probabilities, _repeated(value, heads).to(scores.dtype)).to(query.dtype), logsumexp
 
     @staticmethod
     def backward(grad_output, query, key, value, output, logsumexp, block: Block, scale: float):
+        heads, shared = query.shape[1], key.shape[1]
+        key, value = _repeated(key, heads), _repeated(value, heads)
         scores = MatmulBlocks._scores(query, key, block, scale)
         dtype = scores.dtype
         probabilities = torch.exp(scores - logsumexp[..., None].to(dtype))
@@ -222,8 +236,8 @@ class MatmulBlocks:
         delta = (grad_output * output.to(dtype)).sum(dim=-1, keepdim=True)
         grad_scores = probabilities * (torch.matmul(grad_output, value.to(dtype).transpose(-1, -2)) - delta)
         return (torch.matmul(grad_scores, key.to(dtype)) * scale,
-                torch.matmul(grad_scores.transpose(-1, -2), query.to(dtype)) * scale,
-                torch.matmul(probabilities.transpose(-1, -2), grad_output))
+                _folded(torch.matmul(grad_scores.transpose(-1, -2), query.to(dtype)) * scale, shared),
+                _folded(torch.matmul(probabilities.transpose(-1, -2), grad_output), shared))
 
 
 def block_kernel(device: torch.device):
@@ -263,6 +277,15 @@ def _finite(logsumexp: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(logsumexp), logsumexp, torch.zeros_like(logsumexp))
 
 
+def _placed(gradient: torch.Tensor, keys: slice, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's gradient of ``part``'s ``keys`` as one of the whole part (zero elsewhere), in ``dtype``."""
+    if gradient.shape == part.shape:
+        return gradient.to(dtype)
+    whole = torch.zeros(part.shape, dtype=dtype, device=part.device)
+    whole[..., keys, :] = gradient
+    return whole
+
+
 def merge_block(output, logsumexp, block_output, block_logsumexp):
     """A block's output and log-sum-exp merged into the running ones: what was summed before is
     rescaled by e^(λ − λ'), the block by e^(λ_b − λ'); a row that has met no key yet stays 0, −∞."""
@@ -286,24 +309,23 @@ def _folded(gradient: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     """Forward and backward round the ring (module docstring); the exchange's sends are not part
-    of autograd's graph, so the backward is written out here."""
+    of autograd's graph, so the backward is written out here. The own part's block comes first and
+    covers every query and key (:meth:`RingBlocks.block`): it starts the output and the gradients."""
 
     @staticmethod
     def forward(ctx, query, key, value, ring: RingExchange, blocks: RingBlocks, scale: float):
-        size, index, heads = ring.shards.size, ring.shards.index, query.shape[1]
+        size, index = ring.shards.size, ring.shards.index
         kernel = block_kernel(query.device)
         dtype = torch.promote_types(query.dtype, torch.float32)
-        output = torch.zeros(query.shape[:-1] + (value.shape[-1],), dtype=dtype, device=query.device)
-        logsumexp = torch.full(query.shape[:-1], float("-inf"), dtype=dtype, device=query.device)
+        output, logsumexp = kernel.forward(query, key, value, blocks.block(index), scale)
+        output, logsumexp = output.to(dtype), logsumexp.to(dtype)
         k, v = key, value
-        for step in range(size):
-            if step:
-                k, v = ring.pass_along([k, v])
+        for step in range(1, size):
+            k, v = ring.pass_along([k, v])
             block = blocks.block((index - step) % size)
             q = block.queries
-            part_output, part_logsumexp = kernel.forward(
-                query[..., q, :], _repeated(k[..., block.keys, :], heads), _repeated(v[..., block.keys, :], heads),
-                block, scale)
+            part_output, part_logsumexp = kernel.forward(query[..., q, :], k[..., block.keys, :],
+                                                         v[..., block.keys, :], block, scale)
             output[..., q, :], logsumexp[..., q] = merge_block(output[..., q, :], logsumexp[..., q],
                                                                part_output, part_logsumexp)
         output = output.to(query.dtype)
@@ -313,27 +335,33 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        """The own block's gradients stay home; a passed part's key and value gradients start at
+        the first rank it reaches, travel on with it, and come home after its last block."""
         query, key, value, output, logsumexp = ctx.saved_tensors
         ring, blocks, scale = ctx.ring, ctx.blocks, ctx.scale
-        size, index, heads, shared = ring.shards.size, ring.shards.index, query.shape[1], key.shape[1]
+        size, index = ring.shards.size, ring.shards.index
         kernel = block_kernel(query.device)
         dtype = logsumexp.dtype
         grad_output = grad_output.contiguous()
-        grad_query = torch.zeros(query.shape, dtype=dtype, device=query.device)
-        grad_key = torch.zeros(key.shape, dtype=dtype, device=key.device)
-        grad_value = torch.zeros(value.shape, dtype=dtype, device=value.device)
+        grad_query, grad_key, grad_value = (g.to(dtype) for g in kernel.backward(
+            grad_output, query, key, value, output, logsumexp, blocks.block(index), scale))
         k, v = key, value
-        for step in range(size):
-            if step:  # the part and its gradients so far move on together
-                k, v, grad_key, grad_value = ring.pass_along([k, v, grad_key, grad_value])
+        travelling: list[torch.Tensor] = []  # the passed part's key and value gradients so far
+        for step in range(1, size):
+            k, v, *travelling = ring.pass_along([k, v, *travelling])
             block = blocks.block((index - step) % size)
             q, keys = block.queries, block.keys
             part_query, part_key, part_value = kernel.backward(
-                grad_output[..., q, :], query[..., q, :], _repeated(k[..., keys, :], heads),
-                _repeated(v[..., keys, :], heads), output[..., q, :], logsumexp[..., q], block, scale)
+                grad_output[..., q, :], query[..., q, :], k[..., keys, :], v[..., keys, :], output[..., q, :],
+                logsumexp[..., q], block, scale)
             grad_query[..., q, :] += part_query
-            grad_key[..., keys, :] += _folded(part_key, shared)
-            grad_value[..., keys, :] += _folded(part_value, shared)
-        if size > 1:  # home: the part of the next rank's keys came round to this one
-            grad_key, grad_value = ring.pass_along([grad_key, grad_value])
+            if not travelling:  # the part's first stop
+                travelling = [_placed(part_key, keys, k, dtype), _placed(part_value, keys, v, dtype)]
+            else:
+                travelling[0][..., keys, :] += part_key
+                travelling[1][..., keys, :] += part_value
+        if travelling:  # home: the part of the next rank's keys came round to this one
+            home_key, home_value = ring.pass_along(travelling)
+            grad_key += home_key
+            grad_value += home_value
         return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None)

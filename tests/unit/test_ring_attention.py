@@ -2,8 +2,9 @@
 their parts through queues, against ``scaled_dot_product_attention`` over the whole sequences
 (float64, outputs and the gradients of queries, keys and values). Ring sizes 2–4, grouped-query
 attention (4 query heads, 2 or 1 key/value heads), causal, causal within packed rows' documents,
-and not causal; the fused CPU kernel and the matmul blocks other devices run. A merge that does not
-rescale what was summed before misses."""
+and not causal; the fused CPU kernel (grouped-query keys and values handed to it with their own
+heads, and repeated for a kernel that takes no such shapes) and the matmul blocks other devices run.
+A merge that does not rescale what was summed before misses."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.context.ring as ring
+from engine.adapters import torch_internals
 from engine.adapters.torch_internals import fused_cpu_attention
 from engine.context.sharding import ContextShards, document_ids
 from tests.support import broken
@@ -22,7 +24,11 @@ from tests.support import broken
 LENGTH = 24  # cuts into 2 × size equal chunks for sizes 2, 3 and 4
 TOLERANCE = 1e-12
 MISSED = 1e-3
-KERNELS = {"fused CPU kernel": ring.FusedCpuBlocks(fused_cpu_attention()), "matmul blocks": ring.MatmulBlocks}
+FUSED = fused_cpu_attention()
+KERNELS = {"fused CPU kernel": ring.FusedCpuBlocks(FUSED),
+           # a kernel that takes as many key/value heads as query heads only: grouped ones repeated for it
+           "fused CPU kernel, key/value heads repeated": ring.FusedCpuBlocks(FUSED._replace(grouped_query=False)),
+           "matmul blocks": ring.MatmulBlocks}
 
 
 class ThreadRing(ring.RingExchange):
@@ -125,6 +131,25 @@ def test_a_torch_without_the_fused_cpu_kernel_runs_the_blocks_in_matmuls(monkeyp
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "no fused CPU attention kernel" in caplog.records[0].message
     assert ring_differences(2, 1, True, None) < TOLERANCE  # the fallback is exact too
+
+
+def test_grouped_query_heads_reach_the_kernel_where_it_takes_them(monkeypatch):
+    """This torch's kernel takes 2 query heads to 1 key/value head; one that refuses such shapes (its
+    own shape check raising) is told apart, and its blocks get the key/value heads repeated."""
+    assert FUSED.grouped_query
+    shapes = []
+
+    def same_heads_only(query, key, value, *rest, **kwargs):
+        if query.shape[1] != key.shape[1]:
+            raise RuntimeError("key and value must have the same number of heads as query")
+        shapes.append(key.shape[1])
+        return FUSED.forward(query, key, value, *rest, **kwargs)
+
+    assert not torch_internals._takes_grouped_query(same_heads_only, FUSED.backward)
+    monkeypatch.setattr(ring, "block_kernel",
+                        lambda device: ring.FusedCpuBlocks(FUSED._replace(forward=same_heads_only, grouped_query=False)))
+    assert ring_differences(2, 1, True, None) < TOLERANCE
+    assert set(shapes) == {4}  # every block got the 4 query heads' keys
 
 
 def test_a_merge_without_the_rescale_misses(monkeypatch):
