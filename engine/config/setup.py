@@ -100,6 +100,7 @@ class Setup:
     expert_modules: tuple[str, ...] | None = None  # expert_parallel.modules (None: the Hugging Face plan's)
     checkpointing: CheckpointingRequest | None = None  # activation checkpointing of the model's blocks
     compile: CompileRequest | None = None  # torch.compile of the model's blocks
+    packing: bool = False  # packing: true: each micro-batch's documents in one row (attention per document)
     overlap: TorchOverlap = TorchOverlap()  # bucket and prefetch sizes (torch backend)
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
@@ -165,6 +166,7 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
         expert_modules=tuple(config.expert_parallel.modules) if config.expert_parallel.modules else None,
         checkpointing=features.checkpointing,
         compile=features.compile,
+        packing=config.packing,
         overlap=sections.overlap,
         tensor_parallel=TensorParallelSetup(tensor_plan if tensor_plan is not None else config.tensor_parallel.plan,
                                             config.tensor_parallel.check_batches),

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from engine.attention.hugging_face import takes_document_bounds
 from engine.context.sharding import ContextShards
 from engine.distributed.collectives import all_to_all
 from engine.errors import EngineUsageError
@@ -191,14 +192,16 @@ def hugging_face_attention(inner, implementation: str, exchange: UlyssesExchange
         # A sliding window shorter than the sequence: flash takes it as an argument, the others from the mask.
         window = kwargs.get("sliding_window")
         window = window if isinstance(window, int) and causal and window < length else None
-        if documents is not None and implementation.startswith("flash"):
+        # flash attention and packing's attention per document (engine.attention) take the documents' bounds
+        by_bounds = implementation.startswith("flash") or takes_document_bounds(implementation)
+        if documents is not None and by_bounds:
             kwargs.update(varlen_arguments(documents, what))
             mask = None
         elif documents is not None:
             mask = document_mask(documents, query.dtype, causal)
         else:
-            mask = None if implementation in SELF_MASKING or not causal else causal_mask(length, query.dtype,
-                                                                                        query.device)
+            mask = None if implementation in SELF_MASKING or by_bounds or not causal else causal_mask(
+                length, query.dtype, query.device)
         if window is not None and not implementation.startswith("flash"):
             windowed = window_mask(length, window, query.dtype, query.device)
             mask = windowed if mask is None else torch.minimum(mask, windowed)

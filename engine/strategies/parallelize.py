@@ -1,6 +1,6 @@
 """The composition of parallelisms on one mesh, in a fixed order, for every way of holding a model:
 
-    tensor → context → experts → activation checkpointing → compile → (data sharding)
+    tensor → documents → context → experts → activation checkpointing → compile → (data sharding)
 
 Each step runs where its mesh dimension splits (the size guards below), on the groups of
 ``engine.distributed.mesh.MeshGroups``; the holder (``engine.strategies``) shards or replicates
@@ -13,6 +13,9 @@ block forwards (``engine.strategies.model_transforms``). Under a pipeline the bl
 whole model before its cut (a Hugging Face model's ``_no_split_modules`` is the root's, and
 ``every``-th counts over all of them) and each stage's holder hands the ones it holds here.
 A new dimension is one more guarded step here and the module that implements it.
+
+Documents (``packing: true``): a Hugging Face decoder's attention within each document of a packed
+row (``engine.attention``), before the context step, which wraps the model's attention as it then is.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.attention.hugging_face import apply_document_attention
 from engine.context.parallel import ContextParallel
 from engine.distributed.group_held import NO_GROUP_HELD, GroupHeldParameters
 from engine.experts.parallel import ExpertShards
@@ -59,6 +63,8 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
         else:  # the whole model: checked against what it computed before the split (issue 33)
             plan = resolve_plan(module, setup.tensor_parallel.plan, mesh.tensor)
             apply_checked_tensor_parallel(module, groups.submesh(("tensor",)), plan)
+    if setup.packing:
+        apply_document_attention(module)
     context = apply_context_parallel(module, setup, groups, attention_model) if mesh.context > 1 else None
     group_held = apply_expert_parallel(module, setup, groups, expert_patterns) if mesh.expert > 1 else NO_GROUP_HELD
     blocks = blocks if blocks is not None else model_blocks(module, setup.checkpointing, setup.compile)

@@ -20,7 +20,7 @@ LAYERS = {
         "engine.adapters", "engine.distributed"],
     1: ["engine.batching"],  # the planner: batch arithmetic, needs no config object
     2: ["engine.config", "engine.state"],  # config resolved once (its checks use the planner); state files
-    3: ["engine.precision", "engine.context", "engine.experts", "engine.pipeline",  # parallelisms
+    3: ["engine.precision", "engine.attention", "engine.context", "engine.experts", "engine.pipeline",  # parallelisms
         "engine.strategies"],  # and the backends that hold the model
     4: ["engine.window", "engine.engine"],  # the engine and its window parts and runners
     5: ["engine.autosave", "engine.autotune", "engine.monitor"],  # hooks and tuners around an engine
