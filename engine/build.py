@@ -16,7 +16,8 @@ from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
-from engine.window.experts import expert_balance
+from engine.experts.stages import stage_routers
+from engine.experts.window import expert_balance
 from engine.monitor.startup import STARTUP_LOGGER, startup_lines
 from engine.window.model_loss import LossReading, model_loss, packing_seams
 from engine.monitor import Monitor
@@ -107,8 +108,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         # automatic micro size chooses A per window
         chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
         pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
-                                   own_loss, balance_globally=config.moe.load_balance == "global",
-                                   hold_forwards=experts.holds_forwards)
+                                   own_loss, routers=stage_routers(model, config.moe, strategy),
+                                   hold_forwards=experts is not None and experts.holds_forwards)
         schedule_steps = strategy.fitting_micro_batches
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
@@ -120,12 +121,11 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  window_runner=tuner or pipeline,  # None: the engine runs its windows itself
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, experts=experts,
-                 hooks=(experts,),  # the routers' bias moves at the boundary
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=experts,
                  context=context, losses=LossReading(own_loss, strict=config.strict))
     if dist_info.rank == 0:  # what is on, once
         logging.getLogger(STARTUP_LOGGER).info("start-up:\n  %s", "\n  ".join(startup_lines(config, setup, plan, own_loss_type=own_loss.loss_type,
-                                                                 routes=experts.routes)))
+                                                                 routes=experts is not None)))
     if monitor is not None:
         monitor.attach(eng)  # starts the first step's clock, watches the learning rate
     if autosave is not None:

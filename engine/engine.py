@@ -1,6 +1,6 @@
 """The engine: counts micro-steps, weights losses, and updates only at window boundaries.
 
-Weighting. Every weight, count and divisor of a window is computed by ``engine.window.accounting``
+Weighting. Every weight, count and divisor of a window is computed by ``engine.accounting``
 (what a loss stands for, a micro-step's weight ``share · W / G``, the boundary multiplier ``G / U``,
 the window's totals over the ranks, evaluation's totals); the engine and every window runner ask
 it. A model's own ``.loss`` is read as its sum over the items its labels hold
@@ -15,43 +15,42 @@ nothing, its collectives still run (ranks with fewer micro-batches than their pe
 the counts are real rather than planned, U is summed over the ranks at the boundary.
 
 The window's state machine — counters, the ranks' position checks, a window's close (reduce,
-totals, multiply, clip, step) and discard — is ``engine.window.machine``; this class is the
-public front over it.
+totals, multiply, clip, step) and discard — is ``engine.window.machine``; the window executor
+(``engine.window.executor``) runs every window's forwards and backwards as a schedule
+(``engine.schedule``), evaluation's too; this class is the public front over both.
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (``engine.window.runner``: the plain one, the
-automatic micro-batch size of ``engine.autotune.tuner``, which drives ``run_window`` /
-``discard_window`` / ``replan`` / ``evaluate`` and guards every micro-step, or a pipeline's
-schedule, ``engine.window.pipeline``, which runs a window's micro-steps itself and tells the
-engine's window machine (``engine.window.runner`` lists the calls a runner may make); under a pipeline the tuner retries the
-schedule's windows), the hooks
-(``engine.window.hooks``: the monitor and automatic checkpoints, told when ``batches()`` makes data, a
-training window starts or closes, state is loaded and the engine closes) and the stateful parts
-a checkpoint holds besides the engine's own counters (scheduler, loss scaler, tuner), which the
-engine hands with itself and its strategy to one ``engine.state.checkpoint.CheckpointManager``.
+(how the model is held), the window runner (``engine.window.runner``: the plain one runs the window
+on the executor, the automatic micro-batch size of ``engine.autotune.tuner`` retries it and guards
+every micro-step, a pipeline's schedule, ``engine.window.pipeline``, runs a window's micro-steps
+through its stages and tells the engine's window machine; under a pipeline the tuner retries the
+schedule's windows), the window's hooks (a model with routers: ``engine.experts.window``; None for a
+dense model), the engine's hooks (``engine.window.hooks``: the monitor and automatic checkpoints, told
+when ``batches()`` makes data, a training window starts or closes, state is loaded and the engine
+closes) and the stateful parts a checkpoint holds besides the engine's own counters (scheduler, loss
+scaler, tuner), which the engine hands with itself and its strategy to one
+``engine.state.checkpoint.CheckpointManager``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
+from engine.accounting import Accounting, loss_tensor
 from engine.batching.data import DistributedBatches, batches_for
-from engine.batching.micro_batches import MicroBatches
 from engine.batching.microbatch import to_device
 from engine.batching.plan import BatchPlan
 from engine.batching.window_split import PlannedSplit
 from engine.context.parallel import ContextParallel, WholeSequences
 from engine.errors import EngineUsageError
+from engine.experts.window import NoRouters
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.state.engine_state import EngineState
 from engine.strategies.base import Strategy
-from engine.window.accounting import Accounting, loss_and_units, loss_tensor
-from engine.window.evaluation import evaluate_pieces
-from engine.window.experts import ExpertBalance, NoRouters
-from engine.window.hooks import EngineHook
+from engine.window.executor import WindowExecutor, WindowHooks
+from engine.window.hooks import EngineHook, Hooks
 from engine.window.loss_checks import check_loss, check_loss_signature
 from engine.window.machine import WindowMachine
 from engine.window.model_loss import LossReading, NoModelLoss
@@ -82,31 +81,34 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False, experts: ExpertBalance | NoRouters | None = None,
+                 grad_norm_every_step: bool = False, window_hooks: WindowHooks | None = None,
                  context: ContextParallel | None = None, losses: LossReading | None = None):
         self.config, self.plan, self.strategy = config, plan, strategy
         # how windows are cut and what a micro-batch counts for (engine.batching.window_split)
         self.window_split, self.window_runner = window_split, window_runner or WindowRunner()
-        # Hooks, called in this order at every point; the monitor and the automatic checkpoints are kept
+        # Hooks, told in this order at every point; the monitor and the automatic checkpoints are kept
         # by name too (scripts read eng.monitor, eng.autosave); the checkpoints go last: a stop signal ends
         # the run there.
         self._monitor, self.autosave = monitor, autosave
-        self.hooks = tuple(hook for hook in (monitor, *hooks, autosave) if hook is not None)
-        self.lr_scheduler, self.loss_fn = lr_scheduler, loss_fn
-        # Null objects where a dimension is absent: a model without routers (engine.window.experts), whole
-        # sequences without context_parallel (engine.context.parallel), a model whose loss is not read
-        # as (sum, count) (engine.window.model_loss).
-        self.experts = experts or NoRouters()
+        self._hooks = Hooks(self, tuple(hook for hook in (monitor, *hooks, autosave) if hook is not None))
+        self.loss_fn = loss_fn
+        # Null objects where a dimension is absent: whole sequences without context_parallel
+        # (engine.context.parallel), a model whose loss is not read as (sum, count) (engine.window.model_loss);
+        # a window without hooks (a dense model: engine.window.executor) asks none.
+        self.window_hooks = window_hooks
         self.context = context if context is not None else WholeSequences()
         self.losses = losses or LossReading(NoModelLoss(), strict=False)
-        # every weight, count and divisor of a window (engine.window.accounting); G is the window split's
-        self.accounting = Accounting(ranks=plan.world_size * self.context.size,
+        # every weight, count and divisor of a window (engine.accounting); G is the window split's
+        self.accounting = Accounting(mesh=strategy.settings.mesh,
                                      weighting_batch=lambda: self.window_split.weighting_batch(self.plan))
         self.windows = WindowMachine(
-            self, strategy=strategy, accounting=self.accounting, window_split=window_split, context=self.context,
-            losses=self.losses, chooses_micro_size=self.window_runner.chooses_micro_size,
-            clipping=config.gradient_clipping, non_finite_policy=config.faults.non_finite_gradient,
-            grad_norm_every_step=grad_norm_every_step)
+            strategy=strategy, accounting=self.accounting, window_split=window_split, context=self.context,
+            losses=self.losses, hooks=self._hooks, lr_scheduler=lr_scheduler,
+            chooses_micro_size=self.window_runner.chooses_micro_size, clipping=config.gradient_clipping,
+            non_finite_policy=config.faults.non_finite_gradient, grad_norm_every_step=grad_norm_every_step)
+        self.executor = WindowExecutor(model=self, strategy=strategy, windows=self.windows, window_split=window_split,
+                                       context=self.context, losses=self.losses, hooks=window_hooks,
+                                       guard=self.window_runner.guard)
         # A checkpoint holds the strategy's model and optimizer, the parts handed in, and this engine's
         # counters and plan, loaded last so that its hooks see the whole restored state.
         self.checkpoints = CheckpointManager(
@@ -115,7 +117,6 @@ class Engine:
             training_state=strategy, position=self._checkpoint_position, rank=strategy.rank,
             world_size=strategy.world_size, seed=config.seed, config_record=config.to_dict())
         self._batches: DistributedBatches | None = None  # of batches()
-        self._splitting = False  # inside run_window / evaluate: micro-batch sizes are the engine's own
 
     # -- what the model is ------------------------------------------------------------
     @property
@@ -125,6 +126,22 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.strategy.optimizer
+
+    @property
+    def lr_scheduler(self):
+        """The scheduler stepped with each applied update (None without one)."""
+        return self.windows.lr_scheduler
+
+    @property
+    def experts(self):
+        """A model's routers as its windows balance them (``engine.experts.window``: ``last_load``,
+        ``routing_differences``, ``global_counts``); for a model without routers, a record of none."""
+        return self.window_hooks if self.window_hooks is not None else NoRouters()
+
+    @property
+    def hooks(self) -> tuple[EngineHook, ...]:
+        """The hooks told at every point, in order (``engine.window.hooks``)."""
+        return self._hooks.all
 
     def parameters(self, recurse: bool = True):
         """The model's parameters as this rank holds them (``loss_fn(model, micro_batch)`` is handed the
@@ -163,7 +180,7 @@ class Engine:
     @monitor.setter
     def monitor(self, monitor) -> None:
         others = tuple(hook for hook in self.hooks if hook is not self._monitor)
-        self.hooks = ((monitor,) if monitor is not None else ()) + others
+        self._hooks.all = ((monitor,) if monitor is not None else ()) + others
         self._monitor = monitor
 
     @property
@@ -181,25 +198,9 @@ class Engine:
         """Forward through the wrapped model. Tells the strategy whether the micro-step in
         progress closes the window (DDP decides gradient sync in the forward)."""
         self.strategy.check_manual_loop()  # before a window starts: a pipeline refuses eng(x)
-        training = torch.is_grad_enabled()
-        if not self._splitting:  # train_batch / eval_batch moved (and split) their batch already
+        if not self.executor.runs_own_micro_batches:  # train_batch / eval_batch moved their batch already
             args, kwargs = self._on_device(args), self._on_device(kwargs)
-            if training:  # the manual loop's whole micro-batch, compared at the window's close
-                self.windows.check_manual_batch(args, kwargs)
-            args, kwargs = self.context.shard_call(args, kwargs)
-        kwargs = self.losses.call_arguments(kwargs)
-        if training:  # a forward for a backward: plan its gradient sync
-            self.windows.before_training_forward(self.plan.gradient_accumulation_steps)
-        # a manual-loop forward cannot hold the window's load-balancing term
-        manual = self.experts.manual_forward() if training and not self._splitting else contextlib.nullcontext()
-        measured = self.windows.measured_forwards() if training else contextlib.nullcontext()
-        with manual, measured, self.context.running():
-            output = self.strategy.forward(*args, **kwargs)
-        self.losses.observe(kwargs, output)
-        if training and not self._splitting:  # the manual loop: what this forward tells about the micro-batch
-            window = self.windows.current
-            self.window_split.record_forward(window.forwards, self.plan, window.micro_steps, args, kwargs, output)
-        return output
+        return self.executor.forward(args, kwargs, self.plan)
 
     def backward(self, loss) -> None:
         """Backward of one micro-batch loss (a mean over its samples, ``(loss_sum, num_items)``, or the
@@ -227,12 +228,12 @@ class Engine:
         """Close the window if this micro-step is its last; otherwise change nothing.
         Returns True when a window was closed (``skipped_steps`` tells whether a non-finite
         gradient, e.g. an fp16 overflow, discarded it). ``step(flush=True)`` is :meth:`flush`."""
-        return self.flush() if flush else self.windows.step(self.plan.gradient_accumulation_steps)
+        return self.flush() if flush else self.windows.step(self.plan)
 
     def flush(self) -> bool:
         """Close a window holding fewer micro-steps than planned (the end of the data), weighted by what
         it holds; on every rank, with the same micro-steps. False when there was nothing to close."""
-        return self.windows.flush()
+        return self.windows.flush(self.plan)
 
     def zero_grad(self) -> None:
         """For Colossal-style loops: never wipes a window in progress (boundaries clear gradients)."""
@@ -275,7 +276,7 @@ class Engine:
             self.discard_window()  # a failed batch leaves no half window behind
             self.windows.check_batch(None)
             raise
-        self.windows.close()
+        self.executor.close_window(self.plan)
         return float(self.last_window.loss)
 
     def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
@@ -296,16 +297,10 @@ class Engine:
                            collate_fn=collate_fn)
         if data is not self._batches:
             self._batches = data
-            for hook in self.hooks:
-                hook.on_batches(self, data)
+            self._hooks.tell("on_batches", data)
         return data
 
     # -- for window runners (engine.window.runner) ------------------------------------------
-    def run_window(self, batch, loss_fn: LossFn) -> None:
-        """Forward and backward of every micro-batch of one window (no step), guarded by the runner."""
-        with self._own_micro_batches():
-            self.window_runner.guard(lambda: self._micro_steps(batch, loss_fn))
-
     def discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.windows.discard()
@@ -321,13 +316,6 @@ class Engine:
         if self.windows.current.micro_steps:
             raise EngineUsageError("replan() called in the middle of a window: call it between windows")
         self.plan = plan
-
-    def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
-        """The mean loss over every rank's ``batch`` (per sample or per item), in the window split's
-        micro-batches of at most ``size`` samples or padded tokens (default: the plan's)."""
-        pieces = self.window_split.eval_pieces(batch, self.plan, size)
-        with self._own_micro_batches():  # on the device (and split over the context ranks) already
-            return evaluate_pieces(self, pieces, loss_fn)
 
     # -- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -363,20 +351,10 @@ class Engine:
         try:
             self.windows.leave()
         finally:
-            for hook in self.hooks:
-                hook.on_close(self)
+            self._hooks.tell("on_close")
             self.strategy.close()
 
     # -- internals --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _own_micro_batches(self):
-        """Forwards of micro-batches the engine cut itself: no manual-loop bookkeeping."""
-        self._splitting = True
-        try:
-            yield
-        finally:
-            self._splitting = False
-
     def _loss_fn(self, loss_fn: LossFn | None) -> LossFn:
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
@@ -384,16 +362,3 @@ class Engine:
                                    "or to engine.initialize(..., loss_fn=...)")
         check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.window.loss_checks
         return loss_fn
-
-    def _micro_steps(self, batch, loss_fn: LossFn) -> None:
-        cut = isinstance(batch, MicroBatches)  # the caller's micro-batches, as collated
-        split = batch.split(self.plan) if cut else self.window_split.split(batch, self.plan)
-        self.windows.planned(split)
-        planned = self.plan.gradient_accumulation_steps
-        # A model's load-balancing terms over the window are counted first (engine.window.experts);
-        # each micro-batch's loss_fn sees this rank's part of its sequences (engine.context).
-        self.experts.run_window(split.pieces,
-                                forward=lambda micro_batch: loss_fn(self, self.context.shard(micro_batch)),
-                                backward=lambda output, size: self.windows.backward(output, size, planned,
-                                                                                    exact_counts=True),
-                                units=loss_and_units, before_counting=self.windows.agree_before_counting)

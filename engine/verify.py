@@ -44,8 +44,8 @@ from engine.build import initialize
 from engine.config.schema import load_config, torch_sections
 from engine.config.setup import mesh_layout
 from engine.distributed.process_group import init_distributed
-from engine.window.accounting import loss_and_units
-from engine.window.model_loss import mean_items, model_loss
+from engine.accounting import loss_and_units, mean_items
+from engine.window.model_loss import model_loss
 from engine.errors import MicrostepError
 from engine.config.factories import FactoryError, load_factory, reference_of
 from engine.config.optim import build_optimizer, build_scheduler

@@ -17,7 +17,7 @@ Nine methods are overridden, none documented as stable (docs/compatibility.md):
   first gradient receive, by ``before_first_gradient_wait``);
 * ``_forward_metadata_inference`` (torch 2.13) / ``_shape_inference`` (before): the forward a stage
   runs once per schedule to learn its shapes, marked on the stage's module (``learning_shapes``)
-  so that what counts the micro-batches' forwards (``engine.window.stage_routers``) leaves it out.
+  so that what counts the micro-batches' forwards (``engine.experts.stages``) leaves it out.
 """
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ class MicroBatchTuner(WindowRunner):
                  windows: WindowRunner | None = None):
         self.strategy = strategy
         # Who runs one attempt of a window: a runner that runs the micro-steps itself (a pipeline's
-        # schedule, engine.window.pipeline), guarded whole; when None, the engine's own micro-steps,
-        # each guarded by this tuner.
+        # schedule, engine.window.pipeline), guarded whole; when None, the engine's window executor,
+        # whose micro-steps this tuner guards each (engine.window.executor).
         self.windows = windows
         self.calls_loss_on_outputs = windows is not None and windows.calls_loss_on_outputs  # as the runner it drives
         if self._runnable(plan) is None:
@@ -249,13 +249,13 @@ class MicroBatchTuner(WindowRunner):
 
     def _attempt(self, eng, batch, loss_fn) -> None:
         if self.windows is None:
-            eng.run_window(batch, loss_fn)  # guarded by this tuner (the engine's window runner)
+            eng.executor.run_window(batch, loss_fn, eng.plan)  # each micro-step guarded by this tuner
         else:
             self.guard(lambda: self.windows.run_window(eng, batch, loss_fn))
 
     def _evaluate(self, eng, batch, loss_fn, value: int) -> float:
         if self.windows is None:
-            return eng.evaluate(batch, loss_fn, value)
+            return eng.executor.evaluate(batch, loss_fn, eng.plan, value)
         result = []
         self.guard(lambda: result.append(self.windows.evaluate(eng, batch, loss_fn, value)))
         return result[0]
@@ -432,7 +432,7 @@ class MicroBatchTuner(WindowRunner):
         for attempt in range(self.warmup + self.repeats):
             began = self.clock()
             try:
-                eng.run_window(batch, metered)
+                eng.executor.run_window(batch, metered, eng.plan)
             except WindowFailed:
                 eng.discard_window()
                 return Candidate(plan.train_micro_batch_size_per_gpu, self.knob.planned_micro_steps(eng), fits=False,

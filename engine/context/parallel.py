@@ -33,6 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from engine.accounting import part_as_sum
 from engine.context.sharding import ContextShards, label_convention, shard_batch, tensors
 from engine.context.ring import RingExchange
 from engine.context.ulysses import Activity, UlyssesExchange, sequence_attention_forward
@@ -325,13 +326,8 @@ class ContextParallel:
                 "context_parallel: a mean loss, but the batch has no 'labels' to count its tokens by; each rank "
                 "holds a part of every sequence, and the parts' means weigh by their real tokens. Put the labels "
                 "(-100 at padding) under 'labels' in a mapping batch, or return (loss_sum, num_tokens)")
-        if self.shift:
-            # The model divided its part's sum by num_items_in_batch = max(tokens, 1): multiplied back by
-            # the same, a part without a target keeps what its loss holds besides the token sum (a
-            # mixture of experts' load-balancing term over the part's tokens), and a NaN counts 0.
-            return torch.where(tokens > 0, loss * tokens, torch.nan_to_num(loss, nan=0.0)), tokens
-        # A part without a real token: its mean is 0/0; it counts 0 and adds 0 (not NaN).
-        return torch.where(tokens > 0, loss, torch.zeros_like(loss)) * tokens, tokens
+        # shifted: the model's own loss divided its part's sum by num_items_in_batch = max(tokens, 1)
+        return part_as_sum(loss, tokens, keeps_other_terms=self.shift)
 
 
 def context_groups(mesh: MeshLayout) -> list[list[int]]:

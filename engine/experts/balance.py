@@ -15,7 +15,7 @@ S with the global C and R as coefficients:
     ∂aux = E / R² · Σᵢ Cᵢ · ∂Sᵢ,  Sᵢ = Σ_k S_k,ᵢ.
 
 A micro-batch's term is therefore E / R² · Σᵢ Cᵢ · S_k,ᵢ (the window's C and R) times ``factor``,
-which undoes the weight the engine will give the micro-batch's loss (see ``engine.window.experts``):
+which undoes the weight the engine will give the micro-batch's loss (see ``engine.experts.window``):
 weighted and summed over the window, both its gradient and its value are the window's term's. Where C and R are known only after every forward of the window
 (forwards held, then backwards), the coefficients are read when the backward runs
 (:class:`_DeferredCoefficients`).

@@ -81,3 +81,25 @@ def computing_here(modules: tuple[ModuleType, ...]) -> Iterator[None]:
     finally:
         for module, original in saved:
             setattr(module, FUNCTION, original)
+
+
+@dataclass(frozen=True)
+class RouterTerm:
+    """How a Hugging Face mixture-of-experts language model adds its routers' term to ``.loss``:
+    ``coefficient · load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``."""
+
+    num_experts: int
+    top_k: int
+    coefficient: float
+
+
+def router_term_of(model: torch.nn.Module) -> RouterTerm | None:
+    """The term ``model``'s ``.loss`` adds (its config has ``output_router_logits``), read from the
+    attributes its forward passes (Mixtral, Qwen2/3-MoE, OLMoE: ``num_experts``,
+    ``num_experts_per_tok``, ``router_aux_loss_coef``); None when it adds none or names them otherwise."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return None
+    values = [getattr(model, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if not all(isinstance(value, (int, float)) for value in values):
+        return None
+    return RouterTerm(int(values[0]), int(values[1]), float(values[2]))

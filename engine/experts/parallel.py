@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from engine.accounting import gradient_ranks
 from engine.distributed.collectives import all_reduce_mean_, all_to_all, exchange_counts
 from engine.distributed.group_held import GroupHeldParameters, HeldParameter
 from engine.errors import ConfigError
@@ -173,7 +174,7 @@ class ExpertShards(GroupHeldParameters):
         self.index = mesh_layout.expert_index(rank)
         self.group, self.replicas_group = groups.experts, groups.expert_replicas
         self.replicas = mesh_layout.expert_replicas
-        self.divisor = mesh_layout.data * mesh_layout.context  # the dense gradients' 1/W
+        self.divisor = gradient_ranks(mesh_layout)  # the dense gradients' 1/W
         self.mesh = groups.expert_mesh
 
     # -- splitting ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A model asks for its term through :func:`load_balancing_loss` — a Hugging Face
 modeling module's ``load_balancing_loss_func``, which the engine points here during its windows
 (``engine.experts.hf``), a model of the user's own through :class:`LoadBalancingLoss`. Outside an
 engine window (evaluation, a script of its own, a reference run) it is the micro-batch's term, as
-the model would compute it. Inside, the window runner (``engine.window.experts``) sets a
+the model would compute it. Inside, the window runner (``engine.experts.window``) sets a
 :class:`Scope` saying what each call is worth: counted in a counting forward, the global batch's
 term once the window's counts are known, refused in the manual loop.
 """
@@ -52,7 +52,7 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int = 2, attenti
     """The load-balancing term of router logits ((rows, experts), or a tuple of them, one per
     layer; ``attention_mask`` (batch, seq) excludes padding rows), the definition of Hugging Face's
     ``load_balancing_loss_func``. In a ``train_batch`` window under ``moe.load_balance: global`` it
-    is the global batch's term (see engine.window.experts); elsewhere the rows' own."""
+    is the global batch's term (see engine.experts.window); elsewhere the rows' own."""
     if _scope is None:
         return micro_batch_term(router_logits, num_experts, top_k, attention_mask)
     if _scope.keeps_models_own:

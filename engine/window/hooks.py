@@ -33,3 +33,23 @@ class EngineHook:
 
     def on_close(self, engine) -> None:
         """``eng.close()``."""
+
+
+class Hooks:
+    """The hooks an engine was built with, in the order they are told, each told with the engine
+    (``subject``, what a hook is handed) at each point; the window machine tells them through this, and
+    holds no engine."""
+
+    def __init__(self, subject, hooks: tuple[EngineHook, ...]):
+        self.subject, self.all = subject, tuple(hooks)
+
+    def records(self, step: int) -> bool:
+        return any(hook.records(step) for hook in self.all)
+
+    def needs_grad_norm(self, step: int) -> bool:
+        return any(hook.needs_grad_norm(step) for hook in self.all)
+
+    def tell(self, point: str, *args) -> None:
+        """Every hook's ``point`` (``on_window_start``, ``on_window_closed``, ...), with the engine first."""
+        for hook in self.all:
+            getattr(hook, point)(self.subject, *args)

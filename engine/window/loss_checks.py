@@ -102,42 +102,6 @@ def model_call_refused(loss_fn) -> EngineUsageError:
         f"language model's own loss (m(**batch).loss); or, to train with and without a pipeline, {ON_OUTPUTS_FIX}")
 
 
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)}"
-    if isinstance(value, dict):
-        return f"a dict with keys {', '.join(map(str, value))}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}: ({', '.join(_describe(v) for v in value)})"
-    return f"a {type(value).__name__}"
-
-
-EXPECTED = ("the loss must be a scalar tensor (the mean over the micro-batch) or a pair (loss_sum, num_items), "
-            "e.g. (F.cross_entropy(..., reduction='sum'), (labels != -100).sum())")
-
-
-def checked_count(output, count):
-    """``count`` when the pair ``output`` = (loss_sum, count) holds a count: a number or a
-    one-element tensor."""
-    if isinstance(count, (int, float)) and not isinstance(count, bool):
-        return count
-    if isinstance(count, torch.Tensor) and count.numel() == 1:
-        return count
-    raise EngineUsageError(
-        f"{EXPECTED}; got {_describe(output)}: a pair is read as (loss_sum, num_items), and "
-        f"{_describe(count)} is not a count. Returning (loss, logits) or (loss, outputs)? Return the loss alone")
-
-
-def unrecognised_loss(output) -> EngineUsageError:
-    """The error for a return that is neither a tensor, a pair, nor an output with a ``loss``."""
-    hint = ""
-    if isinstance(output, dict) and "loss" in output:
-        hint = "; return output['loss']"
-    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        hint = "; return the loss alone, or (loss_sum, num_items)"
-    return EngineUsageError(f"{EXPECTED}; got {_describe(output)}{hint}")
-
-
 def check_loss(loss) -> None:
     """A loss to back-propagate: a scalar tensor that requires grad."""
     check_scalar_loss(loss)

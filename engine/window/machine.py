@@ -1,7 +1,8 @@
 """One rank's accumulation windows as a state machine: a window starts, counts micro-steps,
 closes (reduce → totals over the ranks → multiply → clip → step) or is discarded. The
-``Engine`` is the public front over it; window runners drive it through the engine's calls
-(``engine.window.runner``).
+``Engine`` is the public front over it and the window executor (``engine.window.executor``) runs
+its micro-steps; it holds no engine: the hooks it tells (``engine.window.hooks.Hooks``) and the
+scheduler it steps are handed in, the plan comes with each call that reads it.
 
 Ranks in step. Before the backward that closes a window, before a window's first forward
 when its strategy communicates earlier in the window (ZeRO-2's reduction in every backward, a
@@ -20,7 +21,7 @@ The non-finite gradient check (``faults.non_finite_gradient``) reads the global 
 where the window's statistics are summed over ranks anyway (``train_batch``, exact counts), the
 strategy's share of the squared norm travels in that all-reduce and the one host read of the
 statistics decides both (no pass, collective or sync of its own in the step). Every number that
-weighs the window comes from ``engine.window.accounting``.
+weighs the window comes from ``engine.accounting``.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
 from engine.memory import PeakMeter
 from engine.strategies.base import StepResult
 from engine.window import non_finite
-from engine.window.accounting import Accounting, loss_and_units, share, window_totals
+from engine.accounting import Accounting, loss_and_units, share, window_totals
 from engine.window.loss_checks import check_loss, failed_on_another_rank
 from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
+from engine.window.hooks import Hooks
 from engine.window.records import Window, WindowReport
 
 log = logging.getLogger("engine")
@@ -48,12 +50,13 @@ def _nothing_posted() -> None:
 
 
 class WindowMachine:
-    """The windows of one engine (``owner``: its hooks, plan, scheduler and optimizer are read from it
-    at each point, since a script may replace the monitor and the tuner may replan)."""
+    """The windows of one engine: ``hooks`` (``engine.window.hooks.Hooks``, whose list a script may
+    change) are told when a window starts and closes, ``lr_scheduler`` steps with each applied update."""
 
-    def __init__(self, owner, *, strategy, accounting: Accounting, window_split, context, losses,
-                 chooses_micro_size: bool, clipping: float, non_finite_policy: str, grad_norm_every_step: bool):
-        self.owner, self.strategy, self.accounting = owner, strategy, accounting
+    def __init__(self, *, strategy, accounting: Accounting, window_split, context, losses, hooks: Hooks,
+                 lr_scheduler, chooses_micro_size: bool, clipping: float, non_finite_policy: str,
+                 grad_norm_every_step: bool):
+        self.strategy, self.accounting, self.hooks, self.lr_scheduler = strategy, accounting, hooks, lr_scheduler
         self.window_split, self.context, self.losses = window_split, context, losses
         self.chooses_micro_size = chooses_micro_size
         self.clipping, self.non_finite_policy = clipping, non_finite_policy
@@ -137,9 +140,8 @@ class WindowMachine:
         return self.strategy.communicates_before_closing_backward or self.chooses_micro_size
 
     def _started(self) -> None:
-        for hook in self.owner.hooks:
-            hook.on_window_start(self.owner)
-        self._recording = self._records(self.global_steps + 1)
+        self.hooks.tell("on_window_start")
+        self._recording = self.hooks.records(self.global_steps + 1)
         if self._recording:
             self._peak.start()
 
@@ -215,6 +217,16 @@ class WindowMachine:
             self.strategy.backward(loss, self.accounting.micro_step_weight(samples, item_weighted))
         self.count(loss, units, samples, item_weighted, exact_counts=exact_counts)
 
+    def weighed_loss(self, output, samples: int):
+        """A micro-batch loss whose backward runs elsewhere (a pipeline's last stage), as ``loss_fn`` returned
+        it: checked, read and weighted as :meth:`backward` weighs one. Returns (the weighted loss, what
+        :meth:`record` counts of it after the schedule — detached —, its units)."""
+        loss, units, item_weighted = loss_and_units(output, samples)
+        check_loss(loss)
+        self.current.check_same_kind(item_weighted)  # said here: the other stages learn the kind at the close
+        recorded = (loss.detach(), units) if item_weighted else loss.detach()
+        return loss * self.accounting.micro_step_weight(samples, item_weighted), recorded, units
+
     def record(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule): ``output`` is
         its loss as ``loss_fn`` returned it, None where this rank holds no loss of it (a stage before the
@@ -254,8 +266,8 @@ class WindowMachine:
         window = self.current
         return (window.micro_steps if window.backward_since_step else window.micro_steps + 1) >= planned
 
-    def step(self, planned: int) -> bool:
-        """The manual loop's step: close the window if its ``planned`` micro-steps are done."""
+    def step(self, plan) -> bool:
+        """The manual loop's step: close the window if its ``plan``'s micro-steps are done."""
         window = self.current
         if not window.backward_since_step:
             plain = (" A plain loss.backward() is not one: the engine weights each micro-batch by its share of the "
@@ -267,12 +279,12 @@ class WindowMachine:
             raise EngineUsageError("step() called without a backward() since the last step(): each micro-step is "
                                    f"forward, eng.backward(loss), eng.step().{plain}")
         window.backward_since_step = False
-        if window.micro_steps < planned:
+        if window.micro_steps < plan.gradient_accumulation_steps:
             return False
-        self.close()
+        self.close(plan)
         return True
 
-    def flush(self) -> bool:
+    def flush(self, plan) -> bool:
         """Close a short window (the end of the data), weighted by what it really holds."""
         window = self.current
         # On the control group: a peer still inside a micro-step's collective times out clearly.
@@ -281,7 +293,7 @@ class WindowMachine:
             return False
         window.backward_since_step = False
         window.exact_counts = True  # weighted by what every rank really ran
-        self.close()
+        self.close(plan)
         return True
 
     def discard(self) -> None:
@@ -291,17 +303,18 @@ class WindowMachine:
         self.micro_steps -= self.current.micro_steps
         self.current = Window()
 
-    def close(self) -> None:
-        """Reduce, weigh and apply the window's gradient, then count and report it."""
-        window, owner = self.current, self.owner
+    def close(self, plan) -> None:
+        """Reduce, weigh and apply the window's gradient, then count and report it (``plan``: the manual
+        loop's planned sizes, where the window's statistics are not reduced)."""
+        window = self.current
         self.strategy.reduce_gradients()
         step = self.global_steps + 1
-        recorded = self._records(step)
+        recorded = self.hooks.records(step)
         self.fingerprint_batch()
         fingerprint, self.batch_fingerprint = self.batch_fingerprint, None
         try:  # a fingerprint to compare makes the statistics travel over the ranks (the manual loop's too)
             over_all_ranks = window.exact_counts or recorded or fingerprint is not None
-            totals = window_totals(window, owner.plan, self.strategy, over_all_ranks=over_all_ranks,
+            totals = window_totals(window, plan, self.strategy, over_all_ranks=over_all_ranks,
                                    same_batch=(self.same_batch, fingerprint) if fingerprint is not None else None,
                                    holders=self.context.size, unread=self.losses.unread_sums())
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied
@@ -313,13 +326,13 @@ class WindowMachine:
         self.losses.window_closed(totals.unread, over_ranks=over_all_ranks)
         window.item_weighted = totals.item_weighted  # a rank that computes no loss learns its kind here
         samples = totals.samples
-        lr = float(owner.optimizer.param_groups[0]["lr"])  # the one this window's update uses
+        lr = float(self.strategy.optimizer.param_groups[0]["lr"])  # the one this window's update uses
         result = self._apply_update(window, totals.units, samples, totals.squares,
-                                    want_norm=self.grad_norm_every_step or self._needs_grad_norm(step))
+                                    want_norm=self.grad_norm_every_step or self.hooks.needs_grad_norm(step))
         self.window_split.window_closed(samples)
         if result.applied:
-            if owner.lr_scheduler is not None:
-                owner.lr_scheduler.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         self.global_steps += 1
@@ -330,14 +343,7 @@ class WindowMachine:
                                  micro_steps=window.micro_steps, real_tokens=totals.tokens[0],
                                  padded_tokens=totals.tokens[1])
         self.current, self._recording = Window(), False
-        for hook in owner.hooks:
-            hook.on_window_closed(owner, self.last)
-
-    def _records(self, step: int) -> bool:
-        return any(hook.records(step) for hook in self.owner.hooks)
-
-    def _needs_grad_norm(self, step: int) -> bool:
-        return any(hook.needs_grad_norm(step) for hook in self.owner.hooks)
+        self.hooks.tell("on_window_closed", self.last)
 
     def _apply_update(self, window: Window, units, samples: int, squares: float | None, *,
                       want_norm: bool) -> StepResult:

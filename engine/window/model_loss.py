@@ -6,7 +6,7 @@ labels) is the mean over the window's items only if each micro-batch's mean is w
 items, not by its rows. The engine sees every forward it runs (``eng(**micro_batch)``, and
 ``loss_fn``'s calls of the model in ``train_batch``), so it counts the items from the labels it
 handed in, by the model's loss type, and marks the returned ``.loss`` with that count;
-``engine.window.accounting.loss_and_units`` then reads that very tensor as ``(loss × count,
+``engine.accounting.loss_and_units`` then reads that very tensor as ``(loss × count,
 count)``. A tensor derived from it (``loss * 2``, ``loss + other``) is not marked: it is taken as
 a mean over the micro-batch's samples, as any scalar loss.
 
@@ -32,11 +32,11 @@ rows while their items differ; ``strict`` refuses).
 
 A routed model's ``.loss`` includes its load-balancing term λ·aux: read as a sum, that term
 is multiplied by the micro-batch's count too, which the term's factor divides out
-(``engine.window.accounting.term_factors``, from :func:`mean_items`). Under a pipeline no rank
+(``engine.accounting.term_factors``, from :func:`mean_items`). Under a pipeline no rank
 holds the whole model: the last stage hands ``loss_fn(model, micro_batch)`` a :class:`LastStageModel`
 whose call applies the model's own loss function to the stage's logits; a routed model's term is then
 the window's (``moe.load_balance: global``: the stages exchange their router counts first,
-``engine.window.stage_routers``), its coefficient λ read from the model (:class:`RouterTerm`).
+``engine.experts.stages``), its coefficient λ read from the model (``engine.experts.hf.RouterTerm``).
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ from typing import Callable
 import torch
 
 from engine.batching.packing import Seams, no_seams, seams_of_shifted_targets
+from engine.accounting import mark_mean_items, mean_items
 from engine.errors import ConfigError, EngineUsageError
 
 log = logging.getLogger("engine")
 
 IGNORED = -100  # transformers' ignore_index
-_MARK = "_microstep_mean_items"  # the attribute that marks a model's own loss: (multiplier, items)
 
 
 def _causal_targets(labels: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
@@ -177,40 +177,6 @@ def reading_of(model: torch.nn.Module) -> Reading | None:
     return None
 
 
-@dataclass(frozen=True)
-class RouterTerm:
-    """How a Hugging Face mixture-of-experts language model adds its routers' term to ``.loss``:
-    ``coefficient · load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``."""
-
-    num_experts: int
-    top_k: int
-    coefficient: float
-
-
-def router_term_of(model: torch.nn.Module) -> RouterTerm | None:
-    """The term ``model``'s ``.loss`` adds (its config has ``output_router_logits``), read from the
-    attributes its forward passes (Mixtral, Qwen2/3-MoE, OLMoE: ``num_experts``,
-    ``num_experts_per_tok``, ``router_aux_loss_coef``); None when it adds none or names them otherwise."""
-    if not getattr(getattr(model, "config", None), "output_router_logits", False):
-        return None
-    values = [getattr(model, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
-    if not all(isinstance(value, (int, float)) for value in values):
-        return None
-    return RouterTerm(int(values[0]), int(values[1]), float(values[2]))
-
-
-def mean_items(loss) -> tuple[object, object] | None:
-    """``(multiplier, items)`` when ``loss`` is a model's own mean loss as the engine marked it
-    (``loss × multiplier`` is its sum over ``items``), else None."""
-    return getattr(loss, _MARK, None) if isinstance(loss, torch.Tensor) else None
-
-
-def as_sum(loss: torch.Tensor, multiplier) -> torch.Tensor:
-    """``loss × multiplier``; a micro-batch without an item (its mean 0/0) adds 0, not NaN."""
-    multiplier = torch.as_tensor(multiplier, device=loss.device)
-    return torch.where(multiplier > 0, loss, torch.zeros_like(loss)) * multiplier
-
-
 class ModelLoss:
     """Marks the ``.loss`` of a Hugging Face model's forwards with the items it averages, and keeps
     a packed row's documents apart (no key/value cache when ``position_ids`` are given)."""
@@ -220,7 +186,6 @@ class ModelLoss:
         self.loss_type = getattr(model, "loss_type", None)
         self.reading, self._takes_cache = reading, takes_cache
         self._loss_function = model.loss_function  # transformers' function of this loss type
-        self.router_term = router_term_of(model)
 
     def call_arguments(self, kwargs: dict) -> dict:
         """``kwargs`` for the model: rows carrying ``position_ids`` (packed documents) run without the
@@ -237,7 +202,7 @@ class ModelLoss:
         items = self.reading.items(labels, kwargs, self.config)
         given = kwargs.get("num_items_in_batch")
         multiplier = given if given is not None and self.reading.honours_num_items(self.config) else items
-        setattr(loss, _MARK, (multiplier, items))
+        mark_mean_items(loss, multiplier, items)
 
 
     def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, routers_counted: bool = False) -> torch.Tensor:
@@ -253,7 +218,7 @@ class ModelLoss:
                 f"{type(self.config).__name__}'s loss type is {self.loss_type}: write loss_fn(outputs, labels) "
                 "returning (loss_sum, num_items), and give batches (inputs, labels)")
         routed = getattr(self.config, "output_router_logits", False)
-        if routed and (self.router_term is None or not routers_counted):
+        if routed and not routers_counted:
             raise EngineUsageError(
                 "under a pipeline the last stage holds the logits only, not the routers of the other stages, whose "
                 "load-balancing term the model's own .loss adds (output_router_logits is true): the stages exchange "
@@ -279,8 +244,6 @@ class NoModelLoss:
     def observe(self, kwargs: dict, output) -> None:
         pass
 
-    router_term = None
-
     def last_stage_loss(self, logits: torch.Tensor, kwargs: dict, routers_counted: bool = False) -> torch.Tensor:
         raise EngineUsageError(NO_LAST_STAGE_LOSS)
 
@@ -296,7 +259,7 @@ class LastStageModel:
     the whole model: called with the micro-batch (``m(**micro_batch)``), it returns the last stage's
     outputs, with the model's own ``.loss`` of their logits and the labels given (marked with its
     items, as a whole model's forward through the engine would be). ``routers_counted``: the stages
-    count a routed model's routers (``engine.window.stage_routers``), whose term the runner adds."""
+    count a routed model's routers (``engine.experts.stages``), whose term the runner adds."""
 
     def __init__(self, outputs, model: ModelLoss | NoModelLoss, routers_counted: bool = False):
         self._outputs, self._model, self._routers_counted = outputs, model, routers_counted

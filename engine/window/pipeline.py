@@ -45,15 +45,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.batching.microbatch import batch_size
 from engine.context.sharding import POSITIONS_KEY
+from engine.pipeline.schedule_inputs import (LAST_STAGE_KEYS, equal_chunks, inputs_and_labels, packed_positions,
+                                             real_rows, rows_of, sequence_parts, zero_from)
 from engine.state.rng import restore_rng_state, rng_state
-from engine.window.accounting import evaluation_terms, loss_and_units, loss_tensor
-from engine.window.loss_checks import (check_loss, check_scalar_loss, failed_on_another_rank, model_call_refused,
+from engine.accounting import (evaluation_mean, evaluation_terms, loss_and_units, loss_tensor,
+                               losses_with_window_term, mean_items)
+from engine.window.loss_checks import (check_scalar_loss, failed_on_another_rank, model_call_refused,
                                        written_for_model)
-from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss, mean_items
-from engine.window.stage_routers import NOT_OWN_LOSS, StageRouters, row_weights
-from engine.window.records import MIXED_KINDS
+from engine.window.model_loss import LastStageModel, ModelLoss, NoModelLoss
 from engine.window.runner import Engine, LossFn, WindowRunner
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
@@ -70,23 +70,21 @@ class PipelineWindows(WindowRunner):
     calls_loss_on_outputs = True  # the last stage's loss_fn(outputs, labels)
 
     def __init__(self, strategy: PipelineParallel, accumulation: int | None,
-                 model_loss: ModelLoss | NoModelLoss | None = None, balance_globally: bool = False,
+                 model_loss: ModelLoss | NoModelLoss | None = None, routers=None,
                  hold_forwards: bool = False):
         """``accumulation``: the plan's, checked against the schedule; None when a token budget
         chooses it per window (as many as the schedule runs) or the automatic micro size does
         (``runs_plan``). ``model_loss``: the model's own loss, which the last stage applies for a
-        ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``). ``balance_globally``
-        (``moe.load_balance: global``): a routed model's term is the window's, its stages' router
-        counts exchanged first (``engine.window.stage_routers``): by a counting schedule, or
+        ``loss_fn(model, micro_batch)`` (``engine.window.model_loss``). ``routers`` (``moe.load_balance:
+        global``): a routed model's stages, whose term is the window's, their router counts exchanged
+        first (``engine.experts.stages``): by a counting schedule, or
         (``hold_forwards``, a schedule that runs every forward first) between the training
         schedule's forwards and its backwards."""
         if accumulation is not None:
             strategy.check_accumulation(accumulation)
         self.strategy = strategy
         self.model_loss = model_loss or NoModelLoss()
-        self.routers = StageRouters.of(strategy.stage_modules, self.model_loss.router_term,
-                                       counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0) \
-            if balance_globally else None
+        self.routers = routers
         self._routers_counted = False  # while the stages count a routed model's routers (its term added outside)
         self.holds_forwards = hold_forwards and self.routers is not None
         if self.routers is not None and not self.holds_forwards and strategy.rank == 0:
@@ -101,7 +99,7 @@ class PipelineWindows(WindowRunner):
         stage hands ``loss_fn`` the micro-batch and a stand-in model whose call returns the last stage's
         outputs with the model's own loss (``LastStageModel``)."""
         if not written_for_model(loss_fn):
-            _inputs_and_labels(batch, method)
+            inputs_and_labels(batch, method)
             if self.strategy.mesh.context > 1:
                 raise EngineUsageError(
                     f"{method}(): under a pipeline with context_parallel.size {self.strategy.mesh.context} each rank "
@@ -111,7 +109,7 @@ class PipelineWindows(WindowRunner):
             return batch, outputs_loss_of(loss_fn)
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise model_call_refused(loss_fn)
-        unused = sorted(key for key in batch if key not in _LAST_STAGE_KEYS + ("input_ids", POSITIONS_KEY))
+        unused = sorted(key for key in batch if key not in LAST_STAGE_KEYS + ("input_ids", POSITIONS_KEY))
         if unused:
             raise EngineUsageError(
                 f"{method}(): under a pipeline the first stage is called with the batch's input_ids alone (attention "
@@ -141,7 +139,7 @@ class PipelineWindows(WindowRunner):
         batch, loss_fn = self._schedule_form(batch, loss_fn, "train_batch")
         inputs = batch[0]
         split = engine.window_split.split(batch, engine.plan)
-        pieces = _sequence_parts(engine.context, list(split.pieces))
+        pieces = sequence_parts(engine.context, list(split.pieces))
         sizes = [n for _, n in pieces]
         # The position check is waited for before this rank's first message of the schedule, not
         # before the schedule: the first stage's first forward hides its wait.
@@ -149,8 +147,8 @@ class PipelineWindows(WindowRunner):
         engine.windows.planned(split)
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
         failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
-        kinds = set()
-        term = _WindowTerm(len(pieces)) if routed else None  # added to the recorded losses after the schedule
+        # the window's term, added to the recorded losses after the schedule
+        term = self.routers.new_window_term(len(pieces)) if routed else None
         held = routed and self.holds_forwards
 
         def weighted_loss(outputs_of_stage, index):
@@ -159,23 +157,19 @@ class PipelineWindows(WindowRunner):
             # a zero-weight step only keeps the ranks' micro-step counts equal; a failed stage
             # stands in for the rest of the schedule
             if not sizes[k] or self.strategy.stage_failed or failure is not None:
-                return _zero_from(outputs_of_stage)
+                return zero_from(outputs_of_stage)
             try:
-                seen = self.strategy.model_outputs(_rows(outputs_of_stage, sizes[k]))  # as the model returns them
+                seen = self.strategy.model_outputs(real_rows(outputs_of_stage, sizes[k]))  # as the model returns them
                 output = loss_fn(seen, pieces[k][0][1])
-                loss, count, item_weighted = loss_and_units(output, sizes[k])
-                check_loss(loss)
-                kinds.add(item_weighted)
-                if len(kinds) > 1:  # said here: the other stages learn the kind only at the window's end
-                    raise EngineUsageError(MIXED_KINDS)
+                weighted, recorded, count = engine.windows.weighed_loss(output, sizes[k])
             except Exception as error:  # raised after the window's statistics, on every rank
                 if not self.strategy.keep_failure(error):
                     failure = error
-                return _zero_from(outputs_of_stage)
-            outputs[k] = (loss.detach(), count) if item_weighted else loss.detach()
+                return zero_from(outputs_of_stage)
+            outputs[k] = recorded
             if term is not None:
                 term.record(k, output, count)
-            return loss * engine.accounting.micro_step_weight(sizes[k], item_weighted)
+            return weighted
 
         def last_stage_loss(outputs_of_stage, index):
             loss = weighted_loss(outputs_of_stage, index)
@@ -187,14 +181,14 @@ class PipelineWindows(WindowRunner):
 
         rows = engine.window_split.schedule_rows()
         if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
-            inputs = _equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
-        chunk = _rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
-        positions = self.strategy.micro_batch_positions(_packed_positions(pieces, chunk))
+            inputs = equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
+        chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
+        positions = self.strategy.micro_batch_positions(packed_positions(pieces, chunk))
         before_gradients = engine.windows.fingerprint_batch
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
-                weights = row_weights(pieces, sizes, chunk, self.strategy.device)
+                weights = self.routers.row_weights(pieces, sizes, chunk, self.strategy.device)
                 if held:  # counted in the training schedule's forwards, exchanged before its backwards
                     routing = self.routers.holding(weights)
 
@@ -215,8 +209,8 @@ class PipelineWindows(WindowRunner):
             confirm_start()
         if term is not None:
             if term.not_own_loss:  # known on every rank (held forwards): the window is abandoned on every rank
-                failure = failure or EngineUsageError(NOT_OWN_LOSS)
-            outputs = term.with_term(outputs)
+                failure = failure or self.routers.not_own_loss()
+            outputs = losses_with_window_term(outputs, term.value, term.multipliers)
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
@@ -226,7 +220,7 @@ class PipelineWindows(WindowRunner):
             engine.windows.fail(failure)
 
     def _count_routers(self, engine: Engine, inputs, pieces, sizes, loss_fn, weights, confirm_start, positions):
-        """The counting schedule (``engine.window.stage_routers``): every stage's router counts and the last
+        """The counting schedule (``engine.experts.stages``): every stage's router counts and the last
         stage's items over the window, summed over the world. Returns the training schedule's context, in
         which each stage's routers get the term's gradient, and λ · aux of the window."""
         routers, strategy = self.routers, self.strategy
@@ -240,14 +234,14 @@ class PipelineWindows(WindowRunner):
             k = int(index[0])
             if sizes[k] and not strategy.stage_failed and failure is None:
                 try:
-                    output = loss_fn(strategy.model_outputs(_rows(outputs, sizes[k])), pieces[k][0][1])
+                    output = loss_fn(strategy.model_outputs(real_rows(outputs, sizes[k])), pieces[k][0][1])
                     loss, count, item_weighted = loss_and_units(output, sizes[k])
                     check_scalar_loss(loss)
                     counted[k] = (count, not item_weighted or mean_items(loss_tensor(output)) is None)
                 except Exception as error:  # raised after the counts' reduction, on every rank
                     if not strategy.keep_failure(error):
                         failure = error
-            return _zero_from(outputs)
+            return zero_from(outputs)
 
         saved = rng_state()  # the training schedule's forwards draw the same numbers
         self._routers_counted = True
@@ -258,49 +252,30 @@ class PipelineWindows(WindowRunner):
             restore_rng_state(saved)
             self._routers_counted = False
         confirm_start()  # the ranks' position check, before the window's first collective
-        counts, items, not_own, failed = self._window_sums(counted, failure is not None or strategy.stage_failed)
+        counts, items, not_own, failed = routers.window_sums(counted, failure is not None or strategy.stage_failed,
+                                                             strategy)
         if failed:
             strategy.raise_stage_failure()
             raise failure or failed_on_another_rank("window")
         if not_own:
-            raise EngineUsageError(NOT_OWN_LOSS)
-        value, coefficients = self._term_and_coefficients(engine, counts, items)
+            raise routers.not_own_loss()
+        value, coefficients = routers.term_and_coefficients(counts, items, self._term_weight(engine),
+                                                            engine.window_hooks)
         return routers.training(weights, coefficients), value
 
-    def _window_sums(self, counted: list, failed: bool):
-        """The window's router counts [C, S, R], its items U, whether a loss was not the model's own and
-        whether a rank failed, summed over the world (one small reduction). ``counted``: per micro-batch on
-        the last stage, (items, not the own loss)."""
-        strategy, routers = self.strategy, self.routers
-        units = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # items U, not the own loss, failed
-        if strategy.holds_last_stage and routers.counts_here:  # one rank of each replica adds its loss
-            units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
-            units[1] = float(any(not_own for _, not_own in counted))
-        units[2] = float(failed)
-        total = strategy.sum_over_world(torch.cat([routers.window_counts().to(units.device), units]))
-        return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
-
-    def _term_and_coefficients(self, engine: Engine, counts: torch.Tensor, items: torch.Tensor):
-        """From the window's summed counts and items: λ · aux of the window and the coefficients of the
-        term's gradient beside the loss, in the loss scale; the monitor's expert load is the window's."""
-        routers = self.routers
-        scale = self.strategy.precision.scale_loss(torch.ones((), dtype=torch.float64, device=counts.device), 1.0)
-        aux, coefficients = routers.window_term(counts, engine.accounting.outside_loss_weight(items) * scale)
-        engine.experts.counted_by_stages(routers.window_assignments(counts))
-        return routers.term.coefficient * aux, coefficients
-
-    def _exchange_held(self, engine: Engine, held: "_WindowTerm") -> None:
+    def _exchange_held(self, engine: Engine, term) -> None:
         """A held window's counts, summed over the world once every stage has run its forwards (on the
         last stage after its last loss, on the others before their first gradient's receive): the
         coefficients its backwards read. A failure rides the window's statistics as in any window."""
-        if held.exchanged:
-            return
-        held.exchanged = True
-        counts, items, held.not_own_loss, _ = self._window_sums(held.units, failed=False)
-        if held.not_own_loss:
-            return  # its coefficients stay 0; the window is abandoned after the schedule
-        held.value, coefficients = self._term_and_coefficients(engine, counts, items)
-        self.routers.fill(coefficients)
+        if not term.exchanged:
+            self.routers.exchange_held(term, self.strategy, self._term_weight(engine), engine.window_hooks)
+
+    def _term_weight(self, engine: Engine):
+        """What the term's gradient beside the loss is multiplied by, from the window's items U: U · W / G
+        (``Accounting.outside_loss_weight``) in the loss scale."""
+        one = torch.ones((), dtype=torch.float64, device=self.strategy.device)
+        scale = self.strategy.precision.scale_loss(one, 1.0)
+        return lambda items: engine.accounting.outside_loss_weight(items) * scale
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size``
@@ -310,19 +285,19 @@ class PipelineWindows(WindowRunner):
         routed = self.routers is not None and written_for_model(loss_fn)
         batch, loss_fn = self._schedule_form(batch, loss_fn, "eval_batch")
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
-        pieces = _sequence_parts(engine.context, list(engine.window_split.eval_pieces(batch, engine.plan, size)))
+        pieces = sequence_parts(engine.context, list(engine.window_split.eval_pieces(batch, engine.plan, size)))
         # as many as the schedule runs: the last one repeated with 0 samples
         pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
         device = self.strategy.device
-        inputs = _equal_chunks([piece[0] for piece, _ in pieces], engine.window_split.schedule_rows())
-        chunk = _rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
+        inputs = equal_chunks([piece[0] for piece, _ in pieces], engine.window_split.schedule_rows())
+        chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed; not the own loss
         total = torch.zeros(4, dtype=torch.float64, device=device)
         failure: Exception | None = None
         counting = contextlib.nullcontext()
         if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
-            weights = row_weights(pieces, sizes, chunk, device)
+            weights = self.routers.row_weights(pieces, sizes, chunk, device)
             counting, self._routers_counted = self.routers.counting(weights), True
 
         def loss_only(outputs, index):
@@ -330,23 +305,23 @@ class PipelineWindows(WindowRunner):
             k = int(index[0])
             if sizes[k] and not self.strategy.stage_failed and failure is None:
                 try:
-                    seen = self.strategy.model_outputs(_rows(outputs, sizes[k]))
+                    seen = self.strategy.model_outputs(real_rows(outputs, sizes[k]))
                     output = loss_fn(seen, pieces[k][0][1])
                     check_scalar_loss(loss_and_units(output, sizes[k])[0])
                 except Exception as error:  # raised after the evaluation's one reduction, on every rank
                     if not self.strategy.keep_failure(error):
                         failure = error
-                    return _zero_from(outputs)
+                    return zero_from(outputs)
                 total[:2] += torch.stack(evaluation_terms(output, sizes[k]))
                 if routed and mean_items(loss_tensor(output)) is None:
                     total[3] = 1.0
-            return _zero_from(outputs)
+            return zero_from(outputs)
 
         module = engine.module
         was_training = module.training
         module.eval()
         try:
-            positions = self.strategy.micro_batch_positions(_packed_positions(pieces, chunk))
+            positions = self.strategy.micro_batch_positions(packed_positions(pieces, chunk))
             with torch.no_grad(), engine.context.running(), counting, positions():
                 self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
         finally:
@@ -362,118 +337,6 @@ class PipelineWindows(WindowRunner):
             raise failure or failed_on_another_rank("evaluation")
         self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         if total[3] > 0:
-            raise EngineUsageError(NOT_OWN_LOSS)
-        mean = float(total[0] / total[1])
+            raise self.routers.not_own_loss()
+        mean = evaluation_mean(total)
         return mean + float(self.routers.weighted_term(total[4:])) if routed else mean
-
-
-
-class _WindowTerm:
-    """A routed window's term in the last stage's recorded losses: the losses are computed without it
-    (it may be known only after them: held forwards), and λ · aux of the window is added to each after
-    the schedule, as the model's own loss would add it. Held forwards also keep here what the exchange
-    between their forwards and backwards needs."""
-
-    def __init__(self, micro_batches: int):
-        self.units: list = [(0, False)] * micro_batches  # per micro-batch: (items, not the own loss)
-        self.multipliers = [1.0] * micro_batches  # what each own mean loss was multiplied by to be read as a sum
-        self.value: torch.Tensor | None = None  # λ · aux of the window
-        self.seen: set[int] = set()  # held: the micro-batches whose loss the last stage computed
-        self.exchanged = self.not_own_loss = False  # held: the exchange ran; a loss was not the model's own
-
-    def record(self, k: int, output, count) -> None:
-        """Micro-batch ``k``'s loss as ``loss_fn`` returned it, and the items it stands for."""
-        read = mean_items(loss_tensor(output))  # None: not the model's own loss
-        self.units[k] = (count, read is None)
-        if read is not None:
-            self.multipliers[k] = read[0]
-
-    def with_term(self, outputs: list) -> list:
-        """The last stage's recorded losses with λ · aux of the window added as the model's own loss adds
-        it (to its mean, read as a sum: times its multiplier); their weighted sum then holds it once."""
-        if self.value is None:
-            return outputs
-        added = []
-        for output, multiplier in zip(outputs, self.multipliers):
-            if isinstance(output, tuple):
-                loss, count = output
-                output = (loss + (self.value * multiplier).to(loss.device, loss.dtype), count)
-            added.append(output)
-        return added
-
-
-# what the last stage's loss reads of a mapping batch (transformers' loss keywords); attention_mask: the
-# rows are padded on the right and attention is causal, so it changes no real token's output
-_LAST_STAGE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
-
-
-def _sequence_parts(context, pieces: list) -> list:
-    """Each micro-batch ``((input_ids, batch), samples)`` as this rank's part of its sequences under
-    context parallelism (``engine.context.parallel.ContextParallel.shard``: labels shifted before the
-    split, the part's ``num_items_in_batch``, which the last stage's own loss divides by, and the
-    places of its tokens in the whole sequence as ``position_ids``, which the stages hand the model as
-    they hand packed rows' own); whole sequences: as they are."""
-    if context.size == 1:
-        return pieces
-    parts = []
-    for (_, micro_batch), samples in pieces:
-        part = context.shard(micro_batch)
-        part[POSITIONS_KEY] = context.positions(part["input_ids"])
-        parts.append(((part["input_ids"], part), samples))
-    return parts
-
-
-def _packed_positions(pieces: list, rows: int) -> list[torch.Tensor] | None:
-    """Each micro-batch's ``position_ids`` (packed rows: documents end to end, positions restarting at
-    each; a context part: its tokens' places in the whole sequence), its rows repeated as the schedule's
-    equal chunks repeat them; None where the batch gives none."""
-    batches = [piece[1] for piece, _ in pieces]
-    if not all(isinstance(batch, Mapping) and isinstance(batch.get(POSITIONS_KEY), torch.Tensor) for batch in batches):
-        return None
-    return [_repeat_rows(batch[POSITIONS_KEY], rows) for batch in batches]
-
-
-def _inputs_and_labels(batch, method: str):
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch
-    raise EngineUsageError(
-        f"{method}(): under a pipeline a batch is a pair (inputs, labels): the first stage is called with "
-        "inputs (a tensor, or a tuple of tensors: several arguments), loss_fn(outputs, labels) runs on the last "
-        f"stage; got {type(batch).__name__}")
-
-
-def _rows_of(inputs) -> int:
-    return (inputs if isinstance(inputs, torch.Tensor) else inputs[0]).shape[0]
-
-
-def _rows(outputs, n: int):
-    """The first ``n`` rows of the outputs (the rest pads the micro-batch)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs if outputs.shape[0] == n else outputs[:n]
-    return type(outputs)(_rows(t, n) if isinstance(t, torch.Tensor) else t for t in outputs)
-
-
-def _zero_from(outputs) -> torch.Tensor:
-    """0, computed from the outputs (a schedule may back-propagate it: zero gradients)."""
-    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
-    return sum(t.sum() * 0 for t in tensors if t.is_floating_point())
-
-
-def _equal_chunks(inputs: list, rows: int | None = None):
-    """The micro-batches' inputs, each padded to ``rows`` (default: the largest's) with copies
-    of its own rows, one after the other: equal chunks for the schedule."""
-    rows = rows or max(batch_size(piece) for piece in inputs)
-    return _concat([_repeat_rows(piece, rows) for piece in inputs])
-
-
-def _repeat_rows(piece, size: int):
-    if isinstance(piece, torch.Tensor):
-        reps = -(-size // piece.shape[0])
-        return piece.repeat(reps, *([1] * (piece.dim() - 1)))[:size]
-    return type(piece)(_repeat_rows(t, size) for t in piece)
-
-
-def _concat(pieces: list):
-    if isinstance(pieces[0], torch.Tensor):
-        return torch.cat(pieces)
-    return type(pieces[0])(torch.cat(column) for column in zip(*pieces))

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.accounting import MIXED_KINDS
 from engine.batching.token_budget import TokenCost
 from engine.errors import EngineUsageError
 from engine.strategies.base import StepResult
 
 
-MIXED_KINDS = "one window mixes mean losses and (sum, count) losses; use one kind per window"
 
 
 @dataclass

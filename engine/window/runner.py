@@ -1,11 +1,11 @@
 """Who runs a window's micro-steps on an engine: the runner protocol.
 
-The plain runner below asks the engine to run the window itself. The automatic micro-batch
-size (``engine.autotune.tuner``) re-runs a window smaller after an out-of-memory every rank
-agreed on; a pipeline's schedule (``engine.window.pipeline``) runs the micro-steps itself and
-tells the engine's window machine (``engine.window.machine``) with ``start_check_posted`` /
-``planned`` / ``fingerprint_batch`` / ``record`` / ``fail``, weighting each loss by the engine's
-accounting (``engine.window.accounting``). A runner drives the engine through those calls only.
+The plain runner below hands the window to the engine's window executor (``engine.window.executor``).
+The automatic micro-batch size (``engine.autotune.tuner``) re-runs a window smaller after an
+out-of-memory every rank agreed on; a pipeline's schedule (``engine.window.pipeline``) runs the
+micro-steps through its stages and tells the engine's window machine (``engine.window.machine``) with
+``start_check_posted`` / ``planned`` / ``fingerprint_batch`` / ``weighed_loss`` / ``record`` / ``fail``;
+every weight comes from ``engine.accounting``. A runner drives the engine through those calls only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ class Windows(Protocol):
 
     def planned(self, split) -> None:
         """The window is cut as ``split`` says."""
+
+    def weighed_loss(self, output, samples: int) -> tuple:
+        """A micro-batch loss read, checked and weighted as the window's backwards weigh one: (weighted loss,
+        what ``record`` counts of it, units)."""
 
     def record(self, output, samples: int) -> None:
         """A micro-step ran (its loss as ``loss_fn`` returned it, None where this rank holds no
@@ -45,19 +49,14 @@ class Engine(Protocol):
     plan: Any  # the batch plan (``engine.batching.plan.BatchPlan``)
     window_split: Any  # how a window is cut (``engine.batching.window_split``)
     windows: Windows  # the window machine
-    accounting: Any  # the window's weights (``engine.window.accounting.Accounting``: ``micro_step_weight``)
+    executor: Any  # the window executor (``engine.window.executor.WindowExecutor``)
+    accounting: Any  # the window's weights (``engine.accounting.Accounting``)
     context: Any  # the sequences' split over context ranks (``engine.context.parallel``; size 1: whole)
-    experts: Any  # the routers' part (``engine.window.experts``): keeps the window's load for the monitor
-
-    def run_window(self, batch, loss_fn: LossFn) -> None:
-        """Run a whole training window itself (the plain runner)."""
-
-    def evaluate(self, batch, loss_fn: LossFn, size: int | None = None) -> float:
-        """The loss over ``batch`` without gradients."""
+    window_hooks: Any  # the routers' hooks of a model with routers (None: a dense model)
 
 
 class WindowRunner:
-    """Runs a training or evaluation window on an engine: this plain one runs it once."""
+    """Runs a training or evaluation window on an engine: this plain one runs it once, on its executor."""
 
     chooses_micro_size = False  # True for the automatic micro-batch size
     calls_loss_on_outputs = False  # True under a pipeline: loss_fn(outputs, labels)
@@ -68,14 +67,14 @@ class WindowRunner:
         return True
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
-        engine.run_window(batch, loss_fn)
+        engine.executor.run_window(batch, loss_fn, engine.plan)
 
     def run_eval(self, engine: Engine, batch, loss_fn: LossFn) -> float:
         return self.evaluate(engine, batch, loss_fn)
 
     def evaluate(self, engine: Engine, batch, loss_fn: LossFn, size: int | None = None) -> float:
         """The mean loss over every rank's ``batch``, in micro-batches of at most ``size`` samples."""
-        return engine.evaluate(batch, loss_fn, size)
+        return engine.executor.evaluate(batch, loss_fn, engine.plan, size)
 
     def guard(self, work: Callable[[], None]) -> None:
         """Run the micro-steps ``work`` of one window (training or evaluation)."""

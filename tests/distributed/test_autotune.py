@@ -99,7 +99,7 @@ def test_memory_limit_treated_like_out_of_memory():
         probe.replan(probe.plan.with_micro_batch_size(micro))
         tuner = probe.micro_batch_tuner
         metered = tuner._metered(mse, track_peak=True)
-        probe.run_window(regression_batches(1, 16)[0], metered)
+        probe.executor.run_window(regression_batches(1, 16)[0], metered, probe.plan)
         probe.discard_window()
         peaks[micro] = tuner.window_peak
     assert peaks[8] > peaks[4]

@@ -195,7 +195,7 @@ class _Holder:
 
 def test_a_pipeline_refuses_a_term_of_ones_own_and_a_holder_that_cannot_refuses_held_forwards():
     from engine.config.schema import MoeConfig
-    from engine.window.experts import expert_balance
+    from engine.experts.window import expert_balance
     # a Hugging Face model's term is counted over the stages by the pipeline's runner
     assert expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
                           runner_runs_micro_steps=True).routes
@@ -343,7 +343,7 @@ class HeldAtCounts:
 
 def test_a_held_forward_keeps_its_loss_and_the_norms_input_not_the_logits_or_log_probabilities():
     """Held forwards under activation checkpointing: the final norm, the output head and its cross entropy
-    are recomputed at the backward from the norm's input (engine.window.held_forward), and the output is
+    are recomputed at the backward from the norm's input (engine.experts.held_forward), and the output is
     dropped but for its loss; counted in bytes at the counts' all-reduce, the cut is at least the logits,
     the log-probabilities (each tokens × vocabulary) and the head's input of every held micro-batch; the
     parameters are bitwise
@@ -379,7 +379,7 @@ def held_scenario(rank, world, stage, tensor=1):
     """Every forward of a window held before its backwards on 2 data ranks (ZeRO 0 / 1 reduce after the
     window, ZeRO 2 / 3 each backward into shards), under activation checkpointing where auto chooses it;
     or on 2 tensor ranks, whose output head gathers its logits (recomputed at the backward with the loss:
-    engine.window.held_forward)."""
+    engine.experts.held_forward)."""
     model, batches = hf_moe(kv_heads=tensor), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
     split = {"tensor_parallel": {"size": tensor}} if tensor > 1 else {}

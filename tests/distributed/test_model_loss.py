@@ -2,7 +2,7 @@
 data 2 at ZeRO 0 (train_batch) and ZeRO 3 (the manual loop), token budgets, tensor 2, pipeline 2 (the
 last stage applies the model's own loss), the DeepSpeed backend and its facade; the per-micro-batch
 mean (the loss left unread) misses, and so does every mesh with the one accounting broken
-(engine.window.accounting without its boundary multiplier)."""
+(engine.accounting without its boundary multiplier)."""
 
 from __future__ import annotations
 

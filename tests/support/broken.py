@@ -9,6 +9,7 @@ is (within the tolerance of the full-batch reference) and once broken (outside i
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
@@ -34,7 +35,7 @@ def weighted_one_over_a(eng):
 
 
 def accounting_without_window_total(eng):
-    """The one accounting (engine.window.accounting) broken: the boundary multiplier G / U left out,
+    """The one accounting (engine.accounting) broken: the boundary multiplier G / U left out,
     so a window of (sum, count) losses — the model's own loss read as one — is divided by the planned
     samples instead of its items, on whatever mesh and backend asks it."""
     eng.accounting.boundary_multiplier = lambda item_weighted, units, samples: 1.0
@@ -162,7 +163,8 @@ def context_ranks_left_out(eng):
     """Context parallelism whose micro-step weights count the data ranks only (W = data, not data ×
     context): the gradients averaged over data × context ranks are not multiplied back by the
     parts that add up to one sequence."""
-    eng.accounting.ranks //= eng.context.size
+    mesh = eng.accounting.mesh
+    eng.accounting.mesh = types.SimpleNamespace(size=lambda dims: mesh.size(tuple(d for d in dims if d != "context")))
     return eng
 
 
@@ -262,20 +264,17 @@ def moe_running_average(eng):
     """Megatron's ``global_aux_loss``: micro-batch k's term uses the counts of micro-batches 1..k of the
     window (summed over the data ranks), not the whole window's."""
     from engine.experts.terms import scoped
-    from engine.window.experts import _Global
+    from engine.experts.window import _Global
 
     experts = eng.experts
 
-    def counted_window(pieces, forward, backward, units):
-        counted, sizes = experts._counting_pass(pieces, forward, units)
-        _, factors = experts._window_and_factors(counted, sizes)
-        for k, (micro_batch, samples) in enumerate(pieces):
-            seen, _ = experts._window_counts(counted[:k + 1], [])
-            with scoped(_Global(seen, factors[k])):
-                output = forward(micro_batch)
-            backward(output, samples)
+    def counted_forward(k, micro_batch, run):
+        window = experts._window
+        seen, _ = experts._window_counts(window.counted[:k + 1], [])
+        with scoped(_Global(seen, window.factors[k])):
+            return run(micro_batch)
 
-    experts._counted_window = counted_window
+    experts._counted_forward = counted_forward
     experts.global_counts = "count_forward"
     return eng
 

@@ -18,7 +18,8 @@ PACKAGE = REPO / "engine"
 LAYERS = {
     0: ["engine.errors", "engine.memory", "engine.losses",  # leaves
         "engine.adapters", "engine.distributed"],
-    1: ["engine.batching"],  # the planner: batch arithmetic, needs no config object
+    # the planner: batch arithmetic, needs no config object; a window's arithmetic and its schedules as data
+    1: ["engine.batching", "engine.accounting", "engine.schedule"],
     2: ["engine.config", "engine.state"],  # config resolved once (its checks use the planner); state files
     3: ["engine.precision", "engine.attention", "engine.context", "engine.experts", "engine.pipeline",  # parallelisms
         "engine.strategies"],  # and the backends that hold the model

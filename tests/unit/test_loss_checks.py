@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import engine
 from engine.errors import EngineUsageError
-from engine.window.loss_checks import (check_loss_signature, checked_count, model_call_refused, unrecognised_loss,
+from engine.accounting import checked_count, unrecognised_loss
+from engine.window.loss_checks import (check_loss_signature, model_call_refused,
                                        written_for_model)
 from tests.support.reference import mlp, mse, regression_batches
 

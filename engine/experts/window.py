@@ -1,19 +1,21 @@
 """Global-batch load balancing: a window's router counts over every micro-batch and data rank,
 known before the window's first backward.
 
-The engine hands a ``train_batch`` window's micro-batches to :meth:`ExpertBalance.run_window`
-(``moe.load_balance: global`` and a model that computes a load-balancing term). Two ways to
-learn the window's assignments Cᵢ and rows R before any backward (``moe.global_counts``):
+A model with routers gives the window executor (``engine.window.executor``) its hooks,
+:class:`ExpertBalance`: the schedule of a ``train_batch`` window (``engine.schedule``) and what its
+forwards, counting forwards and exchange do. Under ``moe.load_balance: global``, for a model that
+computes a load-balancing term, two ways to learn the window's assignments Cᵢ and rows R before any
+backward (``moe.global_counts``):
 
-* ``count_forward``: a forward of every micro-batch without gradients first (random generators
+* ``count_forward`` (``counted_first``): a forward of every micro-batch without gradients first (random generators
   saved before and restored after, so dropout and router jitter draw the same numbers again),
   one all-reduce of the counts over the data ranks, then the usual forward and backward of each
   micro-batch. No memory beyond one micro-batch; one more forward per micro-batch.
-* ``hold_forwards``: every micro-batch's forward first, their graphs held, the all-reduce, then
+* ``hold_forwards`` (``held_forwards``): every micro-batch's forward first, their graphs held, the all-reduce, then
   every backward. No extra FLOPs; holds every micro-batch's activations at once (under
   activation checkpointing: every micro-batch's checkpoints; of a Hugging Face language model's
   output head and loss only the head's input, and of its output only the loss:
-  ``engine.window.held_forward``). Where the holder allows it (``Strategy.can_hold_forwards``, which
+  ``engine.experts.held_forward``). Where the holder allows it (``Strategy.can_hold_forwards``, which
   is then told, ``hold_forwards``): one process; ZeRO 0 / 1, which reduce the window after its last
   backward (DDP pairs each forward with its backward); ZeRO 2 / 3, whose backwards each gather again
   and reduce into shards, as every micro-step does; a pipeline's GPipe schedule (the counts exchanged
@@ -37,20 +39,19 @@ forwards report each micro-batch's own term (the coefficients arrive after the f
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from engine.accounting import MIXED_KINDS, loss_and_units, mean_items, term_factors
 from engine.errors import EngineUsageError
 from engine.experts import balance, hf
 from engine.experts.balance import RouterCounts, WindowLoad
 from engine.experts.bias import BiasRouters
+from engine.experts.held_forward import HeldForward
 from engine.experts.terms import LoadBalancingLoss, Scope, scoped
-from engine.window.hooks import EngineHook
-from engine.window.accounting import term_factors
-from engine.window.held_forward import HeldForward
-from engine.window.model_loss import mean_items
+from engine.schedule import counted_first, held_forwards, one_after_another
 from engine.state.rng import restore_rng_state, rng_state
 
 
@@ -86,7 +87,7 @@ class _Global(Scope):
 class _Deferred(Scope):
     """A held forward: the gradient's coefficients are read from ``holder`` at its backward."""
 
-    def __init__(self, holder: "_HeldWindow", micro_step: int):
+    def __init__(self, holder: "_WindowCounts", micro_step: int):
         super().__init__()
         self.holder, self.micro_step = holder, micro_step
 
@@ -105,47 +106,31 @@ class _Refused(Scope):
 
 
 @dataclass
-class _HeldWindow:
-    """The window's counts and the micro-steps' factors, filled in after the held forwards."""
+class _WindowCounts:
+    """One window's counts: per micro-batch the counting (or held) forwards' router counts and units, the
+    training forwards' own terms (``micro_batch``); after the exchange, the window's terms and each
+    micro-step's factor; the training forwards' routing difference from the counting ones."""
 
-    window: list | None = None
+    micro_batches: int = 0
+    counted: list = field(default_factory=list)
+    sizes: list = field(default_factory=list)
+    own: list = field(default_factory=list)
+    terms: list | None = None
     factors: list | None = None
+    difference: torch.Tensor | None = None
+    saved_rng: Any = None
 
     def coefficients(self, index: int, micro_step: int, num_experts: int) -> torch.Tensor:
-        return self.factors[micro_step] * balance.gradient_coefficients(self.window[index], num_experts)
+        """A held forward's gradient coefficients, read at its backward (after the exchange)."""
+        return self.factors[micro_step] * balance.gradient_coefficients(self.terms[index], num_experts)
 
 
-def one_after_another(pieces: Sequence[tuple[Any, int]], forward: Callable[[Any], Any],
-                      backward: Callable[[Any, int], None]) -> None:
-    """Each ``(micro_batch, samples)`` piece's forward, then its backward: a window with no counts to learn first."""
-    for micro_batch, samples in pieces:
-        backward(forward(micro_batch), samples)
-
-
-class NoRouters(EngineHook):
-    """The window runner's part for a model without load-balancing terms or biased routers: its
-    micro-steps run one after another, and nothing is counted."""
-
-    routes = False
-    holds_forwards = False
-    last_load: WindowLoad | None = None
-    routing_differences = 0.0
-
-    @contextlib.contextmanager
-    def manual_forward(self) -> Any:
-        yield
-
-    def run_window(self, pieces: Sequence[tuple[Any, int]], *, forward: Callable[[Any], Any],
-                   backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple],
-                   before_counting: Callable[[], None] = lambda: None) -> None:
-        one_after_another(pieces, forward, backward)
-
-
-class ExpertBalance(EngineHook):
-    """Runs the micro-steps of a ``train_batch`` window so that the model's load-balancing terms
-    are the global batch's (``global``), or as the model computes them (``micro_batch``); counts the
-    load of aux-loss-free routers over the window and moves their bias at its boundary; keeps the
-    window's router load for the monitor."""
+class ExpertBalance:
+    """A window's hooks for a model with routers (``engine.window.executor`` asks them): the schedule
+    that makes the model's load-balancing terms the global batch's (``global``), or keeps them as the
+    model computes them (``micro_batch``), and what each forward, counting forward and the exchange
+    between them do; counts the load of aux-loss-free routers over the window and moves their bias at
+    its boundary; keeps the window's router load for the monitor."""
 
     def __init__(self, model: torch.nn.Module, *, load_balance: str, global_counts: str, can_hold_forwards: bool,
                  holding_is_cheap: bool, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
@@ -179,6 +164,7 @@ class ExpertBalance(EngineHook):
         self.held_forward = HeldForward(model)  # what a held forward keeps until the backwards
         self.last_load: WindowLoad | None = None
         self.routing_differences = 0.0  # assignments the training forwards chose otherwise than the counting one
+        self._window = _WindowCounts()
 
     @property
     def balances_globally(self) -> bool:
@@ -191,10 +177,76 @@ class ExpertBalance(EngineHook):
 
     @property
     def routes(self) -> bool:
-        """Whether the model has anything for this runner: a load-balancing term or a bias to move."""
+        """Whether the model has anything for a window's hooks: a load-balancing term or a bias to move."""
         return bool(self.hf_modules or self.own_terms or self.bias_routers.updating)
 
-    # -- the hook points -------------------------------------------------------------------
+    @property
+    def _terms(self) -> bool:
+        return bool(self.hf_modules or self.own_terms)
+
+    # -- the schedule and its points ----------------------------------------------------------
+    def schedule(self, micro_batches: int) -> list:
+        """The window's actions (``engine.schedule``): counted first, forwards held, or one after another."""
+        if self._terms and self.balances_globally:
+            return (held_forwards if self.global_counts == "hold_forwards" else counted_first)(micro_batches)
+        return one_after_another(micro_batches)
+
+    @contextlib.contextmanager
+    def window(self, micro_batches: int) -> Iterator[None]:
+        """Around one ``train_batch`` window's actions; the window's load is kept after them."""
+        self._window = _WindowCounts(micro_batches)
+        self.bias_routers.start_window()
+        with hf.computing_here(self.hf_modules) if self._terms else contextlib.nullcontext():
+            yield
+        if self._terms and self.load_balance != "global":
+            self._keep_load(self._window_counts(self._window.own, [])[0])
+        elif self._window.difference is not None:  # read after the backwards: no host sync inside the window
+            self._check_routing(float(self._window.difference))
+        bias_load = self.bias_routers.window_load(self._all_reduce_sum)
+        if bias_load is not None and not self._terms:
+            self.last_load = bias_load
+
+    def forward(self, k: int, micro_batch, samples: int, run: Callable[[Any], Any]):
+        """Micro-batch ``k``'s training forward, ``run(micro_batch)`` returning what ``loss_fn`` returns;
+        a held forward returns what its backward reads of it."""
+        run = self.bias_routers.counting(run)  # the training forwards' load, for the bias update
+        if not self._terms:
+            return run(micro_batch)
+        if self.load_balance != "global":
+            with scoped(_OwnTerms()) as scope:
+                output = run(micro_batch)
+            self._window.own.append(scope.calls)
+            return output
+        if not self.computes_terms:
+            with scoped(_Refused(_NO_ROUTER_LOGITS)):
+                return run(micro_batch)
+        if self.global_counts == "hold_forwards":
+            return self._held(k, micro_batch, samples, run)
+        return self._counted_forward(k, micro_batch, run)
+
+    def count(self, k: int, micro_batch, samples: int, run: Callable[[Any], Any]) -> None:
+        """Micro-batch ``k``'s counting forward (no gradients; random generators restored at the exchange,
+        so the training forwards draw the same numbers)."""
+        if k == 0:
+            self._window.saved_rng = rng_state()
+        with torch.no_grad(), self.bias_routers.paused(), scoped(_Counting()) as scope:
+            output = run(micro_batch)
+        self._window.counted.append(scope.calls)
+        self._window.sizes.append(self._units(output, samples))
+
+    def exchange(self) -> None:
+        """The window's counts over every micro-batch and data rank (one all-reduce), and each
+        micro-step's factor; after a counting pass the random generators are restored."""
+        window = self._window
+        if window.saved_rng is not None:
+            restore_rng_state(window.saved_rng)
+            window.saved_rng = None
+        window.terms, window.factors = self._window_and_factors(window.counted, window.sizes)
+
+    def closed(self, applied: bool) -> None:
+        """The boundary: an applied step moves the aux-loss-free routers' bias (a discarded window does not)."""
+        self.bias_routers.update(applied=applied)
+
     @contextlib.contextmanager
     def manual_forward(self) -> Any:
         """A forward of the manual loop: its micro-batch's term alone cannot be the window's."""
@@ -203,122 +255,38 @@ class ExpertBalance(EngineHook):
                 f"moe.bias_update_speed: {self.bias_routers.speed}: the routers' e_score_correction_bias is moved "
                 "from the load of a whole train_batch window; the manual loop (eng(x), eng.backward, eng.step) does "
                 "not count it; train with eng.train_batch(batch, loss_fn), or set moe.bias_update_speed: 0")
-        if self.load_balance != "global" or not (self.hf_modules or self.own_terms):
+        if self.load_balance != "global" or not self._terms:
             yield
             return
-        why = ("moe.load_balance: global: the model computed a load-balancing term in a forward of the manual loop "
-               "(eng(x), eng.backward, eng.step), where the window's other micro-batches are not known before this "
-               "backward, and the term's gradient through this micro-batch's routers needs their counts (keeping it "
-               "for later would hold every micro-batch's activations until the window's last forward). Train with "
-               "eng.train_batch(batch, loss_fn), which is exact: it counts the whole window first (one forward "
-               "without gradients per micro-batch, about a third of a step more; none under activation "
-               "checkpointing on the torch backend, which holds the window's checkpoints instead), or set "
-               "moe.load_balance: micro_batch to keep the model's per-forward term")
-        with hf.computing_here(self.hf_modules), scoped(_Refused(why)):
+        with hf.computing_here(self.hf_modules), scoped(_Refused(_MANUAL_LOOP)):
             yield
 
-    def run_window(self, pieces: Sequence[tuple[Any, int]], *, forward: Callable[[Any], Any],
-                   backward: Callable[[Any, int], None], units: Callable[[Any, int], tuple],
-                   before_counting: Callable[[], None] = lambda: None) -> None:
-        """Forward and backward of every ``(micro_batch, samples)`` piece: ``forward(micro_batch)``
-        returns what ``loss_fn`` returns, ``backward(output, samples)`` weights it and runs its
-        backward; ``units(output, samples)`` is the engine's ``(loss, units, item_weighted)``;
-        ``before_counting()`` runs before a counting forward (the ranks' position check)."""
-        pieces = list(pieces)
-        forward = self.bias_routers.counting(forward)  # the training forwards' load, for the bias update
-        self.bias_routers.start_window()
-        if not self.hf_modules and not self.own_terms:
-            one_after_another(pieces, forward, backward)
-        else:
-            self._run_terms(pieces, forward, backward, units, before_counting)
-        bias_load = self.bias_routers.window_load(self._all_reduce_sum)
-        if bias_load is not None and not (self.hf_modules or self.own_terms):
-            self.last_load = bias_load
-
-    def on_window_closed(self, engine, report) -> None:
-        """The boundary: an applied step moves the aux-loss-free routers' bias (a discarded window does not)."""
-        self.bias_routers.update(applied=report.step.applied)
-
-    def _run_terms(self, pieces, forward, backward, units, before_counting) -> None:
-        with hf.computing_here(self.hf_modules):
-            if self.load_balance != "global":
-                self._micro_batch_window(pieces, forward, backward)
-            elif not self.computes_terms:
-                why = ("the model computed a load-balancing term although its config has output_router_logits "
-                       "false, so the engine did not count the window first: set model.config.output_router_logits "
-                       "= True before engine.initialize (or moe.load_balance: micro_batch)")
-                with scoped(_Refused(why)):
-                    one_after_another(pieces, forward, backward)
-            elif self.global_counts == "hold_forwards":
-                self._held_window(pieces, forward, backward, units)
-            else:
-                before_counting()
-                self._counted_window(pieces, forward, backward, units)
-
     # -- the ways --------------------------------------------------------------------------
-    def _micro_batch_window(self, pieces, forward, backward) -> None:
-        """Each forward's own term (as the model computes it); the window's load is kept."""
-        loads = []
-        for micro_batch, samples in pieces:
-            with scoped(_OwnTerms()) as scope:
-                output = forward(micro_batch)
-            loads.append(scope.calls)
-            backward(output, samples)
-        self._keep_load(self._window_counts(loads, [])[0])
+    def _counted_forward(self, k: int, micro_batch, run):
+        """A training forward once the window's counts are known; how differently it routed is kept."""
+        window = self._window
+        with scoped(_Global(window.terms, window.factors[k])) as scope:
+            output = run(micro_batch)
+        for now, then in zip(scope.calls, window.counted[k]):
+            step = (now.assignments - then.assignments).abs().sum()
+            window.difference = step if window.difference is None else window.difference + step
+        return output
 
-    def _counting_pass(self, pieces, forward, units) -> tuple[list, list]:
-        """Every micro-batch's forward without gradients, random generators restored after (the
-        training forwards draw the same numbers): each one's router counts and units."""
-        saved = rng_state()
-        counted, sizes = [], []
-        with torch.no_grad(), self.bias_routers.paused():
-            for micro_batch, samples in pieces:
-                with scoped(_Counting()) as scope:
-                    output = forward(micro_batch)
-                counted.append(scope.calls)
-                sizes.append(self._units(units, output, samples))
-        restore_rng_state(saved)
-        return counted, sizes
-
-    def _counted_window(self, pieces, forward, backward, units) -> None:
-        counted, sizes = self._counting_pass(pieces, forward, units)
-        window, factors = self._window_and_factors(counted, sizes)
-        difference = None
-        for (micro_batch, samples), before, factor in zip(pieces, counted, factors):
-            with scoped(_Global(window, factor)) as scope:
-                output = forward(micro_batch)
-            for now, then in zip(scope.calls, before):
-                step = (now.assignments - then.assignments).abs().sum()
-                difference = step if difference is None else difference + step
-            backward(output, samples)
-        if difference is not None:  # read after the backwards: no host sync inside the window
-            self._check_routing(float(difference))
-
-    def _held_window(self, pieces, forward, backward, units) -> None:
-        holder = _HeldWindow()
-        outputs, counted, sizes = [], [], []
-        for k, (micro_batch, samples) in enumerate(pieces):
-            kept, calls, size = self._held(forward, micro_batch, samples, _Deferred(holder, k), units)
-            outputs.append(kept)
-            counted.append(calls)
-            sizes.append(size)
-        holder.window, holder.factors = self._window_and_factors(counted, sizes)
-        for output, (_, samples) in zip(outputs, pieces):
-            backward(output, samples)
-
-    def _held(self, forward, micro_batch, samples: int, scope: _Deferred, units):
+    def _held(self, k: int, micro_batch, samples: int, run):
         """One held forward: what its backward reads of its output (nothing else of the output stays
-        alive), its router counts and its units."""
-        with scoped(scope), self.held_forward.running():
-            output = forward(micro_batch)
-        return self.held_forward.kept(output), [c.detached() for c in scope.calls], self._units(units, output, samples)
+        alive); its router counts and units are kept for the exchange."""
+        with scoped(_Deferred(self._window, k)) as scope, self.held_forward.running():
+            output = run(micro_batch)
+        self._window.counted.append([c.detached() for c in scope.calls])
+        self._window.sizes.append(self._units(output, samples))
+        return self.held_forward.kept(output)
 
     # -- counts ----------------------------------------------------------------------------
     @staticmethod
-    def _units(units, output, samples: int) -> tuple[float, int, bool, object]:
+    def _units(output, samples: int) -> tuple[float, int, bool, object]:
         """(items, samples, item-weighted?, what a model's own mean loss was multiplied by to be read as
         a sum, or 1)."""
-        _, count, item_weighted = units(output, samples)
+        _, count, item_weighted = loss_and_units(output, samples)
         read = mean_items(getattr(output, "loss", output))
         multiplier = torch.as_tensor(read[0] if read is not None else 1.0, dtype=torch.float64).reshape(())
         return torch.as_tensor(count, dtype=torch.float64).reshape(()), samples, item_weighted, multiplier
@@ -347,7 +315,7 @@ class ExpertBalance(EngineHook):
         U for an item-weighted one, U / c for a model's own mean over c items read as its sum)."""
         item_weighted = {kind for _, _, kind, _ in sizes}
         if len(item_weighted) > 1:
-            raise EngineUsageError("one window mixes mean losses and (sum, count) losses; use one kind per window")
+            raise EngineUsageError(MIXED_KINDS)
         items = sum(count for count, _, _, _ in sizes)
         samples = torch.tensor(float(sum(n for _, n, _, _ in sizes)), dtype=torch.float64)
         window, (total_items, total_samples) = self._window_counts(counted, [torch.as_tensor(items), samples])
@@ -359,7 +327,7 @@ class ExpertBalance(EngineHook):
 
     def counted_by_stages(self, assignments: torch.Tensor) -> None:
         """Under a pipeline: the window's top-k assignments per expert over every rank, pooled over the
-        stages' layers (``engine.window.stage_routers`` counts them), kept for the monitor."""
+        stages' layers (``engine.experts.stages`` counts them), kept for the monitor."""
         self.last_load = WindowLoad([assignments.reshape(1, -1)])
 
     def _check_routing(self, difference: float) -> None:
@@ -367,13 +335,36 @@ class ExpertBalance(EngineHook):
         balance.warn_routing_difference("moe.global_counts: count_forward", difference)
 
 
+class NoRouters:
+    """What ``eng.experts`` answers for a model without routers (docs/moe.md): no load, nothing routed
+    differently. The windows of such a model have no hooks; this is only read."""
+
+    routes = False
+    last_load: WindowLoad | None = None
+    routing_differences = 0.0
+
+
+_NO_ROUTER_LOGITS = (
+    "the model computed a load-balancing term although its config has output_router_logits false, so the engine "
+    "did not count the window first: set model.config.output_router_logits = True before engine.initialize (or "
+    "moe.load_balance: micro_batch)")
+_MANUAL_LOOP = (
+    "moe.load_balance: global: the model computed a load-balancing term in a forward of the manual loop (eng(x), "
+    "eng.backward, eng.step), where the window's other micro-batches are not known before this backward, and the "
+    "term's gradient through this micro-batch's routers needs their counts (keeping it for later would hold every "
+    "micro-batch's activations until the window's last forward). Train with eng.train_batch(batch, loss_fn), which "
+    "is exact: it counts the whole window first (one forward without gradients per micro-batch, about a third of a "
+    "step more; none under activation checkpointing on the torch backend, which holds the window's checkpoints "
+    "instead), or set moe.load_balance: micro_batch to keep the model's per-forward term")
+
+
 def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: bool,
-                   runner_runs_micro_steps: bool) -> ExpertBalance | NoRouters:
-    """The window runner's part for ``model``'s routers under the config's ``moe`` ``section``;
-    ``NoRouters`` for a model without a load-balancing term (its windows run as any other's).
+                   runner_runs_micro_steps: bool) -> ExpertBalance | None:
+    """A window's hooks for ``model``'s routers under the config's ``moe`` ``section``; None for a model
+    without a load-balancing term or a bias to move (its windows run as any other's, with no hook).
     ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
     engine: it counts a Hugging Face model's routers over its stages itself
-    (``engine.window.stage_routers``); a term of the user's own or a bias to move is refused there."""
+    (``engine.experts.stages``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             can_hold_forwards=strategy.can_hold_forwards,
                             # GPipe holds every micro-batch's activations until its backwards anyway
@@ -381,7 +372,7 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
                             all_reduce_sum=strategy.all_reduce_sum,
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
-        return NoRouters()
+        return None
     own_term_globally = experts.balances_globally and experts.own_terms
     if runner_runs_micro_steps and (own_term_globally or experts.bias_routers.updating):
         raise EngineUsageError(

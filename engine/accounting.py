@@ -32,8 +32,78 @@ from typing import Callable
 
 import torch
 
-from engine.window.loss_checks import checked_count, unrecognised_loss
-from engine.window.model_loss import as_sum, mean_items
+from engine.distributed.mesh import GRADIENT_REDUCTION
+from engine.errors import EngineUsageError
+
+MARK = "_microstep_mean_items"  # the attribute that marks a model's own mean loss: (multiplier, items)
+
+
+def mark_mean_items(loss: torch.Tensor, multiplier, items) -> None:
+    """Mark a model's own mean ``loss`` as read: ``loss × multiplier`` is its sum over ``items``
+    (``engine.window.model_loss`` reads them from the labels the engine handed in)."""
+    setattr(loss, MARK, (multiplier, items))
+
+
+def mean_items(loss) -> tuple[object, object] | None:
+    """``(multiplier, items)`` when ``loss`` is a model's own mean loss as the engine marked it
+    (``loss × multiplier`` is its sum over ``items``), else None."""
+    return getattr(loss, MARK, None) if isinstance(loss, torch.Tensor) else None
+
+
+def as_sum(loss: torch.Tensor, multiplier) -> torch.Tensor:
+    """``loss × multiplier``; a micro-batch without an item (its mean 0/0) adds 0, not NaN."""
+    multiplier = torch.as_tensor(multiplier, device=loss.device)
+    return torch.where(multiplier > 0, loss, torch.zeros_like(loss)) * multiplier
+
+
+def part_as_sum(loss: torch.Tensor, tokens: torch.Tensor, *, keeps_other_terms: bool):
+    """A context rank's mean ``loss`` over its part's real ``tokens`` as ``(sum, count)``. Where the
+    model divided its part's sum by ``max(tokens, 1)`` (``keeps_other_terms``: its own shifted loss), a
+    part without a target keeps what its loss holds besides the token sum (a mixture of experts'
+    load-balancing term) and a NaN counts 0; otherwise a part without a real token adds 0 (not NaN)."""
+    if keeps_other_terms:
+        return torch.where(tokens > 0, loss * tokens, torch.nan_to_num(loss, nan=0.0)), tokens
+    return as_sum(loss, tokens), tokens
+
+
+EXPECTED = ("the loss must be a scalar tensor (the mean over the micro-batch) or a pair (loss_sum, num_items), "
+            "e.g. (F.cross_entropy(..., reduction='sum'), (labels != -100).sum())")
+
+
+def describe(value) -> str:
+    """A loss output's form, as an error names it."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {', '.join(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(describe(v) for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def checked_count(output, count):
+    """``count`` when the pair ``output`` = (loss_sum, count) holds a count: a number or a
+    one-element tensor."""
+    if isinstance(count, (int, float)) and not isinstance(count, bool):
+        return count
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        return count
+    raise EngineUsageError(
+        f"{EXPECTED}; got {describe(output)}: a pair is read as (loss_sum, num_items), and "
+        f"{describe(count)} is not a count. Returning (loss, logits) or (loss, outputs)? Return the loss alone")
+
+
+def unrecognised_loss(output) -> EngineUsageError:
+    """The error for a return that is neither a tensor, a pair, nor an output with a ``loss``."""
+    hint = ""
+    if isinstance(output, dict) and "loss" in output:
+        hint = "; return output['loss']"
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        hint = "; return the loss alone, or (loss_sum, num_items)"
+    return EngineUsageError(f"{EXPECTED}; got {describe(output)}{hint}")
+
+
+MIXED_KINDS = "one window mixes mean losses and (sum, count) losses; use one kind per window"
 
 
 def loss_and_units(output, samples: int):
@@ -73,14 +143,26 @@ def share(samples: int, item_weighted: bool) -> int:
     return (1 if item_weighted else samples) if samples else 0
 
 
-class Accounting:
-    """A window's weights for one engine: ``ranks`` the gradient-averaging ranks (data × context: the
-    parts of one sequence add up), ``weighting_batch()`` the G of the weights (the planned global
-    batch, or a data-defined plan's nominal one)."""
+def gradient_ranks(mesh) -> int:
+    """W: the ranks over which the strategies average each gradient (data × context of ``mesh``, an
+    ``engine.distributed.mesh.MeshLayout``: the parts of one sequence add up). The dense gradients are
+    averaged over them and an expert gradient summed over its replicas is divided by them."""
+    return mesh.size(GRADIENT_REDUCTION)
 
-    def __init__(self, *, ranks: int, weighting_batch: Callable[[], int]):
-        self.ranks = ranks
+
+class Accounting:
+    """A window's weights for one engine: ``mesh`` the mesh whose gradient-averaging ranks W are read at
+    each window, ``weighting_batch()`` the G of the weights (the planned global batch, or a data-defined
+    plan's nominal one)."""
+
+    def __init__(self, *, mesh, weighting_batch: Callable[[], int]):
+        self.mesh = mesh
         self.weighting_batch = weighting_batch
+
+    @property
+    def ranks(self) -> int:
+        """W, as the mesh says now."""
+        return gradient_ranks(self.mesh)
 
     def micro_step_weight(self, samples: int, item_weighted: bool) -> float:
         """What a micro-batch's loss is multiplied by before its backward, in every window runner."""
@@ -88,7 +170,7 @@ class Accounting:
 
     def outside_loss_weight(self, units):
         """What a load-balancing term's gradient added beside the loss (a pipeline stage's routers,
-        ``engine.window.stage_routers``) is multiplied by so that it enters the window's gradient once:
+        ``engine.experts.stages``) is multiplied by so that it enters the window's gradient once:
         the window's U items over every rank × W / G, which the boundary's G / U and the ranks'
         average undo."""
         return units * self.ranks / self.weighting_batch()
@@ -109,6 +191,26 @@ def evaluation_terms(output, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not samples:
         return torch.zeros_like(loss), torch.zeros_like(loss)
     return loss * (1 if item_weighted else samples), torch.as_tensor(units, dtype=torch.float64, device=loss.device)
+
+
+def evaluation_mean(totals: torch.Tensor) -> float:
+    """An evaluation's mean from its totals (:func:`evaluation_terms`) summed over the ranks."""
+    return float(totals[0] / totals[1])
+
+
+def losses_with_window_term(outputs: list, value, multipliers: list) -> list:
+    """A pipeline's last-stage losses with λ · aux of the window (``value``, None: none) added as the model's
+    own loss adds it: to its mean, read as a sum (times each one's multiplier); weighted as each loss is
+    (its items / U), they then hold it once."""
+    if value is None:
+        return outputs
+    added = []
+    for output, multiplier in zip(outputs, multipliers):
+        if isinstance(output, tuple):
+            loss, count = output
+            output = (loss + (value * multiplier).to(loss.device, loss.dtype), count)
+        added.append(output)
+    return added
 
 
 def term_factors(item_weighted: bool, total_items, total_samples, sizes) -> list:

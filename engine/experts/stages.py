@@ -45,11 +45,12 @@ from typing import Iterator, Sequence
 
 import torch
 
+from engine.accounting import loss_tensor, mean_items
 from engine.errors import EngineUsageError
 from engine.experts import balance
 from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
                                     with_term_gradient)
-from engine.window.model_loss import RouterTerm
+from engine.experts.hf import RouterTerm, router_term_of
 
 NOT_OWN_LOSS = (
     "moe.load_balance: global under a pipeline: the routers' term of the window enters through the model's own "
@@ -151,6 +152,52 @@ class StageRouters:
         if counted is not None and trained is not None:  # one host read, after the schedule
             self._check_routing(float((counted.assignments - trained).abs().sum()))
 
+    # -- the window's term ----------------------------------------------------------------------
+    @staticmethod
+    def new_window_term(micro_batches: int) -> "WindowTerm":
+        """A new window's term, to record the last stage's losses in."""
+        return WindowTerm(micro_batches)
+
+    @staticmethod
+    def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:
+        """Each micro-batch's router weights (:func:`row_weights`)."""
+        return row_weights(pieces, sizes, rows, device)
+
+    @staticmethod
+    def not_own_loss() -> EngineUsageError:
+        """The error of a window whose ``loss_fn(model, micro_batch)`` returned another loss than the model's."""
+        return EngineUsageError(NOT_OWN_LOSS)
+
+    def window_sums(self, counted: list, failed: bool, strategy):
+        """The window's router counts [C, S, R], its items U, whether a loss was not the model's own and
+        whether a rank failed, summed over the world (one small reduction). ``counted``: per micro-batch on
+        the last stage, (items, not the own loss)."""
+        units = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # items U, not the own loss, failed
+        if strategy.holds_last_stage and self.counts_here:  # one rank of each replica adds its loss
+            units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
+            units[1] = float(any(not_own for _, not_own in counted))
+        units[2] = float(failed)
+        total = strategy.sum_over_world(torch.cat([self.window_counts().to(units.device), units]))
+        return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
+
+    def term_and_coefficients(self, counts: torch.Tensor, items: torch.Tensor, weight_of, balance):
+        """From the window's summed counts and items: λ · aux of the window and the coefficients of the
+        term's gradient beside the loss, times ``weight_of(items)`` (the engine's accounting, in the loss
+        scale); ``balance`` (``engine.experts.window.ExpertBalance``) keeps the window's load for the monitor."""
+        aux, coefficients = self.window_term(counts, weight_of(items))
+        balance.counted_by_stages(self.window_assignments(counts))
+        return self.term.coefficient * aux, coefficients
+
+    def exchange_held(self, held: "WindowTerm", strategy, weight_of, balance) -> None:
+        """A held window's exchange (once): the window's sums, its term's value and the coefficients its
+        backwards read; a loss that is not the model's own leaves them 0 (the window is abandoned after)."""
+        held.exchanged = True
+        counts, items, held.not_own_loss, _ = self.window_sums(held.units, False, strategy)
+        if held.not_own_loss:
+            return
+        held.value, coefficients = self.term_and_coefficients(counts, items, weight_of, balance)
+        self.fill(coefficients)
+
     @contextlib.contextmanager
     def _running(self, mode: str, weights: list[torch.Tensor]) -> Iterator[None]:
         self._mode, self._weights, self._forwards = mode, weights, [0] * len(self._forwards)
@@ -193,6 +240,37 @@ class StageRouters:
     def _check_routing(self, difference: float) -> None:
         self.routing_differences += difference
         balance.warn_routing_difference("moe.load_balance: global under a pipeline", difference)
+
+
+class WindowTerm:
+    """A routed window's term in the last stage's recorded losses: the losses are computed without it
+    (it may be known only after them: held forwards), and λ · aux of the window is added to each after
+    the schedule, as the model's own loss would add it (``engine.accounting.losses_with_window_term``). Held
+    forwards also keep here what the exchange between their forwards and backwards needs."""
+
+    def __init__(self, micro_batches: int):
+        self.units: list = [(0, False)] * micro_batches  # per micro-batch: (items, not the own loss)
+        self.multipliers = [1.0] * micro_batches  # what each own mean loss was multiplied by to be read as a sum
+        self.value: torch.Tensor | None = None  # λ · aux of the window
+        self.seen: set[int] = set()  # held: the micro-batches whose loss the last stage computed
+        self.exchanged = self.not_own_loss = False  # held: the exchange ran; a loss was not the model's own
+
+    def record(self, k: int, output, count) -> None:
+        """Micro-batch ``k``'s loss as ``loss_fn`` returned it, and the items it stands for."""
+        read = mean_items(loss_tensor(output))  # None: not the model's own loss
+        self.units[k] = (count, read is None)
+        if read is not None:
+            self.multipliers[k] = read[0]
+
+
+def stage_routers(model: torch.nn.Module, section, strategy) -> StageRouters | None:
+    """The routers of this rank's pipeline stages under the config's ``moe`` ``section``: under ``global``
+    balance, for a model whose ``.loss`` adds a term (``engine.experts.hf.router_term_of``) and whose stages
+    are cut by its own plan; else None (a term is then the stage's own, or refused)."""
+    if section.load_balance != "global":
+        return None
+    return StageRouters.of(strategy.stage_modules, router_term_of(model),
+                           counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
 
 
 def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:
