@@ -263,6 +263,21 @@ class WindowTerm:
             self.multipliers[k] = read[0]
 
 
+def schedule_for_global_balance(model: torch.nn.Module, config, checkpointing: bool) -> str | None:
+    """``gpipe`` where no ``pipeline.schedule`` was set and GPipe learns a routed model's window counts at no
+    extra forward (its forwards all run before its backwards: held, ``moe.global_counts`` auto or
+    hold_forwards) while holding no more than 1F1B would keep (its checkpoints, under activation
+    checkpointing; or no more micro-batches than stages); None: the config's schedule stays (1F1B then
+    counts first, a forward of the window without gradients and its bubble)."""
+    pipeline, moe = config.pipeline, config.moe
+    if pipeline.stages <= 1 or "schedule" in pipeline.model_fields_set or moe.load_balance != "global" \
+            or moe.global_counts == "count_forward" or router_term_of(model) is None:
+        return None
+    accumulation = config.gradient_accumulation_steps
+    fits = checkpointing or (accumulation is not None and accumulation <= pipeline.stages)
+    return "gpipe" if fits else None
+
+
 def stage_routers(model: torch.nn.Module, section, strategy) -> StageRouters | None:
     """The routers of this rank's pipeline stages under the config's ``moe`` ``section``: under ``global``
     balance, for a model whose ``.loss`` adds a term (``engine.experts.hf.router_term_of``) and whose stages

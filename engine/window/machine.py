@@ -32,15 +32,15 @@ from typing import Callable
 
 import torch
 
+from engine.accounting import Accounting, loss_and_units, share, window_totals
 from engine.distributed.batch_fingerprint import ReplicaBatchCheck, batch_fingerprint
 from engine.errors import EngineUsageError, PeerLostError, RankDisagreementError
 from engine.memory import PeakMeter
 from engine.strategies.base import StepResult
 from engine.window import non_finite
-from engine.accounting import Accounting, loss_and_units, share, window_totals
 from engine.window.loss_checks import check_loss, failed_on_another_rank
-from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
 from engine.window.hooks import Hooks
+from engine.window.positions import CLOSED, CLOSING_MICRO_STEP, FLUSH, FORWARD, WINDOW_START, post_position
 from engine.window.records import Window, WindowReport
 
 log = logging.getLogger("engine")

@@ -222,6 +222,26 @@ def test_a_pipeline_refuses_a_term_of_ones_own_and_a_holder_that_cannot_refuses_
         assert holder.holding == can
 
 
+def test_gpipe_is_chosen_for_global_balance_only_where_no_schedule_was_set_and_it_holds_no_more():
+    from engine.experts.stages import schedule_for_global_balance
+
+    def chosen(model=None, checkpointing=True, **config):
+        config = engine.load_config({"train_batch_size": 8, **config})
+        return schedule_for_global_balance(model or hf_moe(), config, checkpointing)
+
+    two = {"pipeline": {"stages": 2}}
+    assert chosen(**two) == "gpipe"  # checkpointed: the held forwards keep their checkpoints only
+    assert chosen(checkpointing=False, gradient_accumulation_steps=2, **two) == "gpipe"  # as many as 1F1B keeps
+    assert chosen(checkpointing=False, gradient_accumulation_steps=4, **two) is None  # more: 1F1B counts first
+    assert chosen(pipeline={"stages": 2, "schedule": "1f1b"}) is None  # the user's schedule stays
+    assert chosen(moe={"global_counts": "count_forward"}, **two) is None
+    assert chosen(moe={"load_balance": "micro_batch"}, **two) is None
+    dense = hf_moe()
+    dense.config.output_router_logits = False
+    assert chosen(dense, **two) is None
+    assert chosen() is None  # no pipeline
+
+
 def test_a_model_without_routers_runs_its_windows_as_before():
     eng = engine.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 4, "gradient_accumulation_steps": 2},
                             optimizer=sgd)
@@ -460,10 +480,11 @@ def short_data_scenario(rank, world):
     return None, time.monotonic() - started
 
 
-def pipeline_scenario(rank, world, schedule="1f1b"):
+def pipeline_scenario(rank, world, schedule="1f1b", **extra):
     """Pipeline 2 (one Mixtral layer per stage) under global balance, the model's own loss on right-padded
     rows: the stages exchange their router counts before the window's first backward (1F1B: after a
-    counting schedule; GPipe: between the training schedule's forwards and its backwards)."""
+    counting schedule; GPipe: between the training schedule's forwards and its backwards; no schedule set,
+    ``extra`` checkpointing the layers: GPipe chosen)."""
     model, batches = hf_moe(), lm_batches(2, 8, padded=True)
     expected = reference(model, batches, hf_loss)
     with float64_term(model), torch.no_grad():
@@ -473,8 +494,9 @@ def pipeline_scenario(rank, world, schedule="1f1b"):
     with float64_term(trained), torch.no_grad():  # the whole batch's own loss, its term over every row
         results = {"expected eval": float(hf_loss(trained, batches[0]))}
     for name, breaking in [("exact", broken.intact), ("per stage", broken.moe_term_per_stage)]:
-        eng = breaking(moe_engine(copy.deepcopy(model), pipeline={"stages": 2, "schedule": schedule}))
-        results["counts"] = eng.experts.global_counts
+        pipeline = {"stages": 2, **({"schedule": schedule} if schedule else {})}
+        eng = breaking(moe_engine(copy.deepcopy(model), pipeline=pipeline, **extra))
+        results["counts"], results["schedule"] = eng.experts.global_counts, eng.config.pipeline.schedule
         losses = [eng.train_batch(rank_slice(batch, eng.plan), hf_loss) for batch in batches]
         results[name] = max_param_diff(eng.full_state_dict(), expected)
         results[f"{name} loss"] = abs(losses[0] - first_loss)
@@ -504,6 +526,8 @@ def two_ranks():
     scenarios["example"] = example_scenario
     scenarios["pipeline"] = pipeline_scenario
     scenarios["pipeline gpipe"] = functools.partial(pipeline_scenario, schedule="gpipe")
+    scenarios["pipeline chosen"] = functools.partial(
+        pipeline_scenario, schedule=None, activation_checkpointing={"enabled": True, "blocks": "auto"})
     scenarios["short data"] = short_data_scenario
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
@@ -524,14 +548,17 @@ def test_two_data_ranks_equal_the_full_batch(two_ranks, stage, padded):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("schedule, counts", [("1f1b", "count_forward"), ("gpipe", "hold_forwards")])
-def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks, schedule, counts):
+@pytest.mark.parametrize("scenario, schedule, counts", [("pipeline", "1f1b", "count_forward"),
+                                                        ("pipeline gpipe", "gpipe", "hold_forwards"),
+                                                        ("pipeline chosen", "gpipe", "hold_forwards")])
+def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks, scenario, schedule, counts):
+    """Last: no schedule set and the layers checkpointed, GPipe is chosen (it holds their checkpoints only)."""
     last = lm_batches(2, 8, padded=True)[1]
     model = hf_moe()
     assignments = model.config.num_experts_per_tok * model.config.num_hidden_layers * int(last["attention_mask"].sum())
-    for rank, result in enumerate(two_ranks["pipeline" if schedule == "1f1b" else "pipeline gpipe"]):
+    for rank, result in enumerate(two_ranks[scenario]):
         # 1F1B starts backwards before the last forwards: a counting schedule first; GPipe holds them
-        assert result["counts"] == counts, (rank, result["counts"])
+        assert (result["schedule"], result["counts"]) == (schedule, counts), (rank, result["counts"])
         assert result["exact"] < HF_TOL, (rank, result)
         # the monitor's expert load: every real token's top-k choices in every layer of both stages, on each rank
         assert sum(result["exact load"]) == assignments, (rank, result["exact load"], assignments)
