@@ -207,6 +207,11 @@ def main(argv=None):
             ulysses = engine.initialize(copy.deepcopy(whole), {
                 **cfg, "context_parallel": {"size": size, "method": "ulysses"}})
             runs["ulysses"] = lambda: ulysses.train_batch(batch, token_sum)
+            ulysses_part = ulysses.context.shard(micro)
+            with ulysses.context.running():
+                memory[-1]["ulysses_bytes"] = saved_bytes(lambda: token_sum(ulysses.module, ulysses_part)[0],
+                                                          list(ulysses.module.parameters()))
+            memory[-1]["ulysses_ratio"] = memory[-1]["ulysses_bytes"] / alone
             memory[-1]["gathered_bytes"] = saved_bytes(lambda: gathered.loss(micro)[0],
                                                        list(gathered.model.parameters()))
             memory[-1]["gathered_ratio"] = memory[-1]["gathered_bytes"] / alone
@@ -236,7 +241,8 @@ def main(argv=None):
             if "gathered_bytes" in m:
                 print(f"        gathered by hand: activations {m['gathered_bytes'] / 2**20:.1f} MiB "
                       f"({m['gathered_ratio']:.2f}), {s['gathered_tokens_per_s']:.0f} tok/s, engine/gathered CPU time {s['gathered_cpu_ratio']:.3f}")
-                print(f"        the engine with Ulysses, same run: ring / Ulysses time {s['ulysses_ratio']:.3f}, "
+                print(f"        the engine with Ulysses, same run: activations {m['ulysses_bytes'] / 2**20:.1f} MiB "
+                      f"({m['ulysses_ratio']:.2f}), ring / Ulysses time {s['ulysses_ratio']:.3f}, "
                       f"CPU time {s['ulysses_cpu_ratio']:.3f} ({s['engine_cpu_s'] * 1e3:.1f} / "
                       f"{s['ulysses_cpu_s'] * 1e3:.1f} ms)")
         name = "context" if args.method == "ulysses" else f"context_{args.method}"
