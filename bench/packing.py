@@ -10,8 +10,10 @@ its own ``.loss``, AdamW; a per-device batch of right-padded rows (``bench.token
 lengths). Both variants bound a micro-batch by the same N tokens: the token budget by its padded
 tokens (rows of similar length, each micro-batch trimmed to its longest row), packing by its real
 tokens (documents end to end in one row of at most N, no padding at all), so both hold at most N
-computed positions per micro-batch — the same activation bound. Variants interleaved, median over
-rounds; a second copy of the token budget gives the noise floor. Results: bench/results/packing_w<W>.json.
+computed positions per micro-batch — the same activation bound. Packing runs attention within each
+document (``engine.attention``; each variant's ``attention`` in the results names the implementation
+that ran). Variants interleaved, median over rounds; a second copy of the token budget gives the noise
+floor. Results: bench/results/latest/packing_w<W>.json (``--record``: bench/results/packing_w<W>.json).
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def main(argv=None):
         rows[name] = {"ms_per_step": times[name] * 1e3, "real_tokens_per_s": window.real_tokens / times[name],
                       "micro_steps": window.micro_steps, "computed_tokens": window.padded_tokens,
                       "real_tokens": window.real_tokens, "padding_fraction": 1 - window.real_tokens / window.padded_tokens,
-                      "peak_memory_mb": peaks[name] / 2**20}
+                      "peak_memory_mb": peaks[name] / 2**20,
+                      # which attention ran: packing's per-document implementation (engine.attention) or sdpa
+                      "attention": getattr(getattr(eng.module, "config", None), "_attn_implementation", None)}
     baseline = next(iter(rows))
     for row in rows.values():
         row["speedup_vs_token_budget"] = rows[baseline]["ms_per_step"] / row["ms_per_step"]

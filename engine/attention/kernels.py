@@ -33,10 +33,23 @@ from engine.attention.documents import Lengths
 HALF = (torch.float16, torch.bfloat16)  # the dtypes flash-attention computes in
 
 
-def _documents(tensor: torch.Tensor, start: int, count: int, length: int) -> torch.Tensor:
-    """``count`` documents of ``length`` tokens from ``start`` of one row ``(heads, length, d)``,
-    as a batch ``(count, heads, length, d)`` of views (no copy)."""
-    return tensor[:, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
+def _runs(documents: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(length, count) of each run of equal-length documents, in order."""
+    return [(length, len(list(run))) for length, run in groupby(documents)]
+
+
+def _rows(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A batch's rows as views (one row: squeezed, whose backward is a view too)."""
+    return (tensor.squeeze(0),) if tensor.shape[0] == 1 else tensor.unbind(0)
+
+
+def _split_runs(row: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """One row ``(heads, length, d)`` as a batch ``(count, heads, length, d)`` of views per run.
+    Split along the tokens of the token-major layout the projections made (``(length, heads, d)``):
+    one split, whose backward joins the runs' gradients in one copy into the layout the projections'
+    backward takes (a slice per run would write a gradient of the whole row for each)."""
+    pieces = row.transpose(0, 1).split([length * count for length, count in runs])
+    return [piece.unflatten(0, (count, length)).transpose(1, 2) for piece, (length, count) in zip(pieces, runs)]
 
 
 def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: Lengths, *,
@@ -45,15 +58,14 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, le
     heads, width = query.shape[1], query.shape[-1]
     grouped_query = heads != key.shape[1]
     rows = []
-    for row, documents in enumerate(lengths):
-        pieces, start = [], 0
-        for length, run in groupby(documents):
-            count = len(list(run))
-            q, k, v = (_documents(t[row], start, count, length) for t in (query, key, value))
+    # a row by unbinding, not indexing: an index's backward would zero and fill a gradient of every row
+    for documents, *row in zip(lengths, *(_rows(t) for t in (query, key, value))):
+        runs = _runs(documents)
+        pieces = []
+        for (length, count), q, k, v in zip(runs, *(_split_runs(t, runs) for t in row)):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
                                                  enable_gqa=grouped_query)
             pieces.append(out.transpose(1, 2).reshape(count * length, heads, width))
-            start += count * length
         rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
     return torch.stack(rows) if len(rows) > 1 else rows[0].unsqueeze(0)
 
