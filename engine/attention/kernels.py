@@ -9,10 +9,12 @@ the result ``(rows, length, heads, d)`` (the layout transformers' attention func
   slice: sum(n_i^2) work instead of the row's length^2, and no mask (the fused kernel's
   ``is_causal`` path). Documents of equal length next to each other (packing places them longest
   first, so equal lengths sit together) go in one call as a batch of views. Measured on this CPU
-  (4 heads of 32, fp32, forward and backward, 1,000-token rows): 4-8 ms against 30 ms for the
-  dense per-document mask and 20 ms for one causal call over the whole row; grouping documents of
-  different lengths by padding them to a common length, or gathering them, was slower than the
-  views; flex attention has no CPU backward in torch 2.13.
+  (4 heads of 32, fp32, forward and backward, rows of about 1,000 tokens of 10-29 documents):
+  4-9 ms, against about 30 ms for the dense per-document mask and 20 ms for one causal call over
+  the whole row, and within 10% of one padded call over the same documents; documents of
+  different lengths gathered into one padded call (each document's window of the longest length,
+  later tokens hidden by causality) were 1.3x slower than the per-run calls, flex attention has no
+  CPU backward in torch 2.13.
 * :func:`flash_varlen` (CUDA, half precision, ``flash_attn`` 2 installed): flash-attention's
   variable-length kernel over the rows flattened, one ``cu_seqlens`` for all documents.
 
