@@ -152,7 +152,8 @@ class Block:
 
 
 class RingBlocks:
-    """The blocks of one rank's ring (module docstring): which queries meet which keys of part j."""
+    """The blocks of one rank's ring (module docstring): which queries meet which keys of part j
+    (the own part's block: every query and every key, causal or not)."""
 
     def __init__(self, shards: ContextShards, part_length: int, causal: bool, documents: torch.Tensor | None):
         self.shards, self.part_length, self.causal, self.documents = shards, part_length, causal, documents
