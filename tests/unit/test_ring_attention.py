@@ -4,7 +4,8 @@ their parts through queues, against ``scaled_dot_product_attention`` over the wh
 attention (4 query heads, 2 or 1 key/value heads), causal, causal within packed rows' documents,
 and not causal; the fused CPU kernel (grouped-query keys and values handed to it with their own
 heads, and repeated for a kernel that takes no such shapes) and the matmul blocks other devices run.
-A merge that does not rescale what was summed before misses."""
+A merge that does not rescale what was summed before misses, and so does a backward whose passed
+part drops the gradients of its first stop."""
 
 from __future__ import annotations
 
@@ -156,6 +157,14 @@ def test_a_merge_without_the_rescale_misses(monkeypatch):
     monkeypatch.setattr(ring, "merge_block", broken.ring_merge_without_rescale)
     for name, (causal, documents) in MASKS.items():
         assert ring_differences(2, 2, causal, documents) > MISSED, name
+
+
+def test_a_passed_part_whose_first_stop_drops_its_gradients_misses(monkeypatch):
+    """The key and value gradients a part gathers at its first stop are what it carries on and home:
+    dropped there (zeros carried instead), the keys' and values' gradients miss."""
+    monkeypatch.setattr(ring, "_placed", lambda gradient, keys, part, dtype: torch.zeros(part.shape, dtype=dtype))
+    for size in (2, 3):
+        assert ring_differences(size, 2, True, None) > MISSED, size
 
 
 def test_a_block_is_half_a_part_of_scores_away_from_the_diagonal():
