@@ -40,10 +40,11 @@ on the machine shares), the SIGINT, which lets torch's build remove its lock whe
 stopped mid-build (a SIGKILL left it behind and every later DeepSpeed run hung), and a timeout
 message that names the lock files when a rank waits on one.
 
-Start-up cost: processes come from a fork server that has already imported torch and
-engine, so only the first call in a pytest session pays those imports (~2.5 s); later
-calls cost ~0.15 s (engine is only preloaded when importable from the directory pytest
-runs in, or installed). ``start_method="spawn"`` gives fully fresh interpreters at
+Start-up cost: processes come from a fork server that has already imported torch, engine's
+core, deepspeed, torch's inductor and transformers' model base (tests/support/rank_preload.py), so
+only the first call in a pytest worker pays those imports (~10 s on a loaded machine); later calls cost ~0.15 s plus what
+the scenario imports beyond them (engine is only preloaded when importable from the directory
+pytest runs in, or installed). ``start_method="spawn"`` gives fully fresh interpreters at
 ~3 s per call or more on a loaded machine. To save even the fork and the process-group
 set-up, run several checks in one set of ranks with :func:`run_scenarios`, or let ``fn``
 loop over cases itself and return a dict.
@@ -132,12 +133,13 @@ def _deliver(conn, message: bytes) -> None:
 def _preload_modules() -> list[str]:
     # The fork server imports these once; each rank is then a cheap fork of it. A module
     # that fails to import with anything but ImportError would kill the server, so engine
-    # is only preloaded when it imports cleanly here.
+    # is only preloaded when it imports cleanly here; what ranks import later (engine's core,
+    # deepspeed, inductor, transformers) through tests.support.rank_preload, which never raises.
     try:
         import engine  # noqa: F401
     except Exception:
         return ["torch", "torch.distributed"]
-    return ["torch", "torch.distributed", "engine"]
+    return ["torch", "torch.distributed", "engine", "tests.support.rank_preload"]
 
 
 def _check_importable(fn: Callable, args: tuple) -> None:
