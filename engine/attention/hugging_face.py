@@ -116,7 +116,10 @@ def document_attention(own_attention, varlen):
 
 def apply_document_attention(model: torch.nn.Module) -> bool:
     """Switch ``model`` to attention per document where it applies (see the module docstring);
-    whether it did. Said once either way."""
+    whether it did. Said once either way for a Hugging Face model (any other has no mask of
+    transformers' to replace)."""
+    if hf.implementation(model) is None:
+        return False
     reason = why_not(model)
     if reason is not None:
         log.info("packing: %s keeps transformers' per-document mask over each packed row (%s)",
