@@ -4,15 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 workers=${MICROSTEP_TEST_WORKERS:-2}
 # How long a run takes on 2 cores, setup included, said before it starts (issue 55). 2 workers:
-# 848 s on a quiet machine with the Hugging Face doors' tests (2026-12-06, setup already done). One: estimated, not run whole: a sample of test files run both ways
-# (2026-12-06, other sessions loading the machine) took 1.38x as long per file beside a second
-# worker, so one worker takes about 2 / 1.38 = 1.45x the 2 workers' test time.
+# 561 s of tests (1,314 tests, 2026-12-06, setup already done) on this 2-core machine while other
+# sessions kept its load average near 5; 887 s in the same conditions before the ranks' fork server
+# preloaded what they import (tests/support/rank_preload.py). One worker: estimated, not run whole:
+# a sample of test files run both ways took 1.38x as long per file beside a second worker, so one
+# worker takes about 2 / 1.38 = 1.45x the 2 workers' test time (~810 s).
 case "$workers" in
-  2) estimate="about 14 minutes with 2 workers" ;;
-  0|1) estimate="about 20 minutes with one worker (an estimate; 2 workers: about 14)" ;;
-  *) estimate="not measured with $workers workers (2 workers: about 14 minutes)" ;;
+  2) estimate="about 10 minutes with 2 workers" ;;
+  0|1) estimate="about 14 minutes with one worker (an estimate; 2 workers: about 10)" ;;
+  *) estimate="not measured with $workers workers (2 workers: about 10 minutes)" ;;
 esac
-echo "[test] $estimate on a quiet 2-core machine, setup included; longer while other work runs (this machine: $(nproc) cores)" >&2
+echo "[test] $estimate on a 2-core machine, setup included; longer while other work runs (this machine: $(nproc) cores)" >&2
 bash scripts/setup.sh
 # DeepSpeed compiles a small shared-memory op on first use; keep it between runs.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
