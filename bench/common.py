@@ -65,10 +65,10 @@ def adamw(params):
     return torch.optim.AdamW(params, **ADAMW)
 
 
-def start_ranks(description: str, rounds: int, argv=None, steps: int = 3):
-    """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``, ``--record``),
-    the process group, one thread per rank, and the workload: (args, dist info, model, this
-    rank's share of the global batch)."""
+def start_ranks(description: str, rounds: int, argv=None, steps: int = 3, add_arguments=None):
+    """The start of a multi-rank benchmark: arguments (``--rounds``, ``--steps``, ``--record``, and what
+    ``add_arguments(parser)`` adds), the process group, one thread per rank, and the workload: (args,
+    dist info, model, this rank's share of the global batch)."""
     from engine.distributed.process_group import init_distributed, strip_local_rank_arg
 
     strip_local_rank_arg(argv)
@@ -76,6 +76,8 @@ def start_ranks(description: str, rounds: int, argv=None, steps: int = 3):
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--steps", type=int, default=steps)
     add_record_argument(parser)
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     info = init_distributed()
     torch.set_num_threads(1)

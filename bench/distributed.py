@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO: time per optimizer step of the engine against the same training
 written by hand, at equal memory.
 
-    python -m launch --nproc-per-node 2 bench/distributed.py [--rounds 8] [--steps 3]
+    python -m launch --nproc-per-node 2 bench/distributed.py [--rounds 8] [--steps 3] [--stage-0]
 
 Workload: the 4.2M-parameter MLP of bench/common.py, global batch 64, accumulation 4,
 AdamW, fp32, gloo. Every variant trains its own copy; variants alternate round by round and
@@ -154,9 +154,21 @@ def variants(model, data):
     return rows
 
 
+STAGE_0 = ("hand DDP + no_sync", "hand DDP + no_sync, second copy (noise floor)", "engine stage 0 (train_batch)",
+           "engine stage 0 (manual loop)")
+
+
+def _stage_0_argument(parser) -> None:
+    parser.add_argument("--stage-0", action="store_true",
+                        help="only stage 0 against DDP with no_sync (its noise floor, train_batch, the manual loop)")
+
+
 def main(argv=None):
-    args, info, model, data = start_ranks(__doc__.splitlines()[0], rounds=8, argv=argv)
+    args, info, model, data = start_ranks(__doc__.splitlines()[0], rounds=8, argv=argv,
+                                          add_arguments=_stage_0_argument)
     rows = variants(model, data)
+    if args.stage_0:
+        rows = {name: row for name, row in rows.items() if name in STAGE_0}
     runs = {name: build(copy.deepcopy(model)) for name, (_, _, build) in rows.items()}
     times = interleaved(runs, args.rounds, args.steps, warmup=1, distributed=True)
     if info.rank != 0:
