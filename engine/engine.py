@@ -45,7 +45,7 @@ from engine.batching.plan import BatchPlan
 from engine.batching.window_split import PlannedSplit
 from engine.context.parallel import ContextParallel, WholeSequences
 from engine.errors import EngineUsageError
-from engine.experts.window import NoRouters
+from engine.experts.window import NO_ROUTERS
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.state.engine_state import EngineState
 from engine.strategies.base import Strategy
@@ -136,7 +136,7 @@ class Engine:
     def experts(self):
         """A model's routers as its windows balance them (``engine.experts.window``: ``last_load``,
         ``routing_differences``, ``global_counts``); for a model without routers, a record of none."""
-        return self.window_hooks if self.window_hooks is not None else NoRouters()
+        return self.window_hooks if self.window_hooks is not None else NO_ROUTERS
 
     @property
     def hooks(self) -> tuple[EngineHook, ...]:

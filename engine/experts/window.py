@@ -344,6 +344,9 @@ class NoRouters:
     routing_differences = 0.0
 
 
+NO_ROUTERS = NoRouters()
+
+
 _NO_ROUTER_LOGITS = (
     "the model computed a load-balancing term although its config has output_router_logits false, so the engine "
     "did not count the window first: set model.config.output_router_logits = True before engine.initialize (or "
