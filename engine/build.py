@@ -135,7 +135,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
 
 
 def _schedule_for_routers(model: torch.nn.Module, config):
-    """``config`` with GPipe for a routed model's pipeline where no schedule was set and GPipe holds no
+    """``config`` with GPipe for a routed model's pipeline where no schedule was set and GPipe holds little
     more than 1F1B would (``engine.experts.stages.schedule_for_global_balance``), said once."""
     checkpointing = torch_sections(config).features.checkpointing is not None
     if schedule_for_global_balance(model, config, checkpointing) is None:

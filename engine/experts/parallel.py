@@ -60,6 +60,19 @@ def hugging_face_patterns(model: torch.nn.Module) -> list[str]:
     return [prefix + name for name, style in plan.items() if style == EP_DISPATCH]
 
 
+def stage_expert_modules(model: torch.nn.Module, patterns: list[str] | None, stage: torch.nn.Module,
+                         stages: str) -> list[str]:
+    """The modules of experts of a pipeline ``stage`` (which keeps ``model``'s names): found on the whole
+    ``model``, as exact names of the modules the stage holds; ``stages``: the stage numbers, for the error."""
+    held = dict(stage.named_modules())
+    names = [name for name in find_expert_modules(model, patterns) if name in held]
+    if not names:
+        raise ConfigError([f"expert_parallel: pipeline stage(s) {stages} hold no module of experts to split; "
+                           "cut the model so that every stage holds some (pipeline.split), or set "
+                           "expert_parallel.size: 1"])
+    return names
+
+
 def find_expert_modules(model: torch.nn.Module, patterns: list[str] | None) -> dict[str, torch.nn.Module]:
     """{name: module} of ``model``'s modules of experts: those ``patterns`` name (the config's
     ``expert_parallel.modules``), else the Hugging Face plan's."""

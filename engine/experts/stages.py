@@ -266,8 +266,9 @@ class WindowTerm:
 def schedule_for_global_balance(model: torch.nn.Module, config, checkpointing: bool) -> str | None:
     """``gpipe`` where no ``pipeline.schedule`` was set and GPipe learns a routed model's window counts at no
     extra forward (its forwards all run before its backwards: held, ``moe.global_counts`` auto or
-    hold_forwards) while holding no more than 1F1B would keep (its checkpoints, under activation
-    checkpointing; or no more micro-batches than stages); None: the config's schedule stays (1F1B then
+    hold_forwards) while holding little: no more than 1F1B would where the window has no more micro-batches
+    than stages, else only every micro-batch's checkpoints (activation checkpointing; 1F1B keeps at most one
+    micro-batch's per stage in flight); None: the config's schedule stays (1F1B then
     counts first, a forward of the window without gradients and its bubble)."""
     pipeline, moe = config.pipeline, config.moe
     if pipeline.stages <= 1 or "schedule" in pipeline.model_fields_set or moe.load_balance != "global" \

@@ -298,12 +298,12 @@ class TorchStrategy(Strategy):
             broadcast_([t.detach() for t in (*module.parameters(), *module.buffers())], src=0)
 
     def parallelize(self, module: torch.nn.Module, *, tensor_plan: dict | None = None,
-                    expert_patterns: list[str] | None = None, blocks=None,
+                    whole_model: torch.nn.Module | None = None, stages: str = "", blocks=None,
                     attention_model: torch.nn.Module | None = None) -> None:
         """Apply the model-parallel dimensions and the model transforms to ``module`` in their fixed
         order (``engine.strategies.parallelize``); the holder shards the data dimension after it."""
         done = parallelize(module, self.settings, self.groups, tensor_plan=tensor_plan,
-                           expert_patterns=expert_patterns, blocks=blocks, attention_model=attention_model)
+                           whole_model=whole_model, stages=stages, blocks=blocks, attention_model=attention_model)
         self.checkpoint_switch = done.checkpoint_switch
         self.context = done.context
         self.group_held = done.group_held

@@ -27,7 +27,7 @@ import torch
 from engine.attention.hugging_face import apply_document_attention
 from engine.context.parallel import ContextParallel
 from engine.distributed.group_held import NO_GROUP_HELD, GroupHeldParameters
-from engine.experts.parallel import ExpertShards
+from engine.experts.parallel import ExpertShards, stage_expert_modules
 from engine.strategies.model_transforms import CheckpointSwitch, ModelBlocks, model_blocks, transform_blocks
 from engine.config.setup import Setup
 from engine.strategies.tensor_plan import apply_checked_tensor_parallel, apply_tensor_parallel, resolve_plan
@@ -42,14 +42,14 @@ class Parallelized(NamedTuple):
 
 
 def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: dict | None = None,
-                expert_patterns: list[str] | None = None, blocks: ModelBlocks | None = None,
+                whole_model: torch.nn.Module | None = None, stages: str = "", blocks: ModelBlocks | None = None,
                 attention_model: torch.nn.Module | None = None) -> Parallelized:
     """Apply the setup's model-parallel dimensions, then activation checkpointing and compile, to
     ``module`` in place. ``groups``: the mesh's ``MeshGroups`` (None on a mesh of
     data ranks only); ``tensor_plan``: the resolved plan of the layers ``module`` holds (a pipeline
-    stage's), else the setup's, resolved on ``module``; ``expert_patterns``: the modules of experts
-    found on the whole model (a pipeline stage's names are the model's), else the setup's or the
-    model's own plan, found on ``module``; ``blocks``: those to checkpoint and compile, chosen on the
+    stage's), else the setup's, resolved on ``module``; ``whole_model``: the model a pipeline stage
+    ``module`` is part of (keeping its names; ``stages``: the stage numbers), on which each dimension that
+    names modules finds them (the experts), else ``module`` itself; ``blocks``: those to checkpoint and compile, chosen on the
     whole model (a pipeline stage's), else found on ``module``; ``attention_model``: the model whose
     attention the context dimension wraps when it is not ``module`` (a pipeline cut by a Hugging Face
     model's plan: the whole model, whose configuration and attention its stages share; the stages
@@ -66,7 +66,8 @@ def parallelize(module: torch.nn.Module, setup: Setup, groups, *, tensor_plan: d
     if setup.packing:
         apply_document_attention(module)
     context = apply_context_parallel(module, setup, groups, attention_model) if mesh.context > 1 else None
-    group_held = apply_expert_parallel(module, setup, groups, expert_patterns) if mesh.expert > 1 else NO_GROUP_HELD
+    group_held = apply_expert_parallel(module, setup, groups, whole_model, stages) if mesh.expert > 1 \
+        else NO_GROUP_HELD
     blocks = blocks if blocks is not None else model_blocks(module, setup.checkpointing, setup.compile)
     return Parallelized(transform_blocks(blocks, setup.checkpointing, setup.compile), context, group_held)
 
@@ -87,11 +88,14 @@ def apply_context_parallel(module: torch.nn.Module, setup: Setup, groups,
     return context
 
 
-def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups,
-                          patterns: list[str] | None = None) -> ExpertShards:
+def apply_expert_parallel(module: torch.nn.Module, setup: Setup, groups, whole_model: torch.nn.Module | None = None,
+                          stages: str = "") -> ExpertShards:
     """Split the model's experts over the mesh's expert groups (inside data × context): each rank
     keeps its slice, tokens are dispatched to their expert's rank (``engine.experts.parallel``); the
     holder keeps the returned experts out of its data sharding and reduces their gradients."""
+    patterns = list(setup.expert_modules) if setup.expert_modules else None
+    if whole_model is not None:  # a pipeline stage: the whole model's modules of experts that it holds
+        patterns = stage_expert_modules(whole_model, patterns, module, stages)
     experts = ExpertShards(groups, setup.mesh, groups.rank)
-    experts.apply(module, patterns or (list(setup.expert_modules) if setup.expert_modules else None))
+    experts.apply(module, patterns)
     return experts

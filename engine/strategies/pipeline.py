@@ -53,7 +53,6 @@ from engine.pipeline.stages import split_model
 from engine.strategies.base import TorchStrategy, cpu_state_dict, repoint_optimizer
 from engine.strategies.sharding import ShardingPolicy, host_offload_policy, shard
 from engine.strategies.stage_failures import StageFailures
-from engine.experts.parallel import find_expert_modules
 from engine.strategies.tensor_plan import resolve_plan, stage_boundary_problems
 from engine.strategies.torch_checkpoint import load_training_state
 from engine.strategies.zero1 import optimizer_state
@@ -136,26 +135,19 @@ class PipelineParallel(TorchStrategy):
 
     def _parallelize_stages(self, model: torch.nn.Module, pieces: list, blocks: ModelBlocks) -> None:
         """The composition every holder applies (``engine.strategies.parallelize``), on the layers this
-        rank's stages hold, by what the whole model names: its tensor plan, its modules of experts,
-        its blocks to checkpoint and compile (the stages keep the model's names and modules)."""
+        rank's stages hold, by what the whole model names: its tensor plan, the modules each dimension
+        finds, its blocks to checkpoint and compile (the stages keep the model's names and modules)."""
         held = dict(self.module.named_modules())
-        tensor_plan = expert_patterns = None
+        tensor_plan = None
         if self.mesh.tensor > 1:
             plan = resolve_plan(model, self.settings.tensor_parallel.plan, self.mesh.tensor)
             problems = stage_boundary_problems(pieces, plan)
             if problems:  # raised on every rank: every rank sees every stage
                 raise ConfigError(problems)
             tensor_plan = {name: style for name, style in plan.items() if name in held}
-        if self.mesh.expert > 1:
-            found = find_expert_modules(model, list(self.settings.expert_modules or ()) or None)
-            expert_patterns = [name for name in found if name in held]  # exact names: globs without *
-            if not expert_patterns:
-                stages = ", ".join(str(i + 1) for i in self.stage_indices)
-                raise ConfigError([f"expert_parallel: pipeline stage(s) {stages} hold no module of experts to split; "
-                                   "cut the model so that every stage holds some (pipeline.split), or set "
-                                   "expert_parallel.size: 1"])
         names = {id(p): name for name, p in self.module.named_parameters()}
-        self.parallelize(self.module, tensor_plan=tensor_plan, expert_patterns=expert_patterns,
+        self.parallelize(self.module, tensor_plan=tensor_plan, whole_model=model,
+                         stages=", ".join(str(i + 1) for i in self.stage_indices),
                          blocks=blocks.held(self.module), attention_model=self._attention_model(model))
         repoint_optimizer(self.optimizer, names, self.module)
 
