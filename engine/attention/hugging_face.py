@@ -81,12 +81,13 @@ def document_mask_function(own_mask):
              **kwargs):
         whole = attention_mask is None and q_length == kv_length and isinstance(q_offset, int) \
             and isinstance(kv_offset, int) and q_offset == kv_offset == 0 and mask_function is not None
-        ids = probe_documents(mask_function, batch_size, q_length, kwargs.get("device", "cpu")) if whole else None
-        if ids is None:
+        starts = probe_documents(mask_function, batch_size, q_length, kwargs.get("device", "cpu")) if whole else None
+        if starts is None:
             kwargs["allow_is_causal_skip"] = False  # None would read as "whole rows, causal"
             return own_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
-        return document_ids_mask(ids) if bool((ids[:, -1] > 0).any()) else None
+        marker = document_ids_mask(starts)
+        return marker if any(len(row) > 1 for row in lengths_of_mask(marker)) else None
 
     return mask
 
