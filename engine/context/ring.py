@@ -157,8 +157,15 @@ class RingBlocks:
 
     def __init__(self, shards: ContextShards, part_length: int, causal: bool, documents: torch.Tensor | None):
         self.shards, self.part_length, self.causal, self.documents = shards, part_length, causal, documents
+        self._made: dict[int, Block] = {}  # the forward's blocks, which the backward meets again
 
     def block(self, part: int) -> Block:
+        made = self._made.get(part)
+        if made is None:
+            made = self._made[part] = self._block(part)
+        return made
+
+    def _block(self, part: int) -> Block:
         everything, chunk = slice(0, self.part_length), self.part_length // 2
         index = self.shards.index
         if not self.causal:
