@@ -1,6 +1,12 @@
-"""torch.distributed.pipelining's stage, with the warm-up of torch 2.11's multi-stage schedules
-kept off this rank's own pair, and its backward of one micro-batch handed to a guard
-(``engine.strategies.stage_failures``). Imported only where a pipeline runs.
+"""torch.distributed.pipelining's runtime for a schedule given as data, and its stage, with the
+warm-up of torch 2.11's multi-stage schedules kept off this rank's own pair and its backward of one
+micro-batch handed to a guard (``engine.strategies.stage_failures``). Imported only where a pipeline runs.
+
+``ActionSchedule`` runs the engine's own schedules (``engine.schedule``: GPipe, 1F1B, interleaved,
+zero-bubble V; one list of stage actions per pipeline rank) on torch's ``_PipelineScheduleRuntime``,
+which adds each action's sends and receives and runs the list; the class and its
+``_prepare_schedule_with_comms(order)`` are private (torch 2.11 to 2.15 build their interleaved and
+zero-bubble schedules the same way: ``pipeline_order`` set, then that call).
 
 Nine methods are overridden, none documented as stable (docs/compatibility.md):
 
@@ -26,6 +32,30 @@ import contextlib
 from typing import Callable, Iterator, Protocol
 
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from engine.schedule import BACKWARD, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, StageAction, splits_backward
+
+_TORCH_KIND = {FORWARD: torch_schedules._ComputationType.FORWARD,
+               BACKWARD: torch_schedules._ComputationType.FULL_BACKWARD,
+               INPUT_GRADIENT: torch_schedules._ComputationType.BACKWARD_INPUT,
+               WEIGHT_GRADIENT: torch_schedules._ComputationType.BACKWARD_WEIGHT}
+
+
+class ActionSchedule(torch_schedules._PipelineScheduleRuntime):
+    """A pipeline schedule whose order is ``order`` (every pipeline rank's stage actions, the same on
+    every rank): this rank runs its own list, with the sends and receives that order implies. Losses are
+    summed as ``loss_fn`` returns them (no 1/micro-batches: the engine weighs each)."""
+
+    def __init__(self, stages: list[PipelineStage], micro_batches: int, loss_fn,
+                 order: dict[int, list[StageAction]]):
+        if splits_backward(order) and hasattr(torch_schedules, "_check_torch_compile_compatibility"):
+            # a split backward cannot run through a compiled block: torch's own refusal
+            torch_schedules._check_torch_compile_compatibility(stages, "zero-bubble")
+        super().__init__(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+        self.pipeline_order = {rank: [torch_schedules._Action(action.stage, _TORCH_KIND[action.kind], action.k)
+                                      for action in actions] for rank, actions in order.items()}
+        self._prepare_schedule_with_comms(self.pipeline_order)
 
 
 class BackwardGuard(Protocol):

@@ -1,5 +1,7 @@
 """Pipeline parallelism: this rank holds one stage of the model (two for the interleaved and
-zero-bubble schedules) and runs windows as ``torch.distributed.pipelining`` schedules.
+zero-bubble schedules) and runs windows as the engine's own schedules (``engine.schedule``: one list of
+stage actions per pipeline rank), on ``torch.distributed.pipelining``'s stages and runtime
+(``engine.adapters.pipelining.ActionSchedule``).
 
 Ranks: the mesh's ``pipeline`` dimension holds the stages of one model replica (its ranks
 pass activations and their gradients point to point); the ``data`` dimension holds replicas
@@ -38,15 +40,15 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 
 from torch.distributed.tensor import DTensor
 
-from engine.adapters.pipelining import GuardedPipelineStage, NeighbourStage
+from engine.adapters.pipelining import ActionSchedule, GuardedPipelineStage, NeighbourStage
 from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_held_tensors, schedules_switch_modes
 from engine.distributed.collectives import small_sum
 from engine.errors import ConfigError, EngineUsageError
+from engine.schedule import forwards_first, gpipe, interleaved, one_f_one_b, splits_backward, zero_bubble_v
 from engine.strategies.model_transforms import ModelBlocks, model_blocks
 from engine.pipeline.split import StageModule
 from engine.pipeline.stages import split_model
@@ -59,11 +61,10 @@ from engine.strategies.zero1 import optimizer_state
 
 log = logging.getLogger("engine")
 
-# schedule name -> (torch schedule, stages per rank)
-SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
-             "interleaved": (ScheduleInterleaved1F1B, 2), "zero_bubble": (ScheduleZBVZeroBubble, 2)}
-_RULES = {Schedule1F1B: "at least one micro-batch per pipeline rank",
-          ScheduleInterleaved1F1B: "a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋"}
+# schedule name -> its order (every pipeline rank's actions, from the ranks and micro-batches)
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero_bubble": zero_bubble_v}
+_RULES = {"1f1b": "at least one micro-batch per pipeline rank",
+          "interleaved": "a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋"}
 _KEPT_SCHEDULES = 4  # schedules kept for other shapes (each holds its stages' receive buffers)
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
@@ -78,26 +79,22 @@ class PipelineParallel(TorchStrategy):
         # each stage sharded by FSDP2 over its data replicas (ZeRO 2 / 3, and wherever it offloads)
         self.sharded = mesh.data_sharded
         self.offload_policy = host_offload_policy(setup.offload, self.device)
-        self.schedule_class, self.stages_per_rank = SCHEDULES[setup.pipeline.schedule]
-        self.num_stages = mesh.pipeline * self.stages_per_rank
+        self.schedule_name = setup.pipeline.schedule
+        self.order_of = SCHEDULES[self.schedule_name]
         self.position = mesh.pipeline_rank(self.rank)
+        one = self.order_of(mesh.pipeline, 1)  # where the stages are: the same for any number of micro-batches
+        self.stage_indices = list(dict.fromkeys(action.stage for action in one[self.position]))
+        self.stages_per_rank = len(self.stage_indices)
+        self.num_stages = mesh.pipeline * self.stages_per_rank
+        self.splits_backward = splits_backward(one)
         self.pipeline_group = self.groups.submesh(("pipeline",)).get_group()
-        self.stage_indices = self._stage_indices()
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
         self._schedules: dict[tuple, _KeptSchedule] = {}
         self.schedules_built = 0  # each new shape and micro-batch count (or one dropped and met again)
-        self._step_options = _step_options(self.schedule_class)
+        self._step_options = _step_options(ActionSchedule)
         self._loss: LossFn | None = None
         self._failures: StageFailures | None = None  # the automatic micro size's failure guard
-
-    def _stage_indices(self) -> list[int]:
-        p, count = self.position, self.mesh.pipeline
-        if self.stages_per_rank == 1:
-            return [p]
-        if self.schedule_class is ScheduleZBVZeroBubble:  # a V: down the ranks, then back up
-            return [p, 2 * count - 1 - p]
-        return [p, p + count]  # interleaved: loops over the ranks
 
     # -- the model -------------------------------------------------------------------------
     def setup(self, module, optimizer):
@@ -116,8 +113,8 @@ class PipelineParallel(TorchStrategy):
         mine = [part for index in sorted(self.stage_indices) for part in pieces[index]]
         # What the user sees (eng.module): this rank's parts under the model's own names.
         self.module = StageModule(mine).to(self.device)
-        zero_bubble = self.schedule_class is ScheduleZBVZeroBubble
-        self.stage_modules = [split.stage(index, self.precision.forward_context, own_outputs=zero_bubble).to(self.device)
+        self.stage_modules = [split.stage(index, self.precision.forward_context,
+                                          own_outputs=self.splits_backward).to(self.device)
                               for index in self.stage_indices]
         self._last_stage = self.stage_modules[self.stage_indices.index(self.num_stages - 1)] \
             if self.holds_last_stage else None
@@ -193,19 +190,19 @@ class PipelineParallel(TorchStrategy):
 
     @property
     def can_hold_forwards(self) -> bool:
-        # GPipe runs every forward of a window before its first backward, on every stage: the window
-        # runner exchanges what the forwards learnt in between (engine.window.pipeline). 1F1B and
-        # the interleaved schedules start backwards before the last forwards.
-        return self.schedule_class is ScheduleGPipe and self.stages_per_rank == 1
+        # A schedule that runs every forward of a window before its first backward, on every stage
+        # (GPipe): the window runner exchanges what the forwards learnt in between
+        # (engine.window.pipeline). 1F1B and the interleaved schedules start backwards earlier.
+        return forwards_first(self.order_of(self.mesh.pipeline, 1))
 
     # -- how many micro-batches a schedule runs -------------------------------------------------
     def runs_micro_batches(self, count: int) -> bool:
         """Whether torch's schedule runs ``count`` micro-batches: 1F1B at least one per rank,
         interleaved 1F1B a multiple of its rounds (⌊count / ranks⌋)."""
         ranks = self.mesh.pipeline
-        if self.schedule_class is Schedule1F1B:
+        if self.schedule_name == "1f1b":
             return count >= ranks
-        if self.schedule_class is ScheduleInterleaved1F1B:
+        if self.schedule_name == "interleaved":
             return count % max(1, count // ranks) == 0
         return count >= 1
 
@@ -226,7 +223,7 @@ class PipelineParallel(TorchStrategy):
         raise ConfigError([
             f"gradient_accumulation_steps: {accumulation} micro-batches per window cannot run as a "
             f"pipeline.schedule {self.settings.pipeline.schedule} over {self.mesh.pipeline} pipeline ranks "
-            f"({_RULES[self.schedule_class]}); nearest: {nearest} (change train_micro_batch_size_per_gpu or "
+            f"({_RULES[self.schedule_name]}); nearest: {nearest} (change train_micro_batch_size_per_gpu or "
             "train_batch_size), or schedule gpipe"])
 
     # -- surviving a failed stage (automatic micro size) -----------------------------------------
@@ -297,10 +294,10 @@ class PipelineParallel(TorchStrategy):
         try:
             if train:
                 schedule.step(*args, target=target, **self._step_options)
-            elif self.schedule_class is ScheduleZBVZeroBubble or not hasattr(schedule, "eval"):
-                # torch's zero-bubble V schedule runs its backward actions in eval() too, and fails
-                # where two stages meet on one rank (and older schedules have no eval()):
-                # evaluate with a backward of zero losses instead.
+            elif self.splits_backward:
+                # torch's runtime runs a split backward's actions in eval() too, and fails where two
+                # stages meet on one rank (the zero-bubble V): evaluate with a backward of zero
+                # losses instead.
                 with torch.enable_grad():
                     schedule.step(*args, target=target, **self._step_options)
                 self.zero_grad()
@@ -318,8 +315,7 @@ class PipelineParallel(TorchStrategy):
         kept = self._schedules.pop(key, None)
         if kept is None:
             stages = [self._stage(module, index) for module, index in zip(self.stage_modules, self.stage_indices)]
-            first = stages[0] if self.stages_per_rank == 1 else stages
-            schedule = self.schedule_class(first, n_microbatches=key[1], loss_fn=self._scaled_loss, scale_grads=False)
+            schedule = ActionSchedule(stages, key[1], self._scaled_loss, self.order_of(self.mesh.pipeline, key[1]))
             kept = _KeptSchedule(schedule, stages)
             self.schedules_built += 1
             log.info("pipeline: schedule %d built, %d micro-batches of shape %s (the %d most recent are kept)",

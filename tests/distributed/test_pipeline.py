@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import engine
+import engine.config.checks
 import engine.strategies.pipeline as pipeline_strategy
 from engine.adapters import torch_internals
 from engine.errors import ConfigError, EngineUsageError

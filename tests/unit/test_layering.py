@@ -16,10 +16,10 @@ PACKAGE = REPO / "engine"
 # Lower layers never import higher ones; README.md's Layout section describes the same. A new
 # folder or root module must be placed here.
 LAYERS = {
-    0: ["engine.errors", "engine.memory", "engine.losses",  # leaves
+    0: ["engine.errors", "engine.memory", "engine.losses", "engine.schedule",  # leaves (a schedule is data)
         "engine.adapters", "engine.distributed"],
-    # the planner: batch arithmetic, needs no config object; a window's arithmetic and its schedules as data
-    1: ["engine.batching", "engine.accounting", "engine.schedule"],
+    # the planner: batch arithmetic, needs no config object; a window's arithmetic
+    1: ["engine.batching", "engine.accounting"],
     2: ["engine.config", "engine.state"],  # config resolved once (its checks use the planner); state files
     3: ["engine.precision", "engine.attention", "engine.context", "engine.experts", "engine.pipeline",  # parallelisms
         "engine.strategies"],  # and the backends that hold the model

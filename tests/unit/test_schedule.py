@@ -10,8 +10,9 @@ import torch
 
 import engine
 from engine.experts import window as experts_window
-from engine.schedule import (BACKWARD, COUNT, EVALUATE, EXCHANGE, FORWARD, WINDOW, counted_first, forwards_only,
-                             held_forwards, one_after_another)
+from engine.schedule import (BACKWARD, COUNT, EVALUATE, EXCHANGE, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, WINDOW,
+                             StageAction, counted_first, forwards_first, forwards_only, gpipe, held_forwards,
+                             interleaved, one_after_another, one_f_one_b, splits_backward, zero_bubble_v)
 from tests.support.reference import mlp, mse, regression_batches, sgd
 
 
@@ -47,3 +48,112 @@ def test_a_dense_model_touches_no_experts_code(monkeypatch):
         eng.step()
     assert eng.global_steps == 2
     assert (eng.experts.last_load, eng.experts.routing_differences) == (None, 0)
+
+
+# -- a pipeline's schedules ------------------------------------------------------------------------------
+PIPELINE_ORDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero_bubble": zero_bubble_v}
+
+
+def runs(name: str, ranks: int, micro_batches: int) -> bool:
+    """The micro-batch counts the engine runs each schedule with (engine.strategies.pipeline)."""
+    if name == "1f1b":
+        return micro_batches >= ranks
+    if name == "interleaved":
+        return micro_batches % max(1, micro_batches // ranks) == 0
+    return True
+
+
+def simulated(order: dict[int, list[StageAction]], stages: int) -> tuple[int, dict[int, int]]:
+    """Run ``order`` on every rank in lockstep, one action per rank per tick, each action waiting for what
+    it needs (a forward for the stage before's forward, a backward for its own forward and the stage after's
+    backward, a weight gradient for its input gradient). Returns the ticks taken and, per rank, the most
+    micro-batches whose activations it held at once; fails on a deadlock or an action run twice or never."""
+    done: set = set()
+    position = dict.fromkeys(order, 0)
+    held = dict.fromkeys(order, 0)
+    peak = dict.fromkeys(order, 0)
+    backward_kinds = (BACKWARD, INPUT_GRADIENT)
+
+    def ready(action: StageAction) -> bool:
+        stage, kind, k = action
+        if kind == FORWARD:
+            return stage == 0 or (stage - 1, FORWARD, k) in done
+        if kind == WEIGHT_GRADIENT:
+            return (stage, INPUT_GRADIENT, k) in done
+        after = stage == stages - 1 or any((stage + 1, b, k) in done for b in backward_kinds)
+        return (stage, FORWARD, k) in done and after
+
+    ticks = 0
+    while any(position[rank] < len(actions) for rank, actions in order.items()):
+        ran = [(rank, order[rank][position[rank]]) for rank in order
+               if position[rank] < len(order[rank]) and ready(order[rank][position[rank]])]
+        assert ran, f"deadlock at tick {ticks}: {[order[r][position[r]] for r in order if position[r] < len(order[r])]}"
+        for rank, action in ran:
+            assert tuple(action) not in done, f"{action} run twice"
+            done.add(tuple(action))
+            position[rank] += 1
+            held[rank] += {FORWARD: 1, BACKWARD: -1, INPUT_GRADIENT: -1}.get(action.kind, 0)
+            peak[rank] = max(peak[rank], held[rank])
+        ticks += 1
+    return ticks, peak
+
+
+@pytest.mark.parametrize("name", PIPELINE_ORDERS)
+def test_every_pipeline_schedule_runs_each_micro_batch_once_per_stage_without_deadlock(name):
+    for ranks in (2, 3, 4):
+        for micro_batches in range(1, 13):
+            if not runs(name, ranks, micro_batches):
+                continue
+            order = PIPELINE_ORDERS[name](ranks, micro_batches)
+            stages = len({action.stage for actions in order.values() for action in actions})
+            ticks, peak = simulated(order, stages)
+            kinds = (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) if splits_backward(order) else (FORWARD, BACKWARD)
+            every = {(stage, kind, k) for stage in range(stages) for kind in kinds for k in range(micro_batches)}
+            assert {tuple(a) for actions in order.values() for a in actions} == every
+            assert sum(map(len, order.values())) == len(every)
+            if name == "1f1b":  # rank r holds at most ranks - r micro-batches' activations (GPipe: all of them)
+                assert all(peak[rank] <= ranks - rank for rank in order), (ranks, micro_batches, peak)
+            if name == "gpipe":
+                assert forwards_first(order) and max(peak.values()) == micro_batches
+            else:
+                assert not forwards_first(order) or micro_batches == 1
+
+
+def test_the_pipeline_schedules_are_torchs_own_orders():
+    """GPipe, interleaved 1F1B and zero-bubble V are the orders torch.distributed.pipelining's classes
+    compute (the control: torch's own description of them, read from a schedule built without stages);
+    1F1B is checked by simulation above (torch's description of its own 1F1B numbers the last rank's
+    forwards from 1, where its runner starts from 0)."""
+    from torch.distributed.pipelining import schedules
+
+    letters = {"F": FORWARD, "B": BACKWARD, "I": INPUT_GRADIENT, "W": WEIGHT_GRADIENT}
+
+    def torchs(cls, ranks: int, micro_batches: int, per_rank: int):
+        described = object.__new__(cls)  # the order only: no stages, no process group
+        described.pp_group_size, described._n_microbatches = ranks, micro_batches
+        described.n_local_stages, described._num_stages = per_rank, ranks * per_rank
+        described.num_stages = ranks * per_rank
+        described.number_of_rounds = max(1, micro_batches // ranks)
+        described.microbatches_per_round = micro_batches // described.number_of_rounds
+        order = (described._get_pipeline_order() if per_rank == 1 else
+                 {rank: described._calculate_single_rank_operations(rank) for rank in range(ranks)})
+        return {rank: [StageAction(a.stage_index, letters[a.computation_type.value], a.microbatch_index)
+                       for a in actions if a is not None and a.computation_type.value in letters]
+                for rank, actions in order.items()}
+
+    for ranks in (2, 3, 4):
+        for micro_batches in range(1, 13):
+            assert gpipe(ranks, micro_batches) == torchs(schedules.ScheduleGPipe, ranks, micro_batches, 1)
+            assert zero_bubble_v(ranks, micro_batches) == torchs(schedules.ScheduleZBVZeroBubble, ranks,
+                                                                 micro_batches, 2)
+            if runs("interleaved", ranks, micro_batches):
+                assert interleaved(ranks, micro_batches) == torchs(schedules.ScheduleInterleaved1F1B, ranks,
+                                                                   micro_batches, 2)
+
+
+def test_the_simulation_finds_an_order_that_cannot_run():
+    """The control for the simulation above: the last rank asked for a backward before its forward waits forever."""
+    broken = one_f_one_b(2, 4)
+    broken[1][0], broken[1][1] = broken[1][1], broken[1][0]
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulated(broken, 2)
