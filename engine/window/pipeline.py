@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -146,33 +146,19 @@ class PipelineWindows(WindowRunner):
         confirm_start = engine.windows.start_check_posted()
         engine.windows.planned(split)
         outputs: list = [None] * len(pieces)  # the last stage's losses, as loss_fn returned them (detached)
-        failure: Exception | None = None  # the first (the failure guard keeps the automatic micro size's)
         # the window's term, added to the recorded losses after the schedule
         term = self.routers.new_window_term(len(pieces)) if routed else None
         held = routed and self.holds_forwards
+        losses = _LastStageLosses(self.strategy, pieces, loss_fn)
 
-        def weighted_loss(outputs_of_stage, index):
-            nonlocal failure
-            k = int(index[0])
-            # a zero-weight step only keeps the ranks' micro-step counts equal; a failed stage
-            # stands in for the rest of the schedule
-            if not sizes[k] or self.strategy.stage_failed or failure is not None:
-                return zero_from(outputs_of_stage)
-            try:
-                seen = self.strategy.model_outputs(real_rows(outputs_of_stage, sizes[k]))  # as the model returns them
-                output = loss_fn(seen, pieces[k][0][1])
-                weighted, recorded, count = engine.windows.weighed_loss(output, sizes[k])
-            except Exception as error:  # raised after the window's statistics, on every rank
-                if not self.strategy.keep_failure(error):
-                    failure = error
-                return zero_from(outputs_of_stage)
-            outputs[k] = recorded
+        def weighed(k, output):
+            weighted, outputs[k], count = engine.windows.weighed_loss(output, sizes[k])
             if term is not None:
                 term.record(k, output, count)
             return weighted
 
         def last_stage_loss(outputs_of_stage, index):
-            loss = weighted_loss(outputs_of_stage, index)
+            loss = losses.read(outputs_of_stage, index, weighed)
             if held and not self.routers.learning_shapes():
                 term.seen.add(int(index[0]))
                 if len(term.seen) == len(pieces):  # the window's last forward: its backwards follow
@@ -207,6 +193,7 @@ class PipelineWindows(WindowRunner):
         finally:  # (a schedule that failed before its first message)
             self._routers_counted = False
             confirm_start()
+        failure = losses.failure
         if term is not None:
             if term.not_own_loss:  # known on every rank (held forwards): the window is abandoned on every rank
                 failure = failure or self.routers.not_own_loss()
@@ -227,20 +214,15 @@ class PipelineWindows(WindowRunner):
         # per micro-batch on the last stage: (items, not the own loss); a schedule's shape inference may
         # call loss_fn once more with micro-batch 0's index, which its own call then replaces
         counted: list = [(0, False)] * len(pieces)
-        failure: Exception | None = None
+        losses = _LastStageLosses(strategy, pieces, loss_fn)
+
+        def count(k, output):
+            loss, units, item_weighted = loss_and_units(output, sizes[k])
+            check_scalar_loss(loss)
+            counted[k] = (units, not item_weighted or mean_items(loss_tensor(output)) is None)
 
         def count_units(outputs, index):
-            nonlocal failure
-            k = int(index[0])
-            if sizes[k] and not strategy.stage_failed and failure is None:
-                try:
-                    output = loss_fn(strategy.model_outputs(real_rows(outputs, sizes[k])), pieces[k][0][1])
-                    loss, count, item_weighted = loss_and_units(output, sizes[k])
-                    check_scalar_loss(loss)
-                    counted[k] = (count, not item_weighted or mean_items(loss_tensor(output)) is None)
-                except Exception as error:  # raised after the counts' reduction, on every rank
-                    if not strategy.keep_failure(error):
-                        failure = error
+            losses.read(outputs, index, count)
             return zero_from(outputs)
 
         saved = rng_state()  # the training schedule's forwards draw the same numbers
@@ -252,6 +234,7 @@ class PipelineWindows(WindowRunner):
             restore_rng_state(saved)
             self._routers_counted = False
         confirm_start()  # the ranks' position check, before the window's first collective
+        failure = losses.failure
         counts, items, not_own, failed = routers.window_sums(counted, failure is not None or strategy.stage_failed,
                                                              strategy)
         if failed:
@@ -294,27 +277,20 @@ class PipelineWindows(WindowRunner):
         chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed; not the own loss
         total = torch.zeros(4, dtype=torch.float64, device=device)
-        failure: Exception | None = None
+        losses = _LastStageLosses(self.strategy, pieces, loss_fn)
         counting = contextlib.nullcontext()
         if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
             weights = self.routers.row_weights(pieces, sizes, chunk, device)
             counting, self._routers_counted = self.routers.counting(weights), True
 
+        def add(k, output):
+            check_scalar_loss(loss_and_units(output, sizes[k])[0])
+            total[:2] += torch.stack(evaluation_terms(output, sizes[k]))
+            if routed and mean_items(loss_tensor(output)) is None:
+                total[3] = 1.0
+
         def loss_only(outputs, index):
-            nonlocal failure
-            k = int(index[0])
-            if sizes[k] and not self.strategy.stage_failed and failure is None:
-                try:
-                    seen = self.strategy.model_outputs(real_rows(outputs, sizes[k]))
-                    output = loss_fn(seen, pieces[k][0][1])
-                    check_scalar_loss(loss_and_units(output, sizes[k])[0])
-                except Exception as error:  # raised after the evaluation's one reduction, on every rank
-                    if not self.strategy.keep_failure(error):
-                        failure = error
-                    return zero_from(outputs)
-                total[:2] += torch.stack(evaluation_terms(output, sizes[k]))
-                if routed and mean_items(loss_tensor(output)) is None:
-                    total[3] = 1.0
+            losses.read(outputs, index, add)
             return zero_from(outputs)
 
         module = engine.module
@@ -327,6 +303,7 @@ class PipelineWindows(WindowRunner):
         finally:
             module.train(was_training)
             self._routers_counted = False
+        failure = losses.failure
         total[2] = float(failure is not None)
         if routed:  # every stage's router counts ride the same reduction
             total = torch.cat([total, self.routers.window_counts().to(device)])
@@ -340,3 +317,31 @@ class PipelineWindows(WindowRunner):
             raise self.routers.not_own_loss()
         mean = evaluation_mean(total)
         return mean + float(self.routers.weighted_term(total[4:])) if routed else mean
+
+
+class _LastStageLosses:
+    """The last stage's ``loss_fn(outputs, labels)`` for each micro-batch of one schedule, and the first
+    error it raised (kept: raised after the schedule's collectives, on every rank). A zero-weight
+    micro-batch (it only keeps the ranks' micro-step counts equal), and every micro-batch after a
+    failure (this rank's, or its stage's standing in), calls nothing."""
+
+    def __init__(self, strategy: PipelineParallel, pieces: list, loss_fn: LossFn):
+        self.strategy, self.pieces, self.loss_fn = strategy, pieces, loss_fn
+        self.failure: Exception | None = None
+
+    def read(self, outputs, index: torch.Tensor, use: Callable[[int, object], torch.Tensor | None]):
+        """``use(k, loss_fn's output)`` for micro-batch ``k = index[0]``, or a zero of ``outputs``' graph
+        where it was not called or failed."""
+        k = int(index[0])
+        (micro_batch, samples) = self.pieces[k]
+        if samples and not self.strategy.stage_failed and self.failure is None:
+            try:
+                seen = self.strategy.model_outputs(real_rows(outputs, samples))  # as the model returns them
+                used = use(k, self.loss_fn(seen, micro_batch[1]))
+            except Exception as error:  # noqa: BLE001 - every error is raised after the schedule
+                if not self.strategy.keep_failure(error):
+                    self.failure = error
+            else:
+                if used is not None:
+                    return used
+        return zero_from(outputs)
