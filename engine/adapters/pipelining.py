@@ -6,7 +6,8 @@ micro-batch handed to a guard (``engine.strategies.stage_failures``). Imported o
 zero-bubble V; one list of stage actions per pipeline rank) on torch's ``_PipelineScheduleRuntime``,
 which adds each action's sends and receives and runs the list; the class and its
 ``_prepare_schedule_with_comms(order)`` are private (torch 2.11 to 2.15 build their interleaved and
-zero-bubble schedules the same way: ``pipeline_order`` set, then that call).
+zero-bubble schedules the same way: ``pipeline_order`` set, then that call, whose result
+``pipeline_order_with_comms`` an evaluation's schedule keeps the forwards of).
 
 Nine methods are overridden, none documented as stable (docs/compatibility.md):
 
@@ -56,6 +57,21 @@ class ActionSchedule(torch_schedules._PipelineScheduleRuntime):
         self.pipeline_order = {rank: [torch_schedules._Action(action.stage, _TORCH_KIND[action.kind], action.k)
                                       for action in actions] for rank, actions in order.items()}
         self._prepare_schedule_with_comms(self.pipeline_order)
+
+    @classmethod
+    def forwards(cls, stages: list[PipelineStage], micro_batches: int, loss_fn,
+                 order: dict[int, list[StageAction]]) -> "ActionSchedule":
+        """An evaluation's schedule (or a counting pass's): ``order``'s forwards alone, with their sends and
+        receives (torch's check of an order wants every backward, so the whole order is checked and
+        lowered, then its backwards and their messages dropped; run it with ``eval()``)."""
+        schedule = cls(stages, micro_batches, loss_fn, order)
+        forward = {torch_schedules._ComputationType.FORWARD, torch_schedules._ComputationType.SEND_F,
+                   torch_schedules._ComputationType.RECV_F, torch_schedules._ComputationType.UNSHARD,
+                   torch_schedules._ComputationType.RESHARD}
+        for orders in (schedule.pipeline_order, schedule.pipeline_order_with_comms):
+            for rank, actions in orders.items():
+                orders[rank] = [action for action in actions if action.computation_type in forward]
+        return schedule
 
 
 class BackwardGuard(Protocol):

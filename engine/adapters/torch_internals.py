@@ -42,18 +42,6 @@ def version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-# torch 2.11's pipeline schedules prepare a stage's receive buffers once, at their first run: a
-# schedule first run by eval() (no backward) keeps buffers that do not require gradients, and a
-# later step() of it then has no gradient to send to the previous stage ("for chunk 0 has
-# gradients None"). 2.13 prepares them again when the schedule switches between the two.
-SCHEDULE_MODE_SWITCH_FROM = (2, 13)
-
-
-def schedules_switch_modes() -> bool:
-    """Whether one pipeline schedule may run ``eval()`` and ``step()`` in turn (else: one schedule per mode)."""
-    return version() >= SCHEDULE_MODE_SWITCH_FROM
-
-
 # torch 2.11's compiler traces an autograd.Function whose backward runs an in-place c10d
 # collective (``dist.all_to_all_single`` into a new tensor) with a zero incoming gradient: a
 # compiled block then back-propagates zeros through it, silently (found on 2.11.0 by

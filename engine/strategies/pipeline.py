@@ -45,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from engine.adapters.pipelining import ActionSchedule, GuardedPipelineStage, NeighbourStage
-from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_held_tensors, schedules_switch_modes
+from engine.adapters.torch_internals import drop_unreduced_gradients, fsdp_held_tensors
 from engine.distributed.collectives import small_sum
 from engine.errors import ConfigError, EngineUsageError
 from engine.schedule import forwards_first, gpipe, interleaved, one_f_one_b, splits_backward, zero_bubble_v
@@ -267,23 +267,24 @@ class PipelineParallel(TorchStrategy):
         On the last stage, ``loss_fn(outputs, index)`` gets each micro-batch's outputs and its
         index as a 1-element tensor, and returns its weighted loss (training: back-propagated,
         times the fp16 loss scale; evaluation: a zero computed from the outputs).
-        ``before_first_message``: called once before this rank's stages send or receive anything
-        (before the schedule where its first run in this mode exchanges the stages' shapes).
+        Training runs the schedule's order; evaluation (``train=False``) its forwards alone, a schedule
+        of its own. ``before_first_message``: called once before this rank's stages send or receive
+        anything (before the schedule where its first run exchanges the stages' shapes).
         ``before_first_gradient_wait``: called once before a stage receives the next stage's first
         gradient, which it would wait for anyway (a last stage receives none)."""
         self._split.check_inputs(_as_tuple(inputs))  # on every rank: one raising alone would hang the others
         if self.same_batch is not None:  # every rank is given its replica's inputs, whatever its stage
             self.same_batch.check(_as_tuple(inputs), {})
         shapes = tuple(tuple(t.shape) for t in _as_tuple(inputs))
-        kept = self._schedule((shapes, micro_batches, None if schedules_switch_modes() else train))
+        kept = self._schedule((shapes, micro_batches, train))
         schedule = kept.schedule
         if before_first_message is not None:
-            if kept.last_mode == train:
+            if kept.ran:
                 for stage in kept.stages:
                     stage.before_first_message = before_first_message
             else:
                 before_first_message()
-        kept.last_mode = train
+        kept.ran = True
         for stage in kept.stages:
             stage.before_first_gradient_wait = before_first_gradient_wait
         self._loss = loss_fn
@@ -294,13 +295,6 @@ class PipelineParallel(TorchStrategy):
         try:
             if train:
                 schedule.step(*args, target=target, **self._step_options)
-            elif self.splits_backward:
-                # torch's runtime runs a split backward's actions in eval() too, and fails where two
-                # stages meet on one rank (the zero-bubble V): evaluate with a backward of zero
-                # losses instead.
-                with torch.enable_grad():
-                    schedule.step(*args, target=target, **self._step_options)
-                self.zero_grad()
             else:
                 schedule.eval(*args, target=target)
         finally:
@@ -315,11 +309,12 @@ class PipelineParallel(TorchStrategy):
         kept = self._schedules.pop(key, None)
         if kept is None:
             stages = [self._stage(module, index) for module, index in zip(self.stage_modules, self.stage_indices)]
-            schedule = ActionSchedule(stages, key[1], self._scaled_loss, self.order_of(self.mesh.pipeline, key[1]))
+            build = ActionSchedule if key[2] else ActionSchedule.forwards
+            schedule = build(stages, key[1], self._scaled_loss, self.order_of(self.mesh.pipeline, key[1]))
             kept = _KeptSchedule(schedule, stages)
             self.schedules_built += 1
-            log.info("pipeline: schedule %d built, %d micro-batches of shape %s (the %d most recent are kept)",
-                     self.schedules_built, key[1],
+            log.info("pipeline: schedule %d built, %s %d micro-batches of shape %s (the %d most recent are kept)",
+                     self.schedules_built, "training" if key[2] else "forwards of", key[1],
                      ", ".join(str([shape[0] // key[1], *shape[1:]]) for shape in key[0]), _KEPT_SCHEDULES)
             if len(self._schedules) >= _KEPT_SCHEDULES:
                 self._schedules.pop(next(iter(self._schedules)))
@@ -402,13 +397,12 @@ class PipelineParallel(TorchStrategy):
 
 @dataclass
 class _KeptSchedule:
-    """A schedule built for one shape, its stages on this rank, and whether it last ran a training
-    window (True), an evaluation (False) or nothing yet (None): its first run in a mode exchanges
-    the stages' shapes."""
+    """A schedule built for one shape and mode, its stages on this rank, and whether it ran: its first
+    run exchanges the stages' shapes."""
 
     schedule: object
     stages: list[NeighbourStage]
-    last_mode: bool | None = None
+    ran: bool = False
 
 
 @contextlib.contextmanager
