@@ -1,6 +1,6 @@
-"""A pipeline window's micro-batches as ``torch.distributed.pipelining``'s schedules take them: one shape
-for every micro-batch (equal chunks, padded with copies of a micro-batch's own rows), a context rank's
-part of each sequence with its positions, and the outputs' real rows cut back for the loss.
+"""A pipeline window's micro-batches as its schedules take them: one shape for every micro-batch (equal
+chunks, padded with copies of a micro-batch's own rows), a context rank's part of each sequence with its
+positions, the outputs' real rows cut back for the loss, and which batches can run at all.
 ``engine.window.pipeline`` runs the windows."""
 
 from __future__ import annotations
@@ -16,6 +16,28 @@ from engine.errors import EngineUsageError
 # what the last stage's loss reads of a mapping batch (transformers' loss keywords); attention_mask: the
 # rows are padded on the right and attention is causal, so it changes no real token's output
 LAST_STAGE_KEYS = ("labels", "shift_labels", "num_items_in_batch", "attention_mask")
+
+
+def check_model_batch(batch: Mapping, method: str, context_size: int) -> None:
+    """An EngineUsageError where a mapping batch for the model's own loss cannot run under a pipeline: keys
+    no stage would see, packed rows with a context dimension, padding before real tokens."""
+    unused = sorted(key for key in batch if key not in LAST_STAGE_KEYS + ("input_ids", POSITIONS_KEY))
+    if unused:
+        raise EngineUsageError(
+            f"{method}(): under a pipeline the first stage is called with the batch's input_ids alone (attention "
+            f"runs causal over the whole row: pad on the right, labels -100 there) and the last stage reads its "
+            f"labels; the batch also holds {', '.join(unused)}, which no stage would see: drop "
+            f"{'it' if len(unused) == 1 else 'them'} from the batch")
+    if POSITIONS_KEY in batch and context_size > 1:
+        raise EngineUsageError(
+            f"{method}(): packed rows (position_ids) under a pipeline with context_parallel.size {context_size}: "
+            "each stage's attention exchange would need every micro-batch's documents at once, and the schedule "
+            "runs them one after another; use one of the two, or pad the documents one per row")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise EngineUsageError(
+            f"{method}(): the attention_mask has padding before real tokens (left padding, or rows packed with "
+            "gaps); under a pipeline attention runs causal over the whole row without a mask: pad on the right")
 
 
 def sequence_parts(context, pieces: list) -> list:

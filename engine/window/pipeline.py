@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.context.sharding import POSITIONS_KEY
-from engine.pipeline.schedule_inputs import (LAST_STAGE_KEYS, equal_chunks, inputs_and_labels, packed_positions,
+from engine.pipeline.schedule_inputs import (check_model_batch, equal_chunks, inputs_and_labels, packed_positions,
                                              real_rows, rows_of, sequence_parts, zero_from)
 from engine.state.rng import restore_rng_state, rng_state
 from engine.accounting import (evaluation_mean, evaluation_terms, loss_and_units, loss_tensor,
@@ -109,24 +108,7 @@ class PipelineWindows(WindowRunner):
             return batch, outputs_loss_of(loss_fn)
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise model_call_refused(loss_fn)
-        unused = sorted(key for key in batch if key not in LAST_STAGE_KEYS + ("input_ids", POSITIONS_KEY))
-        if unused:
-            raise EngineUsageError(
-                f"{method}(): under a pipeline the first stage is called with the batch's input_ids alone (attention "
-                f"runs causal over the whole row: pad on the right, labels -100 there) and the last stage reads its "
-                f"labels; the batch also holds {', '.join(unused)}, which no stage would see: drop "
-                f"{'it' if len(unused) == 1 else 'them'} from the batch")
-        if POSITIONS_KEY in batch and self.strategy.mesh.context > 1:
-            raise EngineUsageError(
-                f"{method}(): packed rows (position_ids) under a pipeline with context_parallel.size "
-                f"{self.strategy.mesh.context}: each stage's attention exchange would need every micro-batch's "
-                "documents at once, and the schedule runs them one after another; use one of the two, or pad "
-                "the documents one per row")
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and bool((mask[:, 1:] > mask[:, :-1]).any()):
-            raise EngineUsageError(
-                f"{method}(): the attention_mask has padding before real tokens (left padding, or rows packed with "
-                "gaps); under a pipeline attention runs causal over the whole row without a mask: pad on the right")
+        check_model_batch(batch, method, self.strategy.mesh.context)
         model = self.model_loss
         return (batch["input_ids"], batch), lambda outputs, micro_batch: loss_fn(
             LastStageModel(outputs, model, self._routers_counted), micro_batch)
