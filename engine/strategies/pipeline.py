@@ -190,10 +190,13 @@ class PipelineParallel(TorchStrategy):
 
     @property
     def can_hold_forwards(self) -> bool:
-        # A schedule that runs every forward of a window before its first backward, on every stage
-        # (GPipe): the window runner exchanges what the forwards learnt in between
-        # (engine.window.pipeline). 1F1B and the interleaved schedules start backwards earlier.
-        return forwards_first(self.order_of(self.mesh.pipeline, 1))
+        # A schedule that runs every forward of a window before its first backward, on every stage, for
+        # any number of micro-batches (GPipe): the window runner exchanges what the forwards learnt in
+        # between (engine.window.pipeline). 1F1B and the interleaved schedules start backwards earlier
+        # once a window has more micro-batches than their warm-up (up to 2 per rank shows it).
+        ranks = self.mesh.pipeline
+        return all(forwards_first(self.order_of(ranks, count))
+                   for count in range(1, 2 * ranks + 1) if self.runs_micro_batches(count))
 
     # -- how many micro-batches a schedule runs -------------------------------------------------
     def runs_micro_batches(self, count: int) -> bool:

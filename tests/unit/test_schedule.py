@@ -157,3 +157,14 @@ def test_the_simulation_finds_an_order_that_cannot_run():
     broken[1][0], broken[1][1] = broken[1][1], broken[1][0]
     with pytest.raises(AssertionError, match="deadlock"):
         simulated(broken, 2)
+
+
+def test_only_gpipe_runs_every_forward_first_for_any_window():
+    """What lets a routed model hold its forwards under a pipeline (engine.strategies.pipeline's
+    can_hold_forwards): 1F1B's order is forwards-first for a window of one micro-batch, not for longer ones."""
+    assert forwards_first(one_f_one_b(2, 1)) and not forwards_first(one_f_one_b(2, 4))
+    for ranks in (2, 3):
+        assert all(forwards_first(gpipe(ranks, count)) for count in range(1, 2 * ranks + 1))
+        for name in ("1f1b", "interleaved", "zero_bubble"):
+            assert not all(forwards_first(PIPELINE_ORDERS[name](ranks, count))
+                           for count in range(1, 2 * ranks + 1) if runs(name, ranks, count)), name
