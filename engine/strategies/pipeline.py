@@ -200,7 +200,8 @@ class PipelineParallel(TorchStrategy):
 
     # -- how many micro-batches a schedule runs -------------------------------------------------
     def runs_micro_batches(self, count: int) -> bool:
-        """Whether torch's schedule runs ``count`` micro-batches: 1F1B at least one per rank,
+        """Whether the schedule runs ``count`` micro-batches: 1F1B at least one per rank (its warm-up fills the
+        pipeline; a shorter window would run as GPipe with a longer bubble),
         interleaved 1F1B a multiple of its rounds (⌊count / ranks⌋)."""
         ranks = self.mesh.pipeline
         if self.schedule_name == "1f1b":
