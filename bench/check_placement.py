@@ -40,7 +40,7 @@ def third_round_checks(eng):
     start_window = windows.start
 
     def checked_start():
-        if not eng.strategy.communicates_before_closing_backward:  # where the engine skips it now
+        if not windows.capabilities.communicates_before_closing_backward():  # where the engine skips it now
             windows.agree(WINDOW_START)
         start_window()
 

@@ -13,7 +13,7 @@ ranks (data × context) of each rank's accumulated gradient, so:
   samples or items over every rank (1 for a full window of means);
 * **the window's totals** (:func:`window_totals`): the loss, its units and the samples summed over
   the ranks in one reduction, where a loss computed on several ranks (a pipeline's last stage over
-  ``loss_copies``) is added once per copy and a row split over ``holders`` context ranks adds
+  ``WindowCapabilities.loss_copies``) is added once per copy and a row split over ``holders`` context ranks adds
   1/holders of its samples and tokens from each;
 * **evaluation's totals** (:func:`evaluation_terms`): Σ loss × share and Σ units, divided once;
 * **a load-balancing term's factor** (:func:`term_factors`): the inverse of the weight its loss
@@ -236,7 +236,7 @@ class WindowTotals:
     unread: tuple  # (micro-batches, Σ, Σ²) of unread means' items per row, over the ranks where reduced
 
 
-def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=None,
+def window_totals(window, plan, strategy, capabilities, *, over_all_ranks: bool, same_batch=None,
                   holders: int = 1, unread=(0.0, 0.0, 0.0)) -> WindowTotals:
     """The statistics of ``window`` (``engine.window.records.Window``). Over all ranks: one small
     reduction over the window-statistics group (real counts, or a record the monitor makes) of the
@@ -245,10 +245,11 @@ def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=No
     rank's. ``same_batch``: a ``ReplicaBatchCheck`` and this window's batch fingerprint, checked in the
     same reduction (which then spans the world; EngineUsageError on every rank when a replica's ranks
     differ). Where the reduction spans the world it carries the strategy's share of the squared
-    gradient norm too (``Strategy.grad_squares_share``): the step then needs no collective of its own.
+    gradient norm too (``Strategy.grad_squares_share``; ``capabilities``: the holder's
+    ``engine.strategies.capabilities.WindowCapabilities``): the step then needs no collective of its own.
     ``holders``: how many ranks of that group hold each row (the context size: a context group
     splits its rows' tokens, so each of its ranks adds 1/holders of the rows and their tokens).
-    The loss, its units and its kind are added ``strategy.loss_copies`` times: under a pipeline
+    The loss, its units and its kind are added ``capabilities.loss_copies`` times: under a pipeline
     only the last stage computes them (its stages learn them here, in the reduction the window
     makes anyway, not in a broadcast of their own). ``unread``: this rank's sums of the items per row
     of the micro-batches whose mean loss went unread (``LossReading.unread_sums``), summed over the
@@ -259,11 +260,11 @@ def window_totals(window, plan, strategy, *, over_all_ranks: bool, same_batch=No
                             bool(window.item_weighted), failed=False, unread=tuple(unread))
     device = strategy.device
     cost = window.tokens
-    copies = strategy.loss_copies
+    copies = capabilities.loss_copies
     values = [window.loss_total() * copies, window.units() * copies, float(window.samples) / holders,
               float(cost.real_tokens if cost else 0) / holders, float(cost.padded_tokens if cost else 0) / holders,
               float(bool(window.item_weighted)) * copies, float(window.failure is not None), *unread]
-    squares = strategy.grad_squares_share() if same_batch is not None or strategy.statistics_span_world else None
+    squares = strategy.grad_squares_share() if same_batch is not None or capabilities.statistics_span_world else None
     stats = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()) for value in values])
     if same_batch is not None:
         check, fingerprint = same_batch

@@ -29,8 +29,8 @@ rest of the schedule and raises after the window's collectives
 (``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
 those whose number of micro-batches the schedule runs.
 
-With ``activation_checkpointing: auto`` checkpointing is a second lever (the strategy's
-``checkpoint_switch``, flipped between windows): ``explore`` measures every candidate with it
+With ``activation_checkpointing: auto`` checkpointing is a second lever (the holder's
+``capabilities().checkpoint_switch``, flipped between windows): ``explore`` measures every candidate with it
 off and on and keeps the fastest pair that fits; ``auto`` walks down the ladder (size, off) ->
 (size, on) -> (next smaller size, off) -> ... Every rank flips it at the same agreed point, so
 the choice is the same everywhere.
@@ -193,7 +193,7 @@ class MicroBatchTuner(WindowRunner):
         self.changes: list[dict] = []  # every size change: step, old, new, ranks, reason
         self.explored: list[Candidate] = []
         self.last_memory_error = ""  # this rank's last out-of-memory message, for the error at the smallest size
-        self.switch = strategy.checkpoint_switch  # activation_checkpointing: auto (else None)
+        self.switch = strategy.capabilities().checkpoint_switch  # activation_checkpointing: auto (else None)
         strategy.enable_failure_guard()
 
     @property

@@ -18,11 +18,9 @@ from engine.config.offload import TorchOffload
 from engine.config.schema import Config, half_precision, torch_sections
 from engine.config.sharding import shard_size, shard_size_key
 from engine.config.torch_features import CheckpointingRequest, CompileRequest, TorchOverlap
-from engine.distributed.mesh import MeshLayout
+from engine.distributed.mesh import GRADIENT_REDUCTION, MeshLayout
 from engine.distributed.process_group import DistInfo
 
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "tensor", "tensor_zero1", "tensor_fsdp", "deepspeed", "pipeline",
-              "pipeline_fsdp", "tensor_pipeline", "tensor_pipeline_fsdp")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -86,8 +84,15 @@ class Setup:
     """Every decision a strategy is built from."""
 
     backend: str  # "torch" | "deepspeed"
-    strategy: str  # one of STRATEGIES
+    # Which holder of ``engine.strategies`` holds the model (recorded in checkpoints): ``deepspeed``,
+    # ``pipeline``, ``fsdp`` (FSDP2 over the data dimension), ``ddp`` (DDP on a mesh of data ranks,
+    # full-precision or autocast parameters) or ``replicas`` (replicas averaged after each window); the
+    # other dimensions are the mesh's
+    holder: str
     stage: int  # ZeRO stage
+    # ZeRO 1 over several unsharded replicas: each rank keeps and steps the optimizer state of the
+    # parameters it owns (``engine.strategies.zero1``); whether the data dimension shards: ``mesh.data_sharded``
+    owns_optimizer_state: bool
     mesh: MeshLayout
     precision: HalfPrecision
     offload: TorchOffload  # the torch backend's reading of DeepSpeed's offload keys
@@ -105,21 +110,6 @@ class Setup:
     deepspeed: dict | None = None  # backend deepspeed: the config DeepSpeed is started with
     # backend deepspeed: Microstep (not the user) allowed untested optimizers, so DeepSpeed's warning is noise
     deepspeed_allows_untested_optimizer: bool = False
-
-    @property
-    def holder(self) -> str:
-        """Which holder of ``engine.strategies`` holds the model: ``deepspeed``, ``pipeline``, ``fsdp``
-        (FSDP2 over the data dimension), ``ddp`` (DDP on a mesh of data ranks, full-precision or
-        autocast parameters) or ``replicas`` (replicas averaged after each window)."""
-        if self.backend == "deepspeed":
-            return "deepspeed"
-        if self.mesh.pipeline > 1:
-            return "pipeline"
-        if self.strategy in ("fsdp", "tensor_fsdp"):
-            return "fsdp"
-        if self.strategy in ("ddp", "zero1") and not self.precision.low_precision_parameters:
-            return "ddp"
-        return "replicas"
 
 
 def _fsdp_even_alone(config: Config) -> bool:
@@ -151,10 +141,12 @@ def resolve_setup(config: Config, dist_info: DistInfo, tensor_plan=None) -> Setu
                                                           or not mesh.is_data_parallel_only),
                               grad_accum_dtype=_DTYPES[features.grad_accum_dtype])
     offload = sections.offload
+    owns_optimizer_state = not deepspeed and stage == 1 and mesh.size(GRADIENT_REDUCTION) > 1 and not mesh.data_sharded
     return Setup(
         backend=config.backend,
-        strategy=_strategy_name(config, mesh),
+        holder=_holder(config, mesh, precision),
         stage=stage,
+        owns_optimizer_state=owns_optimizer_state,
         mesh=mesh,
         precision=precision,
         offload=offload,
@@ -199,17 +191,17 @@ def mesh_layout(config: Config, world_size: int) -> MeshLayout:
                       shard_size=shard_size(config), shard_size_key=shard_size_key(config))
 
 
-def _strategy_name(config: Config, mesh: MeshLayout) -> str:
+def _holder(config: Config, mesh: MeshLayout, precision: HalfPrecision) -> str:
+    """What holds the model (``Setup.holder``). A pipeline's stages are each sharded by FSDP2 wherever the
+    data dimension shards; one process shards nothing unless it offloads (FSDP2's offload, at any stage)."""
     if config.backend == "deepspeed":
         return "deepspeed"
-    if mesh.pipeline > 1:  # each stage sharded by FSDP2 at ZeRO 2 / 3 and wherever it offloads
-        if mesh.tensor > 1:
-            return "tensor_pipeline_fsdp" if mesh.data_sharded else "tensor_pipeline"
-        return "pipeline_fsdp" if mesh.data_sharded else "pipeline"
-    if mesh.tensor > 1:
-        return "tensor_fsdp" if mesh.data_sharded else ("tensor", "tensor_zero1")[config.zero_optimization.stage]
-    if _fsdp_even_alone(config):  # offload is FSDP2's, at any stage that offloads (1 included)
+    if mesh.pipeline > 1:
+        return "pipeline"
+    if _fsdp_even_alone(config) or mesh.data_sharded and mesh.world_size > 1:
         return "fsdp"
-    if mesh.world_size == 1:
-        return "single"
-    return ("ddp", "zero1", "fsdp", "fsdp")[config.zero_optimization.stage]
+    # DDP's buckets would hold (and all-reduce) half-precision gradients; a tensor split's replicas
+    # are averaged after the window (engine.strategies.replicas)
+    if mesh.world_size > 1 and mesh.tensor == 1 and not precision.low_precision_parameters:
+        return "ddp"
+    return "replicas"

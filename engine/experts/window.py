@@ -15,7 +15,7 @@ backward (``moe.global_counts``):
   every backward. No extra FLOPs; holds every micro-batch's activations at once (under
   activation checkpointing: every micro-batch's checkpoints; of a Hugging Face language model's
   output head and loss only the head's input, and of its output only the loss:
-  ``engine.experts.held_forward``). Where the holder allows it (``Strategy.can_hold_forwards``, which
+  ``engine.experts.held_forward``). Where the holder allows it (``WindowCapabilities.can_hold_forwards``, which
   is then told, ``hold_forwards``): one process; ZeRO 0 / 1, which reduce the window after its last
   backward (DDP pairs each forward with its backward); ZeRO 2 / 3, whose backwards each gather again
   and reduce into shards, as every micro-step does; a pipeline's GPipe schedule (the counts exchanged
@@ -369,7 +369,7 @@ def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: 
     engine: it counts a Hugging Face model's routers over its stages itself
     (``engine.experts.stages``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
-                            can_hold_forwards=strategy.can_hold_forwards,
+                            can_hold_forwards=strategy.capabilities().can_hold_forwards,
                             # GPipe holds every micro-batch's activations until its backwards anyway
                             holding_is_cheap=checkpointing or runner_runs_micro_steps,
                             all_reduce_sum=strategy.all_reduce_sum,

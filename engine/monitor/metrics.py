@@ -126,7 +126,7 @@ class Monitor(EngineHook):
         self._devices = eng.world_size
         if self.is_writer:
             # A pipeline stage holds part of the model: its parameters are not the model's N.
-            self._flops_per_token = flops_per_token(eng.module) if eng.strategy.holds_every_layer else None
+            self._flops_per_token = flops_per_token(eng.module) if eng.strategy.capabilities().holds_every_layer else None
             self._peak_flops = self.config.peak_flops or device_peak_flops(eng.device)
         self._resumed = eng.global_steps > 0
         if self._resumed:

@@ -29,7 +29,7 @@ __all__ = ["make_strategy"]
 def make_strategy(setup: Setup, dist_info: DistInfo):
     """The holder ``setup.holder`` names (imported lazily: ``import engine`` never imports
     DeepSpeed or FSDP)."""
-    if setup.strategy == "single" and setup.stage > 0:
+    if setup.holder == "replicas" and setup.mesh.world_size == 1 and setup.stage > 0:
         log.info("ZeRO stage %d has nothing to shard in a single process; running unsharded", setup.stage)
     if setup.holder == "deepspeed":
         from engine.strategies.deepspeed import DeepSpeedStrategy as chosen

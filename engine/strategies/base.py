@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,6 +30,7 @@ from engine.errors import EngineUsageError
 from engine.precision.loss_scaler import scale_
 from engine.precision.policy import precision_policy
 from engine.config.setup import Setup
+from engine.strategies.capabilities import WindowCapabilities, fixed
 from engine.strategies.gradients import local, squares_share, whole_on_every_rank
 from engine.strategies.parallelize import parallelize
 from engine.distributed.batch_fingerprint import check_replicas_equal
@@ -69,29 +70,18 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], m
 class Strategy(ABC):
     """One way of holding a model. Subclasses: one file each in ``engine/strategies``."""
 
-    name: str  # short name recorded in checkpoints ("ddp", "fsdp", ...)
     checkpoint_format: str = "none"  # recorded in the manifest; a load needs the same
     loss_scaler = None  # the engine-owned fp16 loss scaler, when the strategy uses one (checkpointed)
-    # Whether a forward issues collectives (parameters gathered): the engine then has the ranks
-    # compare their positions before every training forward, not only at a window's first.
-    forward_communicates = False
-    # activation_checkpointing: auto: the switch of the model's checkpointed blocks (the tuner flips it)
-    checkpoint_switch = None
     # context_parallel: the context dimension's batch split and attention exchange
     # (engine.context.parallel), which the engine drives; None without a context dimension
     context = None
     # Parameters held apart, split within a subgroup and reduced over their replicas
     # (engine.distributed.group_held); NO_GROUP_HELD answers "none"
     group_held = NO_GROUP_HELD
-    # Whether a window may issue collectives before the backward that closes it (a reduction in
-    # every backward, a gather in a forward, DDP's buffer broadcast): then the ranks compare their
-    # positions at the window's start too, not only before that backward.
-    communicates_before_closing_backward = True
-    # Whether ``module`` holds every layer of the model (a pipeline stage holds some of them)
-    holds_every_layer = True
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         self.settings = setup
+        self.name = setup.holder  # what holds the model, recorded in checkpoints (a load checks only the format)
         self.mesh = setup.mesh
         self.rank, self.world_size, self.device = dist_info.rank, dist_info.world_size, dist_info.device
         # The mesh's process groups (engine.distributed.mesh.MeshGroups); None where every rank is a
@@ -115,18 +105,26 @@ class Strategy(ABC):
         """Raise EngineUsageError, naming what to call instead, where the manual loop
         (``eng(x)`` / ``backward`` / ``step``) cannot run (a pipeline)."""
 
+    def capabilities(self) -> WindowCapabilities:
+        """What this holder does in a window (``engine.strategies.capabilities``), after ``setup``: here
+        what every holder shares — collectives at any point of a window, a forward gathering nothing,
+        forwards held only in one process; a holder replaces what it does otherwise."""
+        # TEMPORARY (issue 54, until engine/strategies/pipeline.py overrides capabilities() itself): the
+        # pipeline holder's own three answers, still members of it.
+        pipeline_answers = {name: getattr(self, name) for name in ("holds_every_layer", "can_hold_forwards", "loss_copies")
+                            if hasattr(self, name)}
+        return WindowCapabilities(**{
+            "communicates_before_closing_backward": fixed(True), "forward_communicates": fixed(False),
+            "reduces_gradients_over_ranks": self.mesh.size(GRADIENT_REDUCTION) > 1,
+            "statistics_span_world": self.mesh.size(WINDOW_STATISTICS) == self.world_size,
+            "can_hold_forwards": self.world_size == 1, **pipeline_answers})
+
     def prepare_micro_step(self, closes_window: bool) -> None:
         """Called before a micro-step's forward: whether its backward closes the window."""
 
-    @property
-    def can_hold_forwards(self) -> bool:
-        """Whether every forward of a window may run before its backwards (``hold_forwards``): one
-        process, or a holder that overrides it."""
-        return self.world_size == 1
-
     def hold_forwards(self) -> None:
         """From now on every forward of a window runs before its backwards: reduce as that allows.
-        Only where ``can_hold_forwards``."""
+        Only where ``capabilities().can_hold_forwards``."""
 
     def release_gathered_parameters(self) -> None:
         """After forwards without a backward (evaluation): free parameters a sharded model
@@ -139,13 +137,6 @@ class Strategy(ABC):
     def reduce_gradients(self) -> None:
         """At the boundary: finish any gradient reduction the backward did not do (a window
         closed early, or communication deliberately deferred)."""
-
-    @property
-    def loss_copies(self) -> int:
-        """How many of the ranks holding one replica's window statistics (``mesh.STATISTICS_COPIES``)
-        this rank's loss records stand for in their reduction: 1 where each of them computes the
-        loss (tensor ranks), under a pipeline every stage on the last stage and none elsewhere."""
-        return 1
 
     def grad_squares_share(self) -> torch.Tensor | None:
         """After ``reduce_gradients``: this rank's share of the sum of squares of the whole reduced
@@ -167,17 +158,6 @@ class Strategy(ABC):
 
     @abstractmethod
     def zero_grad(self) -> None: ...
-
-    @property
-    def reduces_gradients_over_ranks(self) -> bool:
-        """Whether gradients are reduced (or shards gathered) over several ranks: data × context
-        beyond one rank. Otherwise a window's closing backward pairs no collective of its own."""
-        return self.mesh.size(GRADIENT_REDUCTION) > 1
-
-    @property
-    def statistics_span_world(self) -> bool:
-        """Whether ``all_reduce_sum`` sums over every rank (no pipeline or tensor dimension)."""
-        return self.mesh.size(WINDOW_STATISTICS) == self.world_size
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a small tensor over the window-statistics group (data × context: every row and
@@ -275,7 +255,6 @@ class TorchStrategy(Strategy):
     def __init__(self, setup: Setup, dist_info: DistInfo):
         torch_internals.check()
         super().__init__(setup, dist_info)
-        self.name = setup.strategy  # recorded in checkpoints (only the format is checked at a load)
         self.precision = precision_policy(setup.precision, self.device.type)
         if self.mesh.needs_groups:  # collective: every rank builds the same groups
             self.groups = MeshGroups(self.mesh, self.device.type, self.rank)
@@ -304,17 +283,16 @@ class TorchStrategy(Strategy):
         order (``engine.strategies.parallelize``); the holder shards the data dimension after it."""
         done = parallelize(module, self.settings, self.groups, tensor_plan=tensor_plan,
                            whole_model=whole_model, stages=stages, blocks=blocks, attention_model=attention_model)
-        self.checkpoint_switch = done.checkpoint_switch
+        self._checkpoint_switch = done.checkpoint_switch
         self.context = done.context
         self.group_held = done.group_held
 
-    @property
-    def forward_communicates(self) -> bool:
+    def capabilities(self):
         # Parameters held apart may exchange in every forward: the ranks compare positions first.
-        return self.group_held.exchanges_in_forward
+        return replace(super().capabilities(), forward_communicates=fixed(self.group_held.exchanges_in_forward),
+                       checkpoint_switch=self._checkpoint_switch)
 
-    @property
-    def split_model_exchanges(self) -> bool:
+    def _split_model_exchanges(self) -> bool:
         """Whether the model's split layers (tensor, parameters held apart) exchange in every forward:
         a window then communicates before its closing backward, whatever the holder does."""
         return self.mesh.tensor > 1 or self.group_held.exchanges_in_forward

@@ -21,6 +21,7 @@ Parameters held apart (``engine.distributed.group_held``) differ between ranks: 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,12 +33,20 @@ log = logging.getLogger("engine")
 
 
 class DataParallel(TorchStrategy):
-    @property
-    def communicates_before_closing_backward(self) -> bool:
-        # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
-        # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
-        # a synced backward); otherwise the closing backward's all-reduce is the window's first.
-        return not self._buckets_rebuilt or self._has_buffers or self.split_model_exchanges
+    def capabilities(self):
+        early = self._has_buffers or self._split_model_exchanges()
+
+        def communicates_before_closing_backward() -> bool:
+            # DDP's forwards communicate only to broadcast buffers (a window's first forward, after a
+            # synced backward) and, once per wrap, to agree on rebuilt buckets (the first forward after
+            # a synced backward): asked per window, the buckets being rebuilt after the first synced
+            # backward (and again after a re-wrap). Otherwise the closing backward's all-reduce is the first.
+            return early or not self._buckets_rebuilt
+
+        # DDP pairs each forward with its backward, and can reduce after the window's last backward
+        # instead (hold_forwards): ZeRO 0 / 1 hold whole gradients, deferring costs no memory.
+        return replace(super().capabilities(), can_hold_forwards=True,
+                       communicates_before_closing_backward=communicates_before_closing_backward)
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
@@ -75,12 +84,8 @@ class DataParallel(TorchStrategy):
     def optimizer_step(self):
         self.owned.step()
 
-    can_hold_forwards = True
-
     def hold_forwards(self):
-        # DDP pairs each forward with its backward: the window is reduced after its last backward
-        # (ZeRO 0 / 1 hold whole gradients: deferring costs no memory).
-        self._defer_reduction = True
+        self._defer_reduction = True  # the window is reduced after its last backward
 
     def enable_failure_guard(self):
         super().enable_failure_guard()

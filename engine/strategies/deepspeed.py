@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from engine.errors import CheckpointError, ConfigError
 from engine.strategies.model_transforms import transform_model
 from engine.precision.compute_copy import cast_floating
 from engine.strategies.base import StepResult, Strategy, cpu_state_dict
+from engine.strategies.capabilities import fixed
 from engine.strategies.deferral import ReductionDeferral
 
 log = logging.getLogger("engine")
@@ -73,13 +75,11 @@ def _without_log(logger, text: str, enabled: bool = True):
 
 
 class DeepSpeedStrategy(Strategy):
-    name = "deepspeed"
     checkpoint_format = "deepspeed"
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         self.stage = setup.stage
-        self.forward_communicates = self.stage == 3  # ZeRO-3 gathers parameters in every forward
         self.deepspeed = internals.import_deepspeed()
         if setup.precision.dtype == torch.float16 and not self.deepspeed.get_accelerator().is_fp16_supported():
             raise ConfigError([(
@@ -100,7 +100,7 @@ class DeepSpeedStrategy(Strategy):
                 "stages 1-3 (float64 in name only): call model.float(), or use backend: torch")])
         gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         # Microstep's activation_checkpointing / compile keys: the blocks, before DeepSpeed wraps them.
-        self.checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
+        self._checkpoint_switch = transform_model(module, self.settings.checkpointing, self.settings.compile)
         ds_config = json.loads(json.dumps(self.settings.deepspeed))  # a deep copy: DeepSpeed may edit it
         try:
             # The untested-optimizer warning is about zero_allow_untested_optimizer, which Microstep sets
@@ -122,6 +122,11 @@ class DeepSpeedStrategy(Strategy):
             raise ConfigError([f"backend deepspeed: {problem}"])
         self.deferral = ReductionDeferral(self.settings.defer_reduction, self, extra_bytes=gradient_bytes,
                                           memory_limit=self.settings.memory_limit)
+
+    def capabilities(self):
+        # ZeRO-3 gathers parameters in every forward.
+        return replace(super().capabilities(), forward_communicates=fixed(self.stage == 3),
+                       checkpoint_switch=self._checkpoint_switch)
 
     def forward(self, *args, **kwargs):
         if self._cast_inputs is not None:  # DeepSpeed's half-precision models want half inputs

@@ -36,6 +36,7 @@ the host; the gathered parameters live on the device while a unit computes.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -159,29 +160,33 @@ class FullyShardedDataParallel(TorchStrategy):
             return init_device_mesh(self.device.type, (self.world_size,))
         return self.groups.sharding_mesh()
 
-    @property
-    def communicates_before_closing_backward(self) -> bool:
-        # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for the
-        # closing backward, unless the split model exchanges in its forwards.
-        return self.split_model_exchanges or not (self.rests_gathered and self.deferral.deferring)
+    def capabilities(self):
+        shared = super().capabilities()
+        split_exchanges, held_apart_exchange = self._split_model_exchanges(), shared.forward_communicates()
+        gathers_again = self.stage == 3 and shared.reduces_gradients_over_ranks
 
-    @property
-    def forward_communicates(self) -> bool:
-        # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers, or
-        # one data rank holds every shard: a tensor mesh with data 1), and parameters held apart may
-        # exchange in every forward.
-        return (self.stage == 3 and not self._window_defers and self.reduces_gradients_over_ranks
-                or super().forward_communicates)
+        # Both read the reduction's deferral, which defer_reduction: auto decides again after every window.
+        def communicates_before_closing_backward() -> bool:
+            # Only ZeRO-2 deferring its reduction (parameters gathered since the last step) waits for the
+            # closing backward, unless the split model exchanges in its forwards.
+            return split_exchanges or not (self.rests_gathered and self.deferral.deferring)
+
+        def forward_communicates() -> bool:
+            # Beyond a window's first forward, only ZeRO-3 gathers again (unless the window defers, or
+            # one data rank holds every shard: a tensor mesh with data 1), and parameters held apart may
+            # exchange in every forward.
+            return gathers_again and not self._window_defers or held_apart_exchange
+
+        # Every forward of a window may run before its backwards: each backward gathers again what it
+        # needs (FSDP2's pre-backward unshard) and reduces its gradients into shards as a micro-step does
+        # (a held forward is prepared as one that does not close the window; deferring, the boundary reduces).
+        return replace(shared, communicates_before_closing_backward=communicates_before_closing_backward,
+                       forward_communicates=forward_communicates, can_hold_forwards=True)
 
     def _units(self) -> list[FSDPModule]:
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
     # -- a window -----------------------------------------------------------------------------
-    # Every forward of a window may run before its backwards: each backward gathers again what it
-    # needs (FSDP2's pre-backward unshard) and reduces its gradients into shards as a micro-step does
-    # (a held forward is prepared as one that does not close the window; deferring, the boundary reduces).
-    can_hold_forwards = True
-
     def prepare_micro_step(self, closes_window):
         if self._window_defers is None:  # the window's first micro-step
             self._window_defers = self.deferral.deferring

@@ -13,7 +13,7 @@ Checkpointing: ``torch.utils.checkpoint`` (non-reentrant) saves only a block's i
 recomputes the rest during the backward; RNG state is restored for the recomputation, so
 dropout draws the same masks and gradients equal the run without it. With
 ``activation_checkpointing: auto`` each block is wrapped once, switchably: a shared
-``CheckpointSwitch`` (the strategy's ``checkpoint_switch``) that the micro-size tuner turns on
+``CheckpointSwitch`` (the holder's ``capabilities().checkpoint_switch``) that the micro-size tuner turns on
 and off between windows, without rebuilding or re-sharding anything. A compiled block then
 compiles the switchable forward: one graph per switch position (dynamo guards on it).
 

@@ -19,17 +19,20 @@ autocast is the better choice.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 from engine.strategies.base import TorchStrategy, repoint_optimizer
+from engine.strategies.capabilities import fixed
 from engine.strategies.zero1 import optimizer_state
 
 
 class Replicas(TorchStrategy):
-    @property
-    def communicates_before_closing_backward(self) -> bool:
+    def capabilities(self):
         # No collective of its own inside a window (the averaging follows its closing backward): the
-        # check before that backward is its only one, unless the split model exchanges in its forwards.
-        return self.split_model_exchanges
+        # check before that backward is its only one, unless the split model exchanges in its forwards;
+        # its forwards may all run first, the replicas being averaged after the window anyway.
+        return replace(super().capabilities(), can_hold_forwards=True,
+                       communicates_before_closing_backward=fixed(self._split_model_exchanges()))
 
     def setup(self, module, optimizer):
         self.module = module.to(self.device)
@@ -47,8 +50,6 @@ class Replicas(TorchStrategy):
             self.forward_module = self.module
         self.optimizer = optimizer
         self.owned = optimizer_state(self, self.module, optimizer)
-
-    can_hold_forwards = True  # the replicas are averaged after the window anyway
 
     def reduce_gradients(self):
         if self.compute_copy is not None:

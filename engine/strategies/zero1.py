@@ -7,8 +7,8 @@ those. After the owners' step every owner broadcasts its updated parameters (thi
 tensor pieces, under a tensor split) to its group. A policy of the replicated holders
 (``engine.strategies.ddp``, ``engine.strategies.replicas``, and each stage of
 ``engine.strategies.pipeline``: Megatron's distributed optimizer with pipelining), not a holder of
-its own: :func:`optimizer_state` is the one place that chooses it, :class:`WholeOptimizerState` its
-null object.
+its own: where it applies is decided with the setup (``Setup.owns_optimizer_state``),
+:func:`optimizer_state` builds it, :class:`WholeOptimizerState` its null object.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def optimizer_state(strategy, module: torch.nn.Module, optimizer: torch.optim.Op
     """How a holder's ``optimizer`` steps ``module``: owned shares at ZeRO 1 over more than one replica
     (:class:`OwnedOptimizerState`), else whole on every rank (and where FSDP2 shards the data dimension:
     ZeRO 1 with host offload, whose shards each rank steps)."""
-    if strategy.settings.stage == 1 and strategy.mesh.size(GRADIENT_REDUCTION) > 1 and not strategy.mesh.data_sharded:
+    if strategy.settings.owns_optimizer_state:
         return OwnedOptimizerState(strategy, module, optimizer)
     return WholeOptimizerState(optimizer)
 

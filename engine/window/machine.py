@@ -57,6 +57,8 @@ class WindowMachine:
                  lr_scheduler, chooses_micro_size: bool, clipping: float, non_finite_policy: str,
                  grad_norm_every_step: bool):
         self.strategy, self.accounting, self.hooks, self.lr_scheduler = strategy, accounting, hooks, lr_scheduler
+        # what the holder does in a window (engine.strategies.capabilities), asked once: it is set up
+        self.capabilities = strategy.capabilities()
         self.window_split, self.context, self.losses = window_split, context, losses
         self.chooses_micro_size = chooses_micro_size
         self.clipping, self.non_finite_policy = clipping, non_finite_policy
@@ -99,7 +101,7 @@ class WindowMachine:
     def agree_before_counting(self) -> None:
         """A counting forward's collectives (ZeRO-3's gathers, DDP's buffer broadcast) come before the
         window's first training forward: the ranks compare positions before them too."""
-        if self.strategy.communicates_before_closing_backward:
+        if self.capabilities.communicates_before_closing_backward():
             self.agree(WINDOW_START)
 
     def leave(self) -> None:
@@ -137,7 +139,7 @@ class WindowMachine:
     def _checks_start(self) -> bool:
         # Before the window's first collective. Otherwise the check before the closing backward
         # (which the automatic micro size replaces by its failure votes) comes first.
-        return self.strategy.communicates_before_closing_backward or self.chooses_micro_size
+        return self.capabilities.communicates_before_closing_backward() or self.chooses_micro_size
 
     def _started(self) -> None:
         self.hooks.tell("on_window_start")
@@ -152,7 +154,7 @@ class WindowMachine:
         planned = window.planned_steps or planned_default
         if window.micro_steps == 0 and not window.forwarded:
             self.start()
-        elif self.strategy.forward_communicates:
+        elif self.capabilities.forward_communicates():
             self.agree(FORWARD)  # before the forward's collectives (ZeRO-3 gathers parameters there)
         self.strategy.prepare_micro_step(window.micro_steps + 1 >= planned)
         window.forwarded += 1
@@ -207,7 +209,7 @@ class WindowMachine:
         window.check_same_kind(item_weighted)
         planned = window.planned_steps or planned_default
         if window.micro_steps + 1 >= planned and not self.chooses_micro_size \
-                and self.strategy.reduces_gradients_over_ranks:
+                and self.capabilities.reduces_gradients_over_ranks:
             # Before the backward that reduces the window's gradient (ZeRO-0/1: its first collective).
             # The automatic micro size agrees on each window's failures instead; with one data rank
             # nothing is reduced (a split model's exchanges come after the window start's check).
@@ -230,7 +232,7 @@ class WindowMachine:
     def record(self, output, samples: int) -> None:
         """Count a micro-step whose weighted backward ran elsewhere (a pipeline schedule): ``output`` is
         its loss as ``loss_fn`` returned it, None where this rank holds no loss of it (a stage before the
-        last, a zero-weight step: the window's statistics bring it, ``Strategy.loss_copies``)."""
+        last, a zero-weight step: the window's statistics bring it, ``WindowCapabilities.loss_copies``)."""
         if output is None:
             self.count(None, 0, samples, None, exact_counts=True)
             return
@@ -314,7 +316,7 @@ class WindowMachine:
         fingerprint, self.batch_fingerprint = self.batch_fingerprint, None
         try:  # a fingerprint to compare makes the statistics travel over the ranks (the manual loop's too)
             over_all_ranks = window.exact_counts or recorded or fingerprint is not None
-            totals = window_totals(window, plan, self.strategy, over_all_ranks=over_all_ranks,
+            totals = window_totals(window, plan, self.strategy, self.capabilities, over_all_ranks=over_all_ranks,
                                    same_batch=(self.same_batch, fingerprint) if fingerprint is not None else None,
                                    holders=self.context.size, unread=self.losses.unread_sums())
         except EngineUsageError:  # a replica's ranks were given different batches: nothing applied

@@ -64,7 +64,8 @@ def test_auto_needs_the_automatic_micro_size_and_both_spellings_are_one_request(
             engine.initialize(BlockMLP(), {"train_batch_size": 16, "activation_checkpointing": section},
                               optimizer=plain_sgd)
     eng = tuned(BlockMLP(), activation_checkpointing={"enabled": "auto", "every": 2})
-    assert eng.strategy.checkpoint_switch is eng.micro_batch_tuner.switch and not eng.micro_batch_tuner.checkpointing
+    assert eng.strategy.capabilities().checkpoint_switch is eng.micro_batch_tuner.switch
+    assert not eng.micro_batch_tuner.checkpointing
     with pytest.raises(engine.ConfigError, match="activation_checkpointing.enabled: expected true, false or auto"):
         tuned(BlockMLP(), activation_checkpointing={"enabled": "sometimes"})
     with pytest.raises(engine.ConfigError, match="enabled: auto is not available under a pipeline of 2 stages"):
@@ -97,8 +98,8 @@ def test_the_switch_checkpoints_between_windows_and_changes_no_gradient():
                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
         saved = []
         for window in range(4):
-            if eng.strategy.checkpoint_switch is not None:
-                eng.strategy.checkpoint_switch.on = window % 2 == 1
+            if eng.strategy.capabilities().checkpoint_switch is not None:
+                eng.strategy.capabilities().checkpoint_switch.on = window % 2 == 1
             saved.append(saved_activation_bytes(eng.module, eng.module, batch[:2]))
             eng.module.zero_grad(set_to_none=True)
             torch.manual_seed(window)  # the same dropout draws in both runs
@@ -122,7 +123,7 @@ def test_compiled_switchable_blocks_equal_eager_with_one_graph_per_position():
                                                        "activation_checkpointing": "auto", **extra},
                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
         for window in range(4):
-            eng.strategy.checkpoint_switch.on = window % 2 == 1
+            eng.strategy.capabilities().checkpoint_switch.on = window % 2 == 1
             eng.train_batch(batch, lm_loss)
         runs[name] = state(eng.module)
     # both blocks share a graph per switch position; flipping back recompiles nothing
@@ -176,7 +177,7 @@ def test_the_choice_survives_a_checkpoint(tmp_path):
     eng.save_checkpoint(tmp_path / "ckpt")
     resumed = tuned(BlockMLP(), limit=limit)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    assert resumed.micro_batch_tuner.checkpointing is True and resumed.strategy.checkpoint_switch.on
+    assert resumed.micro_batch_tuner.checkpointing is True and resumed.strategy.capabilities().checkpoint_switch.on
     train(resumed, batches[2:])
     assert resumed.micro_batch_tuner.changes == eng.micro_batch_tuner.changes  # no failed window after resuming
     assert max_param_diff(state(resumed.module), state(reference_train(BlockMLP(), batches, mse, plain_sgd))) < TOL
@@ -293,7 +294,8 @@ def agreeing_ranks(rank, world, stage, mode, broken=False, backend="torch"):
     if broken:
         checkpointing_switch_ignored(eng, ranks=(1,))
     train(eng, batches)
-    result = {"micro": eng.plan.train_micro_batch_size_per_gpu, "checkpointing": eng.strategy.checkpoint_switch.on,
+    result = {"micro": eng.plan.train_micro_batch_size_per_gpu,
+              "checkpointing": eng.strategy.capabilities().checkpoint_switch.on,
               "changes": eng.micro_batch_tuner.changes,
               "diff": max_param_diff(eng.full_state_dict(), state(reference_train(BlockMLP(), exact, mse, plain_sgd)))}
     eng.close()
@@ -316,8 +318,8 @@ def switched_under_zero3(rank, world):
                   **extra}
         eng = engine.initialize(copy.deepcopy(model), config, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
         for window in range(4):
-            if eng.strategy.checkpoint_switch is not None:
-                eng.strategy.checkpoint_switch.on = window % 2 == 1
+            if eng.strategy.capabilities().checkpoint_switch is not None:
+                eng.strategy.capabilities().checkpoint_switch.on = window % 2 == 1
             eng.train_batch(share, lm_loss)
         runs[name] = eng.full_state_dict()
         eng.close()

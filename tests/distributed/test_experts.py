@@ -7,6 +7,7 @@ import copy
 import functools
 import logging
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -184,6 +185,9 @@ class _Holder:
 
     def __init__(self, can: bool):
         self.can_hold_forwards, self.holding = can, False
+
+    def capabilities(self):
+        return SimpleNamespace(can_hold_forwards=self.can_hold_forwards)
 
     def hold_forwards(self):
         self.holding = True

@@ -87,7 +87,7 @@ def train(rank, world, *, zero=0, loss="mean", clip=0.0, short=False, schedule="
               "samples": eng.global_samples, "expected_samples": sum(w[0].shape[0] for w in windows),
               "eval": eng.eval_batch(data_share(windows[0], eng), loss_fn),
               "reference_eval": float(reference_token_mean(expected, windows[0])),
-              "strategy": eng.strategy.name, "plan": (eng.plan.world_size, eng.plan.rank),
+              "strategy": (eng.strategy.name, eng.strategy.mesh.data_sharded), "plan": (eng.plan.world_size, eng.plan.rank),
               "split": split}
     eng.close()
     return result
@@ -220,10 +220,10 @@ def test_tensor_2_by_pipeline_2_on_four_ranks_is_exact(tmp_path):
     for lines in results["README script"]:  # the same losses, learning rates and model
         assert lines == alone, (lines, alone)
     for name in ("ZeRO 0 mean, clipped", "ZeRO 0 tokens, short window", "zero_bubble, ZeRO 0 mean"):
-        assert_exact(results[name], "tensor_pipeline")
+        assert_exact(results[name], ("pipeline", False))
     for name in ("ZeRO 3 tokens, clipped short window", "ZeRO 3 mean", "interleaved, ZeRO 2 tokens, clipped",
                  "gpipe, ZeRO 3 mean, short window"):
-        assert_exact(results[name], "tensor_pipeline_fsdp")
+        assert_exact(results[name], ("pipeline", True))  # each stage sharded
     for name in ("ZeRO 0 mean, clipped", "ZeRO 3 tokens, clipped short window", "interleaved, ZeRO 2 tokens, clipped"):
         for result in results[name]:  # the whole model's norm over every stage and shard, on every rank
             assert result["norm"] == pytest.approx(result["reference_norm"], rel=1e-10), result
@@ -249,7 +249,7 @@ def test_pipeline_2_by_data_2_by_tensor_2_on_eight_ranks_is_exact():
     results = run_scenarios({"ZeRO 3 tokens, clipped short window": functools.partial(
         train, zero=3, loss="tokens", clip=0.05, short=True)}, world_size=8, timeout=280)
     per_rank = results["ZeRO 3 tokens, clipped short window"]
-    assert_exact(per_rank, "tensor_pipeline_fsdp")
+    assert_exact(per_rank, ("pipeline", True))
     assert [result["plan"] for result in per_rank] == [(2, 0), (2, 0), (2, 1), (2, 1)] * 2
     for result in per_rank:
         assert result["norm"] == pytest.approx(result["reference_norm"], rel=1e-10), result

@@ -274,7 +274,7 @@ def check(results, world):
             assert all(norm > 0.5 for norm in result["expected_norms"])  # clipping acted
             assert result["keys"] == result["model_keys"]  # the model's own names, whole
             assert (result["plan_world"], result["plan_rank"]) == (data, rank // 2)
-            assert result["strategy"] == ("tensor", "tensor_zero1", "tensor_fsdp", "tensor_fsdp")[stage]
+            assert result["strategy"] == ("replicas", "replicas", "fsdp", "fsdp")[stage]
         for result in results[("balanced tokens", stage)]:
             assert result["diff"] < TOL and result["samples"] == 21
             assert result["loss0"] == pytest.approx(result["expected_loss0"], rel=1e-12)
