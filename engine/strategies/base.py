@@ -109,15 +109,11 @@ class Strategy(ABC):
         """What this holder does in a window (``engine.strategies.capabilities``), after ``setup``: here
         what every holder shares — collectives at any point of a window, a forward gathering nothing,
         forwards held only in one process; a holder replaces what it does otherwise."""
-        # TEMPORARY (issue 54, until engine/strategies/pipeline.py overrides capabilities() itself): the
-        # pipeline holder's own three answers, still members of it.
-        pipeline_answers = {name: getattr(self, name) for name in ("holds_every_layer", "can_hold_forwards", "loss_copies")
-                            if hasattr(self, name)}
-        return WindowCapabilities(**{
-            "communicates_before_closing_backward": fixed(True), "forward_communicates": fixed(False),
-            "reduces_gradients_over_ranks": self.mesh.size(GRADIENT_REDUCTION) > 1,
-            "statistics_span_world": self.mesh.size(WINDOW_STATISTICS) == self.world_size,
-            "can_hold_forwards": self.world_size == 1, **pipeline_answers})
+        return WindowCapabilities(
+            communicates_before_closing_backward=fixed(True), forward_communicates=fixed(False),
+            reduces_gradients_over_ranks=self.mesh.size(GRADIENT_REDUCTION) > 1,
+            statistics_span_world=self.mesh.size(WINDOW_STATISTICS) == self.world_size,
+            can_hold_forwards=self.world_size == 1)
 
     def prepare_micro_step(self, closes_window: bool) -> None:
         """Called before a micro-step's forward: whether its backward closes the window."""

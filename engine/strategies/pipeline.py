@@ -35,7 +35,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -71,8 +71,6 @@ LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
 
 class PipelineParallel(TorchStrategy):
-    holds_every_layer = False
-
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)
         mesh = self.mesh
@@ -188,8 +186,13 @@ class PipelineParallel(TorchStrategy):
     def backward(self, loss, weight):
         self.check_manual_loop()
 
-    @property
-    def can_hold_forwards(self) -> bool:
+    def capabilities(self):
+        """A stage holds some layers; the last stage's loss records stand for every stage's in the
+        window's statistics (the others record none); forwards are held where the order runs them first."""
+        return replace(super().capabilities(), holds_every_layer=False, can_hold_forwards=self._forwards_first(),
+                       loss_copies=self.mesh.pipeline if self.holds_last_stage else 0)
+
+    def _forwards_first(self) -> bool:
         # A schedule that runs every forward of a window before its first backward, on every stage, for
         # any number of micro-batches (GPipe): the window runner exchanges what the forwards learnt in
         # between (engine.window.pipeline). 1F1B and the interleaved schedules start backwards earlier
@@ -351,10 +354,6 @@ class PipelineParallel(TorchStrategy):
             return NeighbourStage(module, index, self.num_stages, self.device, group=self.pipeline_group)
         return GuardedPipelineStage(module, index, self.num_stages, self.device, group=self.pipeline_group,
                                     guard=self._failures)
-
-    @property
-    def loss_copies(self) -> int:
-        return self.mesh.pipeline if self.holds_last_stage else 0
 
     def sum_over_world(self, tensor: torch.Tensor) -> torch.Tensor:
         """A small tensor summed over every rank (an evaluation's totals, which only last stages hold)."""

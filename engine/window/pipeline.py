@@ -13,7 +13,7 @@ batch, ``units · W_dp / G`` (units: its samples for a mean loss, 1 for a sum), 
 weights a manual-loop backward; the schedule's own 1/A is off. Every stage counts every
 micro-step with its samples; the last stage's losses, their counts and kind, and a failed
 ``loss_fn`` reach the other stages in the reduction of the window's statistics, which spans
-the world on a pipeline anyway (``Strategy.loss_copies``): no wait of its own after the
+the world on a pipeline anyway (``WindowCapabilities.loss_copies``): no wait of its own after the
 schedule. So the boundary's correction G / U (U: the real samples or items over every
 data-parallel rank) is the same on every stage, and so are the counters, the reported loss,
 the scheduler and the monitor; a failed ``loss_fn`` abandons the window on every rank there,
@@ -90,7 +90,7 @@ class PipelineWindows(WindowRunner):
             log.info("moe.load_balance: global under a pipeline: each window first runs a counting schedule (every "
                      "micro-batch forward without gradients, the bubble once more%s)",
                      "; pipeline.schedule: gpipe learns the counts in its own forwards instead, at no extra forward"
-                     if not strategy.can_hold_forwards else "")
+                     if not strategy.capabilities().can_hold_forwards else "")
 
     def _schedule_form(self, batch, loss_fn: LossFn, method: str):
         """``(batch as (inputs, labels), loss_fn(outputs, labels))``. A ``loss_fn(model, micro_batch)`` on a
@@ -182,7 +182,7 @@ class PipelineWindows(WindowRunner):
             outputs = losses_with_window_term(outputs, term.value, term.multipliers)
         self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
-        # window's statistics (``Strategy.loss_copies``), and so does a failure, raised after them.
+        # window's statistics (``WindowCapabilities.loss_copies``), and so does a failure, raised after them.
         for output, samples in zip(outputs, sizes):
             engine.windows.record(output, samples)
         if failure is not None:
