@@ -9,7 +9,10 @@ loop builds the two stages from the same model, runs ``Schedule1F1B`` / ``Schedu
 with torch's own averaging over micro-batches (``scale_grads``), steps the optimizer and
 zeroes the gradients; the engine adds its weighting by real samples, the window statistics
 (which carry the last stage's losses and the gradient's squares over both stages) and the
-boundary (clipping off). Every variant trains its own copy; variants alternate round by round
+boundary (clipping off). The rows "hand, the engine's 1F1B / GPipe order" drive the engine's own orders
+(``engine.schedule``) on torch's runtime as the engine does (``ActionSchedule``), by hand like the rows
+above: their ratio to torch's own classes is what running the orders as data costs. Every variant
+trains its own copy; variants alternate round by round
 and the slowest rank's time counts.
 
 The hand loop above synchronises its stages nowhere; the engine's window cannot skip that once:
@@ -44,13 +47,16 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import engine
 from bench.common import GLOBAL_BATCH, adamw, batch, interleaved, mlp, save, start_ranks
+from engine.adapters.pipelining import ActionSchedule
 from engine.memory import held_bytes
+from engine.strategies.stage_schedules import ScheduleRules
 
 ACCUMULATION = 8
 SPLIT = 4  # the second stage starts at the model's part "4": two linear layers per stage
 BUSY = "stage alone"
 MAX_NORM = 1.0
 CLIPPED = f"clipped at norm {MAX_NORM:g}"
+ORDER_1F1B, ORDER_GPIPE = "hand, the engine's 1F1B order", "hand, the engine's GPipe order"
 
 
 def loss_fn(outputs, labels):
@@ -59,7 +65,8 @@ def loss_fn(outputs, labels):
 
 def hand(model, data, schedule_class, rank, max_norm: float = 0.0):
     """The schedule driven by hand: this rank's stage of the model, torch's 1/A averaging;
-    ``max_norm``: gradients clipped by their norm over every stage (``clip_over_stages``)."""
+    ``max_norm``: gradients clipped by their norm over every stage (``clip_over_stages``).
+    ``schedule_class``: torch's class, or ``engine_order(name)``."""
     part = model[:SPLIT] if rank == 0 else model[SPLIT:]
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     schedule = schedule_class(stage, n_microbatches=ACCUMULATION, loss_fn=loss_fn)
@@ -77,6 +84,15 @@ def hand(model, data, schedule_class, rank, max_norm: float = 0.0):
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def engine_order(name: str):
+    """The engine's order of schedule ``name`` (``engine.schedule``) on torch's runtime, as the engine runs
+    it (``engine.adapters.pipelining.ActionSchedule``), built like torch's class: torch's 1/A averaging."""
+    def build(stage, n_microbatches, loss_fn):
+        order = ScheduleRules(name, 2).order(n_microbatches)
+        return ActionSchedule([stage], n_microbatches, lambda *a: loss_fn(*a) / n_microbatches, order)
+    return build
 
 
 def clip_over_stages(parameters, max_norm: float) -> None:
@@ -129,12 +145,15 @@ def main(argv=None):
     rows = {  # name -> baseline
         "hand 1F1B": None, "hand 1F1B, second copy (noise floor)": "hand 1F1B", "engine 1F1B": "hand 1F1B",
         "hand GPipe": None, "engine GPipe": "hand GPipe",
+        ORDER_1F1B: "hand 1F1B", ORDER_GPIPE: "hand GPipe",
         f"hand 1F1B, {CLIPPED}": None, f"engine 1F1B, {CLIPPED}": f"hand 1F1B, {CLIPPED}",
         f"hand GPipe, {CLIPPED}": None, f"engine GPipe, {CLIPPED}": f"hand GPipe, {CLIPPED}"}
     runs["hand 1F1B"] = hand(copy.deepcopy(model), data, Schedule1F1B, rank)
     runs["hand 1F1B, second copy (noise floor)"] = hand(copy.deepcopy(model), data, Schedule1F1B, rank)
     runs["engine 1F1B"], engines["1f1b"] = engine_run(copy.deepcopy(model), data, "1f1b")
     runs["hand GPipe"] = hand(copy.deepcopy(model), data, ScheduleGPipe, rank)
+    runs[ORDER_1F1B] = hand(copy.deepcopy(model), data, engine_order("1f1b"), rank)
+    runs[ORDER_GPIPE] = hand(copy.deepcopy(model), data, engine_order("gpipe"), rank)
     runs["engine GPipe"], engines["gpipe"] = engine_run(copy.deepcopy(model), data, "gpipe")
     for name, schedule_class in (("1F1B", Schedule1F1B), ("GPipe", ScheduleGPipe)):
         runs[f"hand {name}, {CLIPPED}"] = hand(copy.deepcopy(model), data, schedule_class, rank, MAX_NORM)

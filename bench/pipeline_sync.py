@@ -40,7 +40,7 @@ def schedule_and_step(model, data, synchronised: bool):
         return torch.nn.functional.mse_loss(outputs, labels[int(index[0])]) / ACCUMULATION
 
     def step():
-        strategy.run_schedule(x, ACCUMULATION, loss_fn, train=True)
+        strategy.schedules.run(x, ACCUMULATION, loss_fn, train=True)
         if synchronised:
             small_sum(torch.zeros(8, dtype=torch.float64))
         strategy.optimizer_step()

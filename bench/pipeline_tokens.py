@@ -117,7 +117,7 @@ class Variant:
 
     def summary(self) -> dict:
         return {"micro_steps_per_window": self.micro_steps / self.windows,
-                "schedules_built_per_window": self.eng.strategy.schedules_built / self.windows,
+                "schedules_built_per_window": self.eng.strategy.schedules.built / self.windows,
                 "padding_share": 1 - self.real / self.computed}
 
 

@@ -54,8 +54,8 @@ def forwards_only(micro_batches: int) -> list[Action]:
 # A pipeline window is one list of actions per pipeline rank, each on one of the stages that rank holds:
 # ``StageAction(stage, kind, k)``. Backwards are whole (``BACKWARD``), or split (zero-bubble) into the
 # gradient for the stage's inputs (``INPUT_GRADIENT``, which the previous stage waits for) and the one
-# for its weights (``WEIGHT_GRADIENT``, which fills a gap later). ``engine.strategies.pipeline`` runs
-# them; the sends and receives between ranks follow from the order.
+# for its weights (``WEIGHT_GRADIENT``, which fills a gap later). ``engine.strategies.stage_schedules``
+# runs them; the sends and receives between ranks follow from the order.
 INPUT_GRADIENT, WEIGHT_GRADIENT = "input_gradient", "weight_gradient"
 
 

@@ -168,16 +168,16 @@ class StageRouters:
         """The error of a window whose ``loss_fn(model, micro_batch)`` returned another loss than the model's."""
         return EngineUsageError(NOT_OWN_LOSS)
 
-    def window_sums(self, counted: list, failed: bool, strategy):
+    def window_sums(self, counted: list, failed: bool, schedules):
         """The window's router counts [C, S, R], its items U, whether a loss was not the model's own and
         whether a rank failed, summed over the world (one small reduction). ``counted``: per micro-batch on
-        the last stage, (items, not the own loss)."""
-        units = torch.zeros(3, dtype=torch.float64, device=strategy.device)  # items U, not the own loss, failed
-        if strategy.holds_last_stage and self.counts_here:  # one rank of each replica adds its loss
+        the last stage, (items, not the own loss); ``schedules``: the stages' (``engine.strategies.stage_schedules``)."""
+        units = torch.zeros(3, dtype=torch.float64, device=schedules.device)  # items U, not the own loss, failed
+        if schedules.last_stage is not None and self.counts_here:  # one rank of each replica adds its loss
             units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
             units[1] = float(any(not_own for _, not_own in counted))
         units[2] = float(failed)
-        total = strategy.sum_over_world(torch.cat([self.window_counts().to(units.device), units]))
+        total = schedules.sum_over_world(torch.cat([self.window_counts().to(units.device), units]))
         return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
 
     def term_and_coefficients(self, counts: torch.Tensor, items: torch.Tensor, weight_of, balance):
@@ -188,11 +188,11 @@ class StageRouters:
         balance.counted_by_stages(self.window_assignments(counts))
         return self.term.coefficient * aux, coefficients
 
-    def exchange_held(self, held: "WindowTerm", strategy, weight_of, balance) -> None:
+    def exchange_held(self, held: "WindowTerm", schedules, weight_of, balance) -> None:
         """A held window's exchange (once): the window's sums, its term's value and the coefficients its
         backwards read; a loss that is not the model's own leaves them 0 (the window is abandoned after)."""
         held.exchanged = True
-        counts, items, held.not_own_loss, _ = self.window_sums(held.units, False, strategy)
+        counts, items, held.not_own_loss, _ = self.window_sums(held.units, False, schedules)
         if held.not_own_loss:
             return
         held.value, coefficients = self.term_and_coefficients(counts, items, weight_of, balance)
@@ -285,7 +285,7 @@ def stage_routers(model: torch.nn.Module, section, strategy) -> StageRouters | N
     are cut by its own plan; else None (a term is then the stage's own, or refused)."""
     if section.load_balance != "global":
         return None
-    return StageRouters.of(strategy.stage_modules, router_term_of(model),
+    return StageRouters.of(strategy.schedules.stages, router_term_of(model),
                            counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
 
 

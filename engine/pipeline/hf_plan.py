@@ -195,7 +195,7 @@ class PlanStage(nn.Module):
         # (engine.strategies.stage_failures), which stands in for it after a failure.
         self.failures = None
         # The micro-batch's position_ids, handed in order by the pipeline (packed rows, a context part:
-        # engine.strategies.pipeline.micro_batch_positions); None: the model numbers them.
+        # engine.strategies.stage_schedules.StageSchedules.positions); None: the model numbers them.
         self.part_positions = _own_positions
 
     def forward(self, hidden):

@@ -4,7 +4,7 @@
 stage of one replica gets the same one); ``loss_fn(outputs, labels)``, or one decorated with
 ``@engine.loss_on_outputs`` (which also trains without a pipeline). The window split cuts it into the plan's A
 micro-batches, exactly as without a pipeline (a short last batch: A smaller ones); they run
-as one ``torch.distributed.pipelining`` schedule (``engine.strategies.pipeline``), the first
+as one schedule through the stages (``engine.strategies.stage_schedules``), the first
 stage called with each micro-batch's ``inputs`` and the last computing
 ``loss_fn(outputs, labels)`` — a mean or ``(sum, count)``, as everywhere.
 
@@ -59,6 +59,7 @@ from engine.losses import outputs_loss_of
 
 if TYPE_CHECKING:  # imported with the strategy, only when a pipeline runs (torch.distributed.pipelining)
     from engine.strategies.pipeline import PipelineParallel
+    from engine.strategies.stage_schedules import StageSchedules
 
 log = logging.getLogger("engine")
 
@@ -79,9 +80,9 @@ class PipelineWindows(WindowRunner):
         first (``engine.experts.stages``): by a counting schedule, or
         (``hold_forwards``, a schedule that runs every forward first) between the training
         schedule's forwards and its backwards."""
+        self.strategy, self.schedules = strategy, strategy.schedules
         if accumulation is not None:
-            strategy.check_accumulation(accumulation)
-        self.strategy = strategy
+            self.schedules.rules.check_accumulation(accumulation)
         self.model_loss = model_loss or NoModelLoss()
         self.routers = routers
         self._routers_counted = False  # while the stages count a routed model's routers (its term added outside)
@@ -114,7 +115,7 @@ class PipelineWindows(WindowRunner):
             LastStageModel(outputs, model, self._routers_counted), micro_batch)
 
     def runs_plan(self, plan) -> bool:
-        return self.strategy.runs_micro_batches(plan.gradient_accumulation_steps)
+        return self.schedules.rules.runs(plan.gradient_accumulation_steps)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         routed = self.routers is not None and written_for_model(loss_fn)  # the model's own loss, with its term
@@ -131,7 +132,7 @@ class PipelineWindows(WindowRunner):
         # the window's term, added to the recorded losses after the schedule
         term = self.routers.new_window_term(len(pieces)) if routed else None
         held = routed and self.holds_forwards
-        losses = _LastStageLosses(self.strategy, pieces, loss_fn)
+        losses = _LastStageLosses(self.schedules, pieces, loss_fn)
 
         def weighed(k, output):
             weighted, outputs[k], count = engine.windows.weighed_loss(output, sizes[k])
@@ -151,7 +152,7 @@ class PipelineWindows(WindowRunner):
         if rows is not None or any(n != sizes[0] for n in sizes) or engine.context.size > 1:
             inputs = equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
         chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
-        positions = self.strategy.micro_batch_positions(packed_positions(pieces, chunk))
+        positions = self.schedules.positions(packed_positions(pieces, chunk))
         before_gradients = engine.windows.fingerprint_batch
         try:
             routing = contextlib.nullcontext()
@@ -169,7 +170,7 @@ class PipelineWindows(WindowRunner):
                 self._routers_counted = True
             # a recorded window: every micro-batch's saved activations count
             with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
-                self.strategy.run_schedule(inputs, len(pieces), last_stage_loss, train=True,
+                self.schedules.run(inputs, len(pieces), last_stage_loss, train=True,
                                            before_first_message=confirm_start,
                                            before_first_gradient_wait=before_gradients)
         finally:  # (a schedule that failed before its first message)
@@ -180,7 +181,7 @@ class PipelineWindows(WindowRunner):
             if term.not_own_loss:  # known on every rank (held forwards): the window is abandoned on every rank
                 failure = failure or self.routers.not_own_loss()
             outputs = losses_with_window_term(outputs, term.value, term.multipliers)
-        self.strategy.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
+        self.schedules.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         # Every stage counts every micro-step; the last stage's losses reach the others in the
         # window's statistics (``WindowCapabilities.loss_copies``), and so does a failure, raised after them.
         for output, samples in zip(outputs, sizes):
@@ -192,11 +193,11 @@ class PipelineWindows(WindowRunner):
         """The counting schedule (``engine.experts.stages``): every stage's router counts and the last
         stage's items over the window, summed over the world. Returns the training schedule's context, in
         which each stage's routers get the term's gradient, and λ · aux of the window."""
-        routers, strategy = self.routers, self.strategy
+        routers, schedules = self.routers, self.schedules
         # per micro-batch on the last stage: (items, not the own loss); a schedule's shape inference may
         # call loss_fn once more with micro-batch 0's index, which its own call then replaces
         counted: list = [(0, False)] * len(pieces)
-        losses = _LastStageLosses(strategy, pieces, loss_fn)
+        losses = _LastStageLosses(schedules, pieces, loss_fn)
 
         def count(k, output):
             loss, units, item_weighted = loss_and_units(output, sizes[k])
@@ -211,16 +212,16 @@ class PipelineWindows(WindowRunner):
         self._routers_counted = True
         try:
             with torch.no_grad(), routers.counting(weights), engine.context.running(), positions():
-                strategy.run_schedule(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
+                schedules.run(inputs, len(pieces), count_units, train=False, before_first_message=confirm_start)
         finally:
             restore_rng_state(saved)
             self._routers_counted = False
         confirm_start()  # the ranks' position check, before the window's first collective
         failure = losses.failure
-        counts, items, not_own, failed = routers.window_sums(counted, failure is not None or strategy.stage_failed,
-                                                             strategy)
+        counts, items, not_own, failed = routers.window_sums(counted, failure is not None or schedules.stage_failed,
+                                                             schedules)
         if failed:
-            strategy.raise_stage_failure()
+            schedules.raise_stage_failure()
             raise failure or failed_on_another_rank("window")
         if not_own:
             raise routers.not_own_loss()
@@ -233,7 +234,7 @@ class PipelineWindows(WindowRunner):
         last stage after its last loss, on the others before their first gradient's receive): the
         coefficients its backwards read. A failure rides the window's statistics as in any window."""
         if not term.exchanged:
-            self.routers.exchange_held(term, self.strategy, self._term_weight(engine), engine.window_hooks)
+            self.routers.exchange_held(term, self.schedules, self._term_weight(engine), engine.window_hooks)
 
     def _term_weight(self, engine: Engine):
         """What the term's gradient beside the loss is multiplied by, from the window's items U: U · W / G
@@ -252,14 +253,14 @@ class PipelineWindows(WindowRunner):
         # (a rank with fewer samples than its peers repeats its last micro-batch with 0 samples)
         pieces = sequence_parts(engine.context, list(engine.window_split.eval_pieces(batch, engine.plan, size)))
         # as many as the schedule runs: the last one repeated with 0 samples
-        pieces += [(pieces[-1][0], 0)] * (self.strategy.fitting_micro_batches(len(pieces)) - len(pieces))
+        pieces += [(pieces[-1][0], 0)] * (self.schedules.rules.fitting(len(pieces)) - len(pieces))
         sizes = [n for _, n in pieces]
         device = self.strategy.device
         inputs = equal_chunks([piece[0] for piece, _ in pieces], engine.window_split.schedule_rows())
         chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         # on the last stage: Σ loss (times its samples for a mean), Σ units; loss_fn failed; not the own loss
         total = torch.zeros(4, dtype=torch.float64, device=device)
-        losses = _LastStageLosses(self.strategy, pieces, loss_fn)
+        losses = _LastStageLosses(self.schedules, pieces, loss_fn)
         counting = contextlib.nullcontext()
         if routed:  # the last stage's own loss without the term (0), which is added once after the reduction
             weights = self.routers.row_weights(pieces, sizes, chunk, device)
@@ -279,9 +280,9 @@ class PipelineWindows(WindowRunner):
         was_training = module.training
         module.eval()
         try:
-            positions = self.strategy.micro_batch_positions(packed_positions(pieces, chunk))
+            positions = self.schedules.positions(packed_positions(pieces, chunk))
             with torch.no_grad(), engine.context.running(), counting, positions():
-                self.strategy.run_schedule(inputs, len(pieces), loss_only, train=False)
+                self.schedules.run(inputs, len(pieces), loss_only, train=False)
         finally:
             module.train(was_training)
             self._routers_counted = False
@@ -291,10 +292,10 @@ class PipelineWindows(WindowRunner):
             total = torch.cat([total, self.routers.window_counts().to(device)])
         # Summed over every rank: the last stages' totals (the other stages add zeros; a last
         # stage's tensor ranks each add the same, which the quotient cancels).
-        total = self.strategy.sum_over_world(total).cpu()
+        total = self.schedules.sum_over_world(total).cpu()
         if total[2] > 0:
             raise failure or failed_on_another_rank("evaluation")
-        self.strategy.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
+        self.schedules.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         if total[3] > 0:
             raise self.routers.not_own_loss()
         mean = evaluation_mean(total)
@@ -307,8 +308,8 @@ class _LastStageLosses:
     micro-batch (it only keeps the ranks' micro-step counts equal), and every micro-batch after a
     failure (this rank's, or its stage's standing in), calls nothing."""
 
-    def __init__(self, strategy: PipelineParallel, pieces: list, loss_fn: LossFn):
-        self.strategy, self.pieces, self.loss_fn = strategy, pieces, loss_fn
+    def __init__(self, schedules: StageSchedules, pieces: list, loss_fn: LossFn):
+        self.schedules, self.pieces, self.loss_fn = schedules, pieces, loss_fn
         self.failure: Exception | None = None
 
     def read(self, outputs, index: torch.Tensor, use: Callable[[int, object], torch.Tensor | None]):
@@ -316,12 +317,12 @@ class _LastStageLosses:
         where it was not called or failed."""
         k = int(index[0])
         (micro_batch, samples) = self.pieces[k]
-        if samples and not self.strategy.stage_failed and self.failure is None:
+        if samples and not self.schedules.stage_failed and self.failure is None:
             try:
-                seen = self.strategy.model_outputs(real_rows(outputs, samples))  # as the model returns them
+                seen = self.schedules.model_outputs(real_rows(outputs, samples))  # as the model returns them
                 used = use(k, self.loss_fn(seen, micro_batch[1]))
             except Exception as error:  # noqa: BLE001 - every error is raised after the schedule
-                if not self.strategy.keep_failure(error):
+                if not self.schedules.keep_failure(error):
                     self.failure = error
             else:
                 if used is not None:

@@ -492,7 +492,7 @@ def evaluated_then_trained(rank, world):
         eng.train_batch(data_share(batch, eng), mse_outputs)
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "eval_diff": abs(evaluated - float(reference_mse(model, batches[0]))),
-              "schedules": eng.strategy.schedules_built}
+              "schedules": eng.strategy.schedules.built}
     eng.close()
     return result
 

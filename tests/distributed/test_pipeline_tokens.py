@@ -128,7 +128,7 @@ def train(rank, world, *, schedule="1f1b", zero=0, loss_fn=token_sum, dynamic=Fa
         losses.append(eng.train_batch(share(batch, eng, dynamic), loss_fn))
         window = eng.last_window
         steps.append(window.micro_steps)
-        built.append(eng.strategy.schedules_built)
+        built.append(eng.strategy.schedules.built)
         tokens.append((window.real_tokens, window.padded_tokens))
     result = {"diff": max_param_diff(eng.full_state_dict(), state(expected)),
               "loss_diff": max(abs(a - b) for a, b in zip(losses, reference_losses)),

@@ -109,14 +109,13 @@ def checkpointing_switch_ignored(eng, ranks=None):
 def summed_micro_batches(eng):
     """Under a pipeline, micro-batch gradients summed instead of averaged (DeepSpeed #7773): every
     micro-batch loss counted A times too much, so the gradient (and its norm) is A times too large."""
-    strategy = eng.strategy
-    run_schedule = strategy.run_schedule
+    schedules = eng.strategy.schedules
+    run = schedules.run
 
     def summing(inputs, micro_batches, loss_fn, **options):
-        return run_schedule(inputs, micro_batches, lambda outputs, index: loss_fn(outputs, index) * micro_batches,
-                            **options)
+        return run(inputs, micro_batches, lambda outputs, index: loss_fn(outputs, index) * micro_batches, **options)
 
-    strategy.run_schedule = summing
+    schedules.run = summing
     return eng
 
 
@@ -171,7 +170,7 @@ def context_ranks_left_out(eng):
 def pipeline_positions_not_handed(eng):
     """Packed rows under a pipeline whose stages are not handed the rows' restarting positions: the model
     numbers each row 0..S-1, one causal mask over the whole row, attention crosses documents."""
-    eng.strategy.micro_batch_positions = lambda positions: contextlib.nullcontext
+    eng.strategy.schedules.positions = lambda positions: contextlib.nullcontext
     return eng
 
 
