@@ -171,8 +171,7 @@ class PipelineWindows(WindowRunner):
             # a recorded window: every micro-batch's saved activations count
             with engine.windows.measured_forwards(), routing, engine.context.running(), positions():
                 self.schedules.run(inputs, len(pieces), last_stage_loss, train=True,
-                                           before_first_message=confirm_start,
-                                           before_first_gradient_wait=before_gradients)
+                                   before_first_message=confirm_start, before_first_gradient_wait=before_gradients)
         finally:  # (a schedule that failed before its first message)
             self._routers_counted = False
             confirm_start()
