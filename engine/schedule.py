@@ -72,9 +72,9 @@ def gpipe(ranks: int, micro_batches: int) -> dict[int, list[StageAction]]:
 
 
 def one_f_one_b(ranks: int, micro_batches: int) -> dict[int, list[StageAction]]:
-    """A rank r places below the last starts with ``ranks - 1 - r`` forwards, then alternates a forward
-    and the oldest backward, then finishes the backwards: at most ``ranks - r`` micro-batches' activations
-    held at once."""
+    """Rank r, ``ranks - 1 - r`` places before the last, starts with that many forwards, then alternates a
+    forward and the oldest backward, then finishes the backwards: at most ``ranks - r`` micro-batches'
+    activations held at once."""
     order = {}
     for rank in range(ranks):
         ahead = min(ranks - 1 - rank, micro_batches)
