@@ -153,17 +153,18 @@ class PipelineWindows(WindowRunner):
             inputs = equal_chunks([piece[0] for piece, _ in pieces], rows)  # not the batch's own equal chunks
         chunk = rows_of(inputs) // len(pieces)  # rows of each micro-batch in the schedule
         positions = self.schedules.positions(packed_positions(pieces, chunk))
-        before_gradients = engine.windows.fingerprint_batch
+
+        def before_gradients():  # where this rank waits for the next stage's first gradient anyway
+            engine.windows.fingerprint_batch()
+            if held:  # the counts of the training schedule's forwards, exchanged before its backwards
+                self._exchange_held(engine, term)
+
         try:
             routing = contextlib.nullcontext()
             if routed:  # the window's router counts over every stage, before its first backward
                 weights = self.routers.row_weights(pieces, sizes, chunk, self.strategy.device)
                 if held:  # counted in the training schedule's forwards, exchanged before its backwards
                     routing = self.routers.holding(weights)
-
-                    def before_gradients():
-                        engine.windows.fingerprint_batch()
-                        self._exchange_held(engine, term)
                 else:
                     routing, term.value = self._count_routers(engine, inputs, pieces, sizes, loss_fn, weights,
                                                               confirm_start, positions)
