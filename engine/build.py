@@ -111,7 +111,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
         pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
                                    own_loss, routers=stage_routers(model, config.moe, strategy),
                                    hold_forwards=experts is not None and experts.holds_forwards)
-        schedule_steps = strategy.schedules.rules.fitting
+        schedule_steps = strategy.rules.fitting
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,

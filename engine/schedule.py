@@ -16,7 +16,8 @@ A pipeline's schedules (GPipe, 1F1B, interleaved, zero-bubble V) are data too: o
 per pipeline rank, below. ``torch.distributed.pipelining``'s runtime runs them with the sends and
 receives their order implies (``engine.adapters.pipelining.ActionSchedule``), its last stage handing
 each loss to the window machine. They are the orders torch's own schedule classes run
-(tests/unit/test_schedule.py compares them); a new one is a generator here.
+(tests/unit/test_schedule.py compares GPipe, interleaved and zero-bubble with torch's descriptions of
+them, and simulates every order); a new one is a generator here.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def zero_bubble_v(ranks: int, micro_batches: int) -> dict[int, list[StageAction]
                 run(down, FORWARD)
             run(down, INPUT_GRADIENT, WEIGHT_GRADIENT)
             run(up, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT)
-        weights = {stage: counts[stage, INPUT_GRADIENT] for stage in (down, up)}  # weight gradients owed from
+        # the next weight gradient of each stage: the cool-down runs input gradients ahead of them
+        weights = {stage: counts[stage, INPUT_GRADIENT] for stage in (down, up)}
         for _ in range(rank):
             run(down, INPUT_GRADIENT)
             run(up, INPUT_GRADIENT)

@@ -37,10 +37,24 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from engine.schedule import BACKWARD, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, StageAction, splits_backward
 
-_TORCH_KIND = {FORWARD: torch_schedules._ComputationType.FORWARD,
-               BACKWARD: torch_schedules._ComputationType.FULL_BACKWARD,
-               INPUT_GRADIENT: torch_schedules._ComputationType.BACKWARD_INPUT,
-               WEIGHT_GRADIENT: torch_schedules._ComputationType.BACKWARD_WEIGHT}
+_KIND = torch_schedules._ComputationType
+_TORCH_KIND = {FORWARD: _KIND.FORWARD, BACKWARD: _KIND.FULL_BACKWARD, INPUT_GRADIENT: _KIND.BACKWARD_INPUT,
+               WEIGHT_GRADIENT: _KIND.BACKWARD_WEIGHT}
+# what an evaluation keeps of a lowered order: its forwards, their messages, FSDP's unshard and reshard
+_FORWARD_KINDS = {_KIND.FORWARD, _KIND.SEND_F, _KIND.RECV_F, _KIND.UNSHARD, _KIND.RESHARD}
+
+
+def torch_order(order: dict[int, list[StageAction]]) -> dict[int, list]:
+    """The engine's order in torch's terms: ``_Action(stage, kind, micro-batch)`` per rank."""
+    return {rank: [torch_schedules._Action(action.stage, _TORCH_KIND[action.kind], action.k) for action in actions]
+            for rank, actions in order.items()}
+
+
+def forward_actions(lowered: dict[int, list]) -> dict[int, list]:
+    """Of an order torch lowered (its sends and receives added): the forwards, their messages and FSDP's
+    unshard / reshard, in order; the backwards, their messages and the gradient reduction dropped."""
+    return {rank: [action for action in actions if action.computation_type in _FORWARD_KINDS]
+            for rank, actions in lowered.items()}
 
 
 class ActionSchedule(torch_schedules._PipelineScheduleRuntime):
@@ -54,8 +68,7 @@ class ActionSchedule(torch_schedules._PipelineScheduleRuntime):
             # a split backward cannot run through a compiled block: torch's own refusal
             torch_schedules._check_torch_compile_compatibility(stages, "zero-bubble")
         super().__init__(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
-        self.pipeline_order = {rank: [torch_schedules._Action(action.stage, _TORCH_KIND[action.kind], action.k)
-                                      for action in actions] for rank, actions in order.items()}
+        self.pipeline_order = torch_order(order)
         self._prepare_schedule_with_comms(self.pipeline_order)
 
     @classmethod
@@ -63,14 +76,10 @@ class ActionSchedule(torch_schedules._PipelineScheduleRuntime):
                  order: dict[int, list[StageAction]]) -> "ActionSchedule":
         """An evaluation's schedule (or a counting pass's): ``order``'s forwards alone, with their sends and
         receives (torch's check of an order wants every backward, so the whole order is checked and
-        lowered, then its backwards and their messages dropped; run it with ``eval()``)."""
+        lowered, then :func:`forward_actions` kept; run it with ``eval()``)."""
         schedule = cls(stages, micro_batches, loss_fn, order)
-        forward = {torch_schedules._ComputationType.FORWARD, torch_schedules._ComputationType.SEND_F,
-                   torch_schedules._ComputationType.RECV_F, torch_schedules._ComputationType.UNSHARD,
-                   torch_schedules._ComputationType.RESHARD}
-        for orders in (schedule.pipeline_order, schedule.pipeline_order_with_comms):
-            for rank, actions in orders.items():
-                orders[rank] = [action for action in actions if action.computation_type in forward]
+        schedule.pipeline_order = forward_actions(schedule.pipeline_order)
+        schedule.pipeline_order_with_comms = forward_actions(schedule.pipeline_order_with_comms)
         return schedule
 
 

@@ -46,6 +46,7 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.accounting import loss_tensor, mean_items
+from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
 from engine.experts import balance
 from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
@@ -177,7 +178,7 @@ class StageRouters:
             units[0] = sum(torch.as_tensor(count, dtype=torch.float64).to(units.device) for count, _ in counted)
             units[1] = float(any(not_own for _, not_own in counted))
         units[2] = float(failed)
-        total = schedules.sum_over_world(torch.cat([self.window_counts().to(units.device), units]))
+        total = small_sum(torch.cat([self.window_counts().to(units.device), units]))
         return total[:-3], total[-3], bool(total[-2] > 0), bool(total[-1] > 0)
 
     def term_and_coefficients(self, counts: torch.Tensor, items: torch.Tensor, weight_of, balance):

@@ -247,6 +247,7 @@ class TorchStrategy(Strategy):
     # A DCP checkpoint keyed by parameter names: loadable by every torch strategy on any world size.
     # ZeRO-1 needs nothing more: its optimizer holds only this rank's parameters.
     checkpoint_format = "torch-dcp"
+    _checkpoint_switch = None  # activation_checkpointing: auto: parallelize's switch (capabilities() reads it)
 
     def __init__(self, setup: Setup, dist_info: DistInfo):
         torch_internals.check()

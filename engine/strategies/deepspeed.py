@@ -76,6 +76,7 @@ def _without_log(logger, text: str, enabled: bool = True):
 
 class DeepSpeedStrategy(Strategy):
     checkpoint_format = "deepspeed"
+    _checkpoint_switch = None  # activation_checkpointing: auto: the model transform's switch (set in setup)
 
     def __init__(self, setup, dist_info):
         super().__init__(setup, dist_info)

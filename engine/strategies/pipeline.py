@@ -67,7 +67,6 @@ class PipelineParallel(TorchStrategy):
         self.num_stages = mesh.pipeline * self.stages_per_rank
         self.splits_backward = splits_backward(one)
         self.pipeline_group = self.groups.submesh(("pipeline",)).get_group()
-        self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = self.num_stages - 1 in self.stage_indices
         self.schedules: StageSchedules | None = None  # once the stages exist (setup)
 
@@ -169,7 +168,7 @@ class PipelineParallel(TorchStrategy):
     def capabilities(self):
         """A stage holds some layers; the last stage's loss records stand for every stage's in the
         window's statistics (the others record none); forwards are held where the order runs them first."""
-        return replace(super().capabilities(), holds_every_layer=False, can_hold_forwards=self.rules.forwards_first(),
+        return replace(super().capabilities(), holds_every_layer=False, can_hold_forwards=self.rules.forwards_first_in_any_window(),
                        loss_copies=self.mesh.pipeline if self.holds_last_stage else 0)
 
     def enable_failure_guard(self):

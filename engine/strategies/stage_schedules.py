@@ -29,10 +29,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from engine.adapters.pipelining import ActionSchedule, GuardedPipelineStage, NeighbourStage
-from engine.distributed.collectives import small_sum
 from engine.errors import ConfigError, EngineUsageError
 from engine.schedule import forwards_first, gpipe, interleaved, one_f_one_b, zero_bubble_v
 from engine.strategies.stage_failures import StageFailures
@@ -43,7 +41,7 @@ log = logging.getLogger("engine")
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero_bubble": zero_bubble_v}
 _RULES = {"1f1b": "at least one micro-batch per pipeline rank",
           "interleaved": "a multiple of its rounds, ⌊micro-batches / pipeline ranks⌋"}
-_KEPT_SCHEDULES = 4  # schedules kept for other shapes (each holds its stages' receive buffers)
+_KEPT_SCHEDULES = 4  # schedules kept per mode for other shapes (each holds its stages' receive buffers)
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
 
@@ -88,7 +86,7 @@ class ScheduleRules:
             f"pipeline.schedule {self.name} over {self.ranks} pipeline ranks ({_RULES[self.name]}); nearest: "
             f"{nearest} (change train_micro_batch_size_per_gpu or train_batch_size), or schedule gpipe"])
 
-    def forwards_first(self) -> bool:
+    def forwards_first_in_any_window(self) -> bool:
         """Whether every window's order runs every forward before its first backward, on every stage (GPipe):
         1F1B and the interleaved schedules start backwards earlier once a window has more micro-batches than
         their warm-up, which up to 2 per rank shows."""
@@ -181,7 +179,7 @@ class StageSchedules:
             if train:
                 kept.schedule.step(*args, target=target, **self._step_options)
             else:
-                kept.schedule.eval(*args, target=target)
+                kept.schedule.eval(*args, target=target, **self._step_options)
         finally:
             self._loss = None
             for stage in kept.stages:
@@ -197,11 +195,13 @@ class StageSchedules:
             build = ActionSchedule if key[2] else ActionSchedule.forwards
             kept = _KeptSchedule(build(stages, key[1], self._scaled_loss, self.rules.order(key[1])), stages)
             self.built += 1
-            log.info("pipeline: schedule %d built, %s %d micro-batches of shape %s (the %d most recent are kept)",
+            log.info("pipeline: schedule %d built, %s %d micro-batches of shape %s (the %d most recent of each "
+                     "mode are kept)",
                      self.built, "training" if key[2] else "forwards of", key[1],
                      ", ".join(str([shape[0] // key[1], *shape[1:]]) for shape in key[0]), _KEPT_SCHEDULES)
-            if len(self._kept) >= _KEPT_SCHEDULES:
-                self._kept.pop(next(iter(self._kept)))
+            same_mode = [kept_key for kept_key in self._kept if kept_key[2] == key[2]]
+            if len(same_mode) >= _KEPT_SCHEDULES:  # the least recently used of this mode
+                self._kept.pop(same_mode[0])
         self._kept[key] = kept  # most recently used last
         return kept
 
@@ -231,12 +231,6 @@ class StageSchedules:
         type around its logits; other models' outputs as they are), in fp32 where the precision
         policy returns fp32 outputs (autocast: as without a pipeline)."""
         return self.last_stage.model_outputs(self.precision.outputs(outputs))
-
-    @staticmethod
-    def sum_over_world(tensor: torch.Tensor) -> torch.Tensor:
-        """A small tensor summed over every rank (an evaluation's totals or a window's router counts,
-        which only some stages hold)."""
-        return small_sum(tensor) if dist.get_world_size() > 1 else tensor
 
 
 @dataclass
@@ -279,6 +273,6 @@ def _as_tuple(inputs) -> tuple:
 
 
 def _step_options(schedule_class) -> dict:
-    """``return_outputs=False`` where the schedule accepts it (the last stage need not merge
-    the outputs of a training window)."""
+    """``return_outputs=False`` where the schedule accepts it (the last stage need not keep and merge
+    every micro-batch's outputs: the loss was read from each)."""
     return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule_class.step).parameters else {}

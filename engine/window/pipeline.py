@@ -47,6 +47,7 @@ import torch
 
 from engine.pipeline.schedule_inputs import (check_model_batch, equal_chunks, inputs_and_labels, packed_positions,
                                              real_rows, rows_of, sequence_parts, zero_from)
+from engine.distributed.collectives import small_sum
 from engine.state.rng import restore_rng_state, rng_state
 from engine.accounting import (evaluation_mean, evaluation_terms, loss_and_units, loss_tensor,
                                losses_with_window_term, mean_items)
@@ -292,7 +293,7 @@ class PipelineWindows(WindowRunner):
             total = torch.cat([total, self.routers.window_counts().to(device)])
         # Summed over every rank: the last stages' totals (the other stages add zeros; a last
         # stage's tensor ranks each add the same, which the quotient cancels).
-        total = self.schedules.sum_over_world(total).cpu()
+        total = small_sum(total).cpu()
         if total[2] > 0:
             raise failure or failed_on_another_rank("evaluation")
         self.schedules.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows

@@ -159,7 +159,7 @@ def fp16_overflow_on_first_stage(rank, world):
     expected, _ = reference_run(copy.deepcopy(model).double(), [doubled[0], doubled[2]], reference_mse, 0.0)
     eng = engine.initialize(copy.deepcopy(model), config(4, 1, fp16={"enabled": True, "initial_scale_power": 8}),
                             optimizer=sgd)
-    overflow_in_second_window(eng, eng.strategy.holds_first_stage)
+    overflow_in_second_window(eng, eng.strategy.schedules.holds_first_stage)
     for batch in batches:
         eng.train_batch(data_share(batch, eng), mse_outputs)
     return overflow_result(eng, expected)

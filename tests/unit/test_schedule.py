@@ -10,9 +10,11 @@ import torch
 
 import engine
 from engine.experts import window as experts_window
+from engine.adapters.pipelining import forward_actions, torch_order
 from engine.schedule import (BACKWARD, COUNT, EVALUATE, EXCHANGE, FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT, WINDOW,
                              StageAction, counted_first, forwards_first, forwards_only, gpipe, held_forwards,
                              interleaved, one_after_another, one_f_one_b, splits_backward, zero_bubble_v)
+from engine.strategies.stage_schedules import SCHEDULES, ScheduleRules
 from tests.support.reference import mlp, mse, regression_batches, sgd
 
 
@@ -51,16 +53,9 @@ def test_a_dense_model_touches_no_experts_code(monkeypatch):
 
 
 # -- a pipeline's schedules ------------------------------------------------------------------------------
-PIPELINE_ORDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero_bubble": zero_bubble_v}
-
-
 def runs(name: str, ranks: int, micro_batches: int) -> bool:
-    """The micro-batch counts the engine runs each schedule with (engine.strategies.pipeline)."""
-    if name == "1f1b":
-        return micro_batches >= ranks
-    if name == "interleaved":
-        return micro_batches % max(1, micro_batches // ranks) == 0
-    return True
+    """Whether the engine runs schedule ``name`` with ``micro_batches`` (engine.strategies.stage_schedules)."""
+    return ScheduleRules(name, ranks).runs(micro_batches)
 
 
 def simulated(order: dict[int, list[StageAction]], stages: int) -> tuple[int, dict[int, int]]:
@@ -98,13 +93,13 @@ def simulated(order: dict[int, list[StageAction]], stages: int) -> tuple[int, di
     return ticks, peak
 
 
-@pytest.mark.parametrize("name", PIPELINE_ORDERS)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_every_pipeline_schedule_runs_each_micro_batch_once_per_stage_without_deadlock(name):
     for ranks in (2, 3, 4):
         for micro_batches in range(1, 13):
             if not runs(name, ranks, micro_batches):
                 continue
-            order = PIPELINE_ORDERS[name](ranks, micro_batches)
+            order = SCHEDULES[name](ranks, micro_batches)
             stages = len({action.stage for actions in order.values() for action in actions})
             ticks, peak = simulated(order, stages)
             kinds = (FORWARD, INPUT_GRADIENT, WEIGHT_GRADIENT) if splits_backward(order) else (FORWARD, BACKWARD)
@@ -160,11 +155,51 @@ def test_the_simulation_finds_an_order_that_cannot_run():
 
 
 def test_only_gpipe_runs_every_forward_first_for_any_window():
-    """What lets a routed model hold its forwards under a pipeline (engine.strategies.pipeline's
-    can_hold_forwards): 1F1B's order is forwards-first for a window of one micro-batch, not for longer ones."""
+    """What lets a routed model hold its forwards under a pipeline (``WindowCapabilities.can_hold_forwards``
+    of the pipeline holder): 1F1B's order is forwards-first for a window of one micro-batch, not for longer
+    ones, so the rule asks every window."""
     assert forwards_first(one_f_one_b(2, 1)) and not forwards_first(one_f_one_b(2, 4))
-    for ranks in (2, 3):
-        assert all(forwards_first(gpipe(ranks, count)) for count in range(1, 2 * ranks + 1))
-        for name in ("1f1b", "interleaved", "zero_bubble"):
-            assert not all(forwards_first(PIPELINE_ORDERS[name](ranks, count))
-                           for count in range(1, 2 * ranks + 1) if runs(name, ranks, count)), name
+    for ranks in (2, 3, 4):
+        assert [name for name in SCHEDULES if ScheduleRules(name, ranks).forwards_first_in_any_window()] == ["gpipe"]
+
+
+def test_an_evaluation_keeps_every_forward_and_its_messages():
+    """An evaluation's schedule is the training order lowered by torch (its sends and receives added, FSDP's
+    unshard and reshard), its backwards dropped (engine.adapters.pipelining.forward_actions): each stage's
+    forwards are all there, nothing of a backward is left, every unshard is used by a forward before its
+    reshard, and torch's own simulation of the messages runs it through without a deadlock."""
+    from torch.distributed.pipelining import schedules as torch_schedules  # the lowering: torch's control
+
+    kinds = torch_schedules._ComputationType
+    for name in SCHEDULES:
+        for ranks in (2, 3, 4):
+            for micro_batches in range(1, 13):
+                if not runs(name, ranks, micro_batches):
+                    continue
+                order = torch_order(ScheduleRules(name, ranks).order(micro_batches))
+                stages = len({action.stage_index for actions in order.values() for action in actions})
+                placed = torch_schedules._validate_schedule(order, ranks, stages, micro_batches)
+                lowered = {rank: torch_schedules._add_reduce_grad(torch_schedules._add_unshard_reshard(actions),
+                                                                  micro_batches) for rank, actions in order.items()}
+                lowered = torch_schedules._add_send_recv(lowered, stage_to_rank=placed.__getitem__, num_stages=stages)
+                forwards = forward_actions(lowered)
+                computed = [(action.stage_index, action.microbatch_index) for actions in forwards.values()
+                            for action in actions if action.computation_type == kinds.FORWARD]
+                assert sorted(computed) == [(stage, k) for stage in range(stages) for k in range(micro_batches)]
+                assert not any(action.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT,
+                                                           kinds.BACKWARD_WEIGHT, kinds.SEND_B, kinds.RECV_B,
+                                                           kinds.REDUCE_GRAD)
+                               for actions in forwards.values() for action in actions)
+                for actions in forwards.values():
+                    unshard = set()
+                    for action in actions:
+                        if action.computation_type == kinds.UNSHARD:
+                            unshard.add(action.stage_index)
+                        elif action.computation_type == kinds.FORWARD:
+                            unshard.discard(action.stage_index)
+                        elif action.computation_type == kinds.RESHARD:
+                            assert action.stage_index not in unshard, (name, ranks, micro_batches, action)
+                computing = {rank: [action for action in actions
+                                    if action.computation_type not in (kinds.UNSHARD, kinds.RESHARD)]
+                             for rank, actions in forwards.items()}
+                torch_schedules._simulate_comms_compute(computing, placed.__getitem__, stages)
