@@ -11,17 +11,17 @@ import torch
 from engine.autosave import automatic_checkpoints
 from engine.autotune.tuner import MicroBatchTuner
 from engine.batching.mesh_plan import plan_for_mesh
-from engine.config.schema import ConfigError, load_config, torch_sections
+from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
-from engine.experts.stages import schedule_for_global_balance, stage_routers
+from engine.experts.stages import config_for_global_balance
 from engine.experts.window import expert_balance
 from engine.monitor.startup import STARTUP_LOGGER, startup_lines
 from engine.window.model_loss import LossReading, model_loss, packing_seams
 from engine.monitor import Monitor
-from engine.window.pipeline import PipelineWindows
+from engine.window.pipeline import pipeline_windows
 from engine.precision.policy import check_autocast_computes
 from engine.config.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
@@ -82,7 +82,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                  agreement_timeout_seconds=group.agreement_timeout_seconds)
     _configure_logging(dist_info.rank)
     check_same_settings(config)  # before any group is built: a mesh of different shapes would hang
-    config = _schedule_for_routers(model, config)
+    config = config_for_global_balance(model, config)
     setup = resolve_setup(config, dist_info, tensor_plan)
     if setup.mesh.tensor == 1 and setup.tensor_parallel.plan != "auto":
         log.warning("a tensor-parallel plan was given (tensor_plan= or tensor_parallel.plan) but tensor_parallel.size "
@@ -103,15 +103,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
     experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
                              runner_runs_micro_steps=setup.mesh.pipeline > 1)
-    pipeline = schedule_steps = None
-    if setup.mesh.pipeline > 1:
-        # a token budget (micro-batches of one shape, as many as the schedule runs) or the
-        # automatic micro size chooses A per window
-        chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
-        pipeline = PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps,
-                                   own_loss, routers=stage_routers(model, config.moe, strategy),
-                                   hold_forwards=experts is not None and experts.holds_forwards)
-        schedule_steps = strategy.rules.fitting
+    pipeline = pipeline_windows(model, config.moe, strategy, plan, own_loss, experts)  # None without stages
+    schedule_steps = pipeline.fitting_micro_batches if pipeline is not None else None
     tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
@@ -132,20 +125,6 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     if autosave is not None:
         autosave.start(eng)  # may resume: last
     return eng
-
-
-def _schedule_for_routers(model: torch.nn.Module, config):
-    """``config`` with GPipe for a routed model's pipeline where no schedule was set and GPipe holds little
-    more than 1F1B would (``engine.experts.stages.schedule_for_global_balance``), said once."""
-    checkpointing = torch_sections(config).features.checkpointing is not None
-    if schedule_for_global_balance(model, config, checkpointing) is None:
-        return config
-    log.info("pipeline.schedule: gpipe (none was set): under moe.load_balance: global the window's router counts "
-             "are learnt between GPipe's forwards and its backwards, at no extra forward; 1F1B would first run every "
-             "micro-batch's forward without gradients (1.5-1.9x a step in bench/moe_pipeline.py). GPipe holds %s "
-             "until its backwards; set pipeline.schedule: 1f1b to keep 1F1B",
-             "every micro-batch's checkpoints" if checkpointing else "no more micro-batches than 1F1B")
-    return config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"schedule": "gpipe"})})
 
 
 def _configure_logging(rank: int) -> None:

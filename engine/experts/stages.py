@@ -40,18 +40,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Mapping
 from typing import Iterator, Sequence
 
 import torch
 
 from engine.accounting import loss_tensor, mean_items
+from engine.config.schema import torch_sections
 from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
 from engine.experts import balance
 from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
                                     with_term_gradient)
 from engine.experts.hf import RouterTerm, router_term_of
+
+log = logging.getLogger("engine")
 
 NOT_OWN_LOSS = (
     "moe.load_balance: global under a pipeline: the routers' term of the window enters through the model's own "
@@ -278,6 +282,20 @@ def schedule_for_global_balance(model: torch.nn.Module, config, checkpointing: b
     accumulation = config.gradient_accumulation_steps
     fits = checkpointing or (accumulation is not None and accumulation <= pipeline.stages)
     return "gpipe" if fits else None
+
+
+def config_for_global_balance(model: torch.nn.Module, config):
+    """``config`` with ``pipeline.schedule: gpipe`` where :func:`schedule_for_global_balance` chooses it, said
+    once; else ``config`` as it is."""
+    checkpointing = torch_sections(config).features.checkpointing is not None
+    if schedule_for_global_balance(model, config, checkpointing) is None:
+        return config
+    log.info("pipeline.schedule: gpipe (none was set): under moe.load_balance: global the window's router counts "
+             "are learnt between GPipe's forwards and its backwards, at no extra forward; 1F1B would first run every "
+             "micro-batch's forward without gradients (about 1.4x a step in bench/moe_pipeline.py). GPipe holds %s "
+             "until its backwards; set pipeline.schedule: 1f1b to keep 1F1B",
+             "every micro-batch's checkpoints" if checkpointing else "no more micro-batches than 1F1B")
+    return config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"schedule": "gpipe"})})
 
 
 def stage_routers(model: torch.nn.Module, section, strategy) -> StageRouters | None:

@@ -48,6 +48,7 @@ import torch
 from engine.pipeline.schedule_inputs import (check_model_batch, equal_chunks, inputs_and_labels, packed_positions,
                                              real_rows, rows_of, sequence_parts, zero_from)
 from engine.distributed.collectives import small_sum
+from engine.experts.stages import stage_routers
 from engine.state.rng import restore_rng_state, rng_state
 from engine.accounting import (evaluation_mean, evaluation_terms, loss_and_units, loss_tensor,
                                losses_with_window_term, mean_items)
@@ -117,6 +118,10 @@ class PipelineWindows(WindowRunner):
 
     def runs_plan(self, plan) -> bool:
         return self.schedules.rules.runs(plan.gradient_accumulation_steps)
+
+    def fitting_micro_batches(self, count: int) -> int:
+        """The fewest micro-batches, at least ``count``, the schedule runs (the window split asks)."""
+        return self.schedules.rules.fitting(count)
 
     def run_window(self, engine: Engine, batch, loss_fn: LossFn) -> None:
         routed = self.routers is not None and written_for_model(loss_fn)  # the model's own loss, with its term
@@ -301,6 +306,20 @@ class PipelineWindows(WindowRunner):
             raise self.routers.not_own_loss()
         mean = evaluation_mean(total)
         return mean + float(self.routers.weighted_term(total[4:])) if routed else mean
+
+
+def pipeline_windows(model: torch.nn.Module, moe, strategy, plan, model_loss: ModelLoss | NoModelLoss,
+                     experts) -> PipelineWindows | None:
+    """The runner of a pipeline's windows (None without one): the plan's accumulation checked against the
+    schedule, unless a token budget (micro-batches of one shape, as many as the schedule runs) or the automatic
+    micro size chooses it per window; a routed model's stages under ``moe`` (``engine.experts.stages``), its
+    forwards held where its balance (``experts``) holds them."""
+    if strategy.mesh.pipeline == 1:
+        return None
+    chosen_per_window = plan.is_provisional or plan.micro_batch_tokens is not None
+    return PipelineWindows(strategy, None if chosen_per_window else plan.gradient_accumulation_steps, model_loss,
+                           routers=stage_routers(model, moe, strategy),
+                           hold_forwards=experts is not None and experts.holds_forwards)
 
 
 class _LastStageLosses:
