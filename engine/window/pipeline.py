@@ -20,20 +20,11 @@ the scheduler and the monitor; a failed ``loss_fn`` abandons the window on every
 its own rank raising its error. (Evaluation sums the last stages' totals in its one reduction
 over every rank the same way.)
 
-Shapes. The schedule needs micro-batches of one shape; when the plan's micro-batches differ
-in size (a balanced plan, a short window) each is padded to the largest with copies of its
-own first rows, whose outputs are cut off before ``loss_fn`` sees them: they take no part in
-the loss or the gradient (models whose rows do not interact, i.e. without batch statistics).
-
-Token budgets (``micro_batch_tokens``). torch's stages take one shape per step (a stage
-infers its input and output shapes once, from the first micro-batch, and every micro-batch's
-receive buffers are made from them; the schedule cuts its inputs into equal chunks), so
-micro-batches of different lengths cannot share a step. Shapes are bucketed instead
-(``window_split.OneShapeTokenSplit``): a window's micro-batches, on every rank, are cut to one
-bucket length (the longest row rounded up to 2^k × 1 or 1.5) and padded to one number of
-rows, and a window of another shape gets its own schedule (built once, kept for reuse). Each
-micro-batch is weighted by its real tokens with ``(sum, count)`` losses, and a zero-weight
-step (a rank with fewer rows than micro-steps) runs without calling ``loss_fn``.
+Shapes. A schedule runs micro-batches of one shape: smaller ones (a balanced plan, a short window)
+are padded with copies of their own first rows, cut off before ``loss_fn`` (rows must not interact).
+Under a token budget (``micro_batch_tokens``) a window's micro-batches are cut to one bucket length and
+row count on every rank (``window_split.OneShapeTokenSplit``), each bucket a schedule of its own, each
+micro-batch weighted by its real tokens; a zero-weight step runs without calling ``loss_fn``.
 """
 
 from __future__ import annotations
