@@ -16,12 +16,12 @@ from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
 from engine.window.runner import LossFn
-from engine.experts.stages import config_for_global_balance
+from engine.experts.stages import config_for_global_balance, stage_balance
 from engine.experts.window import expert_balance
 from engine.monitor.startup import STARTUP_LOGGER, startup_lines
 from engine.window.model_loss import LossReading, model_loss, packing_seams
 from engine.monitor import Monitor
-from engine.window.pipeline import pipeline_windows
+from engine.window.stages import stage_windows
 from engine.precision.policy import check_autocast_computes
 from engine.config.optim import OptimizerArg, build_optimizer, build_scheduler
 from engine.distributed.rank_consistency import check_same_settings
@@ -103,19 +103,21 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
     experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
                              runner_runs_micro_steps=setup.mesh.pipeline > 1)
-    pipeline = pipeline_windows(model, config.moe, strategy, plan, own_loss, experts)  # None without stages
-    schedule_steps = pipeline.fitting_micro_batches if pipeline is not None else None
-    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, windows=pipeline) \
+    stages = stage_windows(strategy, plan, own_loss)  # None without a pipeline
+    schedule_steps = stages.fitting_micro_batches if stages is not None else None
+    # under a pipeline the window's hooks are its stages' routers (None: none counted there)
+    window_hooks = experts if stages is None else stage_balance(model, config.moe, strategy, experts)
+    tuner = MicroBatchTuner(strategy, plan, memory_limit=config.auto_memory_limit, stages=stages) \
         if plan.is_provisional else None
     window_split = window_split_for(plan, manual_sizes=manual_sizes, lengths=lengths,
                                     sequence_keys=config.sequence_keys, schedule_steps=schedule_steps,
                                     length_multiple=context.shards.chunks if context is not None else 1,
                                     packing=packing_seams(model, own_loss) if config.packing else None)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
-                 window_runner=tuner or pipeline,  # None: the engine runs its windows itself
+                 window_runner=tuner, stages=stages,  # None: the engine runs its windows itself once
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=experts,
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=window_hooks, experts=experts,
                  context=context, losses=LossReading(own_loss, strict=config.strict))
     if dist_info.rank == 0:  # what is on, once
         logging.getLogger(STARTUP_LOGGER).info("start-up:\n  %s", "\n  ".join(startup_lines(config, setup, plan, own_loss_type=own_loss.loss_type,

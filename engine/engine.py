@@ -21,11 +21,11 @@ totals, multiply, clip, step) and discard — is ``engine.window.machine``; the 
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
 (how the model is held), the window runner (``engine.window.runner``: the plain one runs the window
-on the executor, the automatic micro-batch size of ``engine.autotune.tuner`` retries it and guards
-every micro-step, a pipeline's schedule, ``engine.window.pipeline``, runs a window's micro-steps
-through its stages and tells the engine's window machine; under a pipeline the tuner retries the
-schedule's windows), the window's hooks (a model with routers: ``engine.experts.window``; None for a
-dense model), the engine's hooks (``engine.window.hooks``: the monitor and automatic checkpoints, told
+on the executor once, the automatic micro-batch size of ``engine.autotune.tuner`` retries it and guards
+its micro-steps), a pipeline's windows (``engine.window.stages``: what the executor's stage actions run;
+None for a model held whole), the window's hooks (a model with routers: ``engine.experts.window``, under a
+pipeline ``engine.experts.stages``; None for a dense model) and the model's routers as ``eng.experts``
+reads them, the engine's hooks (``engine.window.hooks``: the monitor and automatic checkpoints, told
 when ``batches()`` makes data, a training window starts or closes, state is loaded and the engine
 closes) and the stateful parts a checkpoint holds besides the engine's own counters (scheduler, loss
 scaler, tuner), which the engine hands with itself and its strategy to one
@@ -55,6 +55,7 @@ from engine.window.loss_checks import check_loss, check_loss_signature
 from engine.window.machine import WindowMachine
 from engine.window.model_loss import LossReading, NoModelLoss
 from engine.window.runner import LossFn, WindowRunner
+from engine.window.stages import StageWindows
 
 log = logging.getLogger("engine")
 
@@ -81,8 +82,9 @@ class Engine:
                  window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
-                 grad_norm_every_step: bool = False, window_hooks: WindowHooks | None = None,
-                 context: ContextParallel | None = None, losses: LossReading | None = None):
+                 grad_norm_every_step: bool = False, window_hooks: WindowHooks | None = None, experts=None,
+                 stages: StageWindows | None = None, context: ContextParallel | None = None,
+                 losses: LossReading | None = None):
         self.config, self.plan, self.strategy = config, plan, strategy
         # how windows are cut and what a micro-batch counts for (engine.batching.window_split)
         self.window_split, self.window_runner = window_split, window_runner or WindowRunner()
@@ -94,8 +96,10 @@ class Engine:
         self.loss_fn = loss_fn
         # Null objects where a dimension is absent: whole sequences without context_parallel
         # (engine.context.parallel), a model whose loss is not read as (sum, count) (engine.window.model_loss);
-        # a window without hooks (a dense model: engine.window.executor) asks none.
+        # a window without hooks (a dense model: engine.window.executor) asks none. ``experts``: a model's
+        # routers as eng.experts reads them (engine.experts.window; by default the window's hooks).
         self.window_hooks = window_hooks
+        self._experts = experts if experts is not None else window_hooks
         self.context = context if context is not None else WholeSequences()
         self.losses = losses or LossReading(NoModelLoss(), strict=False)
         # every weight, count and divisor of a window (engine.accounting); G is the window split's
@@ -107,8 +111,8 @@ class Engine:
             chooses_micro_size=self.window_runner.chooses_micro_size, clipping=config.gradient_clipping,
             non_finite_policy=config.faults.non_finite_gradient, grad_norm_every_step=grad_norm_every_step)
         self.executor = WindowExecutor(model=self, strategy=strategy, windows=self.windows, window_split=window_split,
-                                       context=self.context, losses=self.losses, hooks=window_hooks,
-                                       guard=self.window_runner.guard)
+                                       context=self.context, losses=self.losses, accounting=self.accounting,
+                                       hooks=window_hooks, stages=stages, guard=self.window_runner.guard)
         # A checkpoint holds the strategy's model and optimizer, the parts handed in, and this engine's
         # counters and plan, loaded last so that its hooks see the whole restored state.
         self.checkpoints = CheckpointManager(
@@ -136,7 +140,7 @@ class Engine:
     def experts(self):
         """A model's routers as its windows balance them (``engine.experts.window``: ``last_load``,
         ``routing_differences``, ``global_counts``); for a model without routers, a record of none."""
-        return self.window_hooks if self.window_hooks is not None else NO_ROUTERS
+        return self._experts if self._experts is not None else NO_ROUTERS
 
     @property
     def hooks(self) -> tuple[EngineHook, ...]:
@@ -360,5 +364,5 @@ class Engine:
         if loss_fn is None:
             raise EngineUsageError("no loss function: pass loss_fn(model, micro_batch) to train_batch()/eval_batch() "
                                    "or to engine.initialize(..., loss_fn=...)")
-        check_loss_signature(loss_fn, on_outputs=self.window_runner.calls_loss_on_outputs)  # engine.window.loss_checks
+        check_loss_signature(loss_fn, on_outputs=self.executor.calls_loss_on_outputs)  # engine.window.loss_checks
         return loss_fn

@@ -7,7 +7,10 @@ An action is ``(kind, k)``, micro-batch ``k`` (``-1`` where an action is the win
 * ``COUNT k``: a forward without gradients whose router counts the window learns before any backward;
 * ``EXCHANGE``: the window's collective between what was counted or held and the backwards (the
   routers' counts over every micro-batch and data rank);
-* ``EVALUATE k``: a forward whose loss is added to an evaluation's totals (no backward).
+* ``EVALUATE k``: a forward whose loss is added to an evaluation's totals (no backward);
+* ``STAGES``: under a pipeline, every micro-batch of the window through this rank's stages in their
+  order (one of the stage orders below), the last stage's losses weighed as ``BACKWARD``'s are; a
+  ``COUNT`` or ``EVALUATE`` of the window runs the same order's forwards alone.
 
 A schedule is made by a generator below; the window executor (``engine.window.executor``) runs any of
 them, and a window's hooks (a mixture of experts' routers, ``engine.experts.window``) choose one.
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 FORWARD, BACKWARD, COUNT, EXCHANGE, EVALUATE = "forward", "backward", "count", "exchange", "evaluate"
+STAGES = "stages"
 WINDOW = -1  # the micro-batch index of an action that is the window's
 
 Action = tuple[str, int]
@@ -49,6 +53,23 @@ def held_forwards(micro_batches: int) -> list[Action]:
 def forwards_only(micro_batches: int) -> list[Action]:
     """An evaluation: each micro-batch's forward, its loss added to the totals."""
     return [(EVALUATE, k) for k in range(micro_batches)]
+
+
+def through_stages(micro_batches: int) -> list[Action]:
+    """A pipeline window: its micro-batches through the stages' order. Held forwards (an order whose
+    forwards all come first: GPipe) exchange their counts inside it, at the first gradient's receive."""
+    return [(STAGES, WINDOW)]
+
+
+def counted_through_stages(micro_batches: int) -> list[Action]:
+    """A pipeline window whose routers are counted first: the order's forwards without gradients, the
+    counts exchanged, then the order."""
+    return [(COUNT, WINDOW), (EXCHANGE, WINDOW), (STAGES, WINDOW)]
+
+
+def evaluated_through_stages(micro_batches: int) -> list[Action]:
+    """A pipeline's evaluation: the stages' order's forwards alone, the last stage's losses added up."""
+    return [(EVALUATE, WINDOW)]
 
 
 # -- a pipeline's stages ------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ With ``micro_batch_tokens`` the same machinery moves the token budget instead of
 size (``TokenBudget``): out-of-memory halves the largest micro-batch of two or more rows on
 any rank, and ``explore`` measures the budget halved while it still holds the longest row.
 
-Under a pipeline (``auto`` only) an attempt is one run of the schedule
-(``engine.window.pipeline``, handed in as ``windows``): a stage that fails stands in for the
+Under a pipeline (``auto`` only) an attempt is one run of the stages' order (``engine.window.stages``,
+handed in as ``stages``), guarded whole by the executor: a stage that fails stands in for the
 rest of the schedule and raises after the window's collectives
 (``engine.strategies.stage_failures``), then the vote above decides; sizes are limited to
 those whose number of micro-batches the schedule runs.
@@ -171,13 +171,10 @@ class MicroBatchTuner(WindowRunner):
     clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
     def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2,
-                 windows: WindowRunner | None = None):
+                 stages=None):
         self.strategy = strategy
-        # Who runs one attempt of a window: a runner that runs the micro-steps itself (a pipeline's
-        # schedule, engine.window.pipeline), guarded whole; when None, the engine's window executor,
-        # whose micro-steps this tuner guards each (engine.window.executor).
-        self.windows = windows
-        self.calls_loss_on_outputs = windows is not None and windows.calls_loss_on_outputs  # as the runner it drives
+        # A pipeline's windows (engine.window.stages): its schedule runs some numbers of micro-batches only.
+        self.stages = stages
         if self._runnable(plan) is None:
             raise ConfigError([
                 f"train_micro_batch_size_per_gpu: 'auto': no micro-batch size of at most "
@@ -248,20 +245,13 @@ class MicroBatchTuner(WindowRunner):
             return loss
 
     def _attempt(self, eng, batch, loss_fn) -> None:
-        if self.windows is None:
-            eng.executor.run_window(batch, loss_fn, eng.plan)  # each micro-step guarded by this tuner
-        else:
-            self.guard(lambda: self.windows.run_window(eng, batch, loss_fn))
+        eng.executor.run_window(batch, loss_fn, eng.plan)  # its micro-steps guarded by this tuner
 
     def _evaluate(self, eng, batch, loss_fn, value: int) -> float:
-        if self.windows is None:
-            return eng.executor.evaluate(batch, loss_fn, eng.plan, value)
-        result = []
-        self.guard(lambda: result.append(self.windows.evaluate(eng, batch, loss_fn, value)))
-        return result[0]
+        return eng.executor.evaluate(batch, loss_fn, eng.plan, value)
 
     def _fit_windows(self, eng) -> None:
-        """A plan whose windows ``self.windows`` runs (a pipeline schedule's rule on its number
+        """A plan whose windows ``self.stages`` runs (a pipeline schedule's rule on its number
         of micro-batches): the largest micro size at most the plan's (one exists: checked at
         construction, and every size the tuner moves to is one)."""
         old = eng.plan
@@ -271,8 +261,8 @@ class MicroBatchTuner(WindowRunner):
             self._record(eng, old, plan, "a number of micro-batches the pipeline schedule runs")
 
     def _runnable(self, plan):
-        """``plan``, or the next smaller micro size whose windows ``self.windows`` runs; None if none."""
-        while self.windows is not None and not self.windows.runs_plan(plan):
+        """``plan``, or the next smaller micro size whose windows ``self.stages`` runs; None if none."""
+        while self.stages is not None and not self.stages.runs(plan):
             smaller = plan.next_smaller_micro_size()
             if smaller is None:
                 return None

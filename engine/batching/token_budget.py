@@ -40,7 +40,7 @@ For a given number of micro-steps the rows are then cut into consecutive runs of
 (always as good as any other grouping) computing the fewest padded tokens.
 
 One shape per window. A pipeline schedule runs micro-batches of one shape per step
-(``engine.window.pipeline``), so there rows are not grouped by length: every micro-batch of
+(``engine.window.stages``), so there rows are not grouped by length: every micro-batch of
 a window is cut to one bucket length (the longest row rounded up to 2^k × 1 or 1.5, at most
 N when that row fits N: few distinct shapes, so few schedules) and holds
 ⌊N / length⌋ rows or fewer, the rows split evenly (:func:`group_uniformly`). Every rank runs

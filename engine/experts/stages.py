@@ -19,14 +19,14 @@ first stage's later forwards. So a window under ``moe.load_balance: global`` run
    that makes a gradient added beside the loss enter the window's once
    (``Accounting.outside_loss_weight``: U · W / G) and the loss scale. The last stage's loss is the
    model's own; λ · aux of the window is added to each micro-batch's recorded loss after the schedule
-   (``engine.window.pipeline``): weighted as each micro-batch's loss is (its items / U), those values
+   (``engine.window.executor``): weighted as each micro-batch's loss is (its items / U), those values
    add up to λ · aux once, so the reported loss is the global batch's.
 
 Cost: one forward of the window without gradients (about a third of a step), the pipeline's bubble
 once more, and one reduction of 2E + 6 numbers. GPipe runs every forward of the window before any
 backward, on every stage, so there the forwards are held instead (``holding``, ``moe.global_counts:
 hold_forwards``, what ``auto`` picks): the training schedule's forwards count, the sum runs between
-its forwards and its backwards (``engine.window.pipeline``), and the gradient's coefficients are filled
+its forwards and its backwards (``engine.window.executor``), and the gradient's coefficients are filled
 in before the first backward reads them (``fill``). No counting schedule, no second bubble; 1F1B and
 the interleaved schedules start backwards before the last forwards and keep the counting schedule.
 
@@ -46,7 +46,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.accounting import loss_tensor, mean_items
+from engine.accounting import loss_and_units, loss_tensor, losses_with_window_term, mean_items
 from engine.config.schema import torch_sections
 from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
@@ -54,6 +54,8 @@ from engine.experts import balance
 from engine.experts.balance import (RouterCounts, gradient_coefficients, pooled, router_counts, term_value,
                                     with_term_gradient)
 from engine.experts.hf import RouterTerm, router_term_of
+from engine.schedule import counted_through_stages, through_stages
+from engine.state.rng import restore_rng_state, rng_state
 
 log = logging.getLogger("engine")
 
@@ -157,17 +159,6 @@ class StageRouters:
         if counted is not None and trained is not None:  # one host read, after the schedule
             self._check_routing(float((counted.assignments - trained).abs().sum()))
 
-    # -- the window's term ----------------------------------------------------------------------
-    @staticmethod
-    def new_window_term(micro_batches: int) -> "WindowTerm":
-        """A new window's term, to record the last stage's losses in."""
-        return WindowTerm(micro_batches)
-
-    @staticmethod
-    def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:
-        """Each micro-batch's router weights (:func:`row_weights`)."""
-        return row_weights(pieces, sizes, rows, device)
-
     @staticmethod
     def not_own_loss() -> EngineUsageError:
         """The error of a window whose ``loss_fn(model, micro_batch)`` returned another loss than the model's."""
@@ -192,16 +183,6 @@ class StageRouters:
         aux, coefficients = self.window_term(counts, weight_of(items))
         balance.counted_by_stages(self.window_assignments(counts))
         return self.term.coefficient * aux, coefficients
-
-    def exchange_held(self, held: "WindowTerm", schedules, weight_of, balance) -> None:
-        """A held window's exchange (once): the window's sums, its term's value and the coefficients its
-        backwards read; a loss that is not the model's own leaves them 0 (the window is abandoned after)."""
-        held.exchanged = True
-        counts, items, held.not_own_loss, _ = self.window_sums(held.units, False, schedules)
-        if held.not_own_loss:
-            return
-        held.value, coefficients = self.term_and_coefficients(counts, items, weight_of, balance)
-        self.fill(coefficients)
 
     @contextlib.contextmanager
     def _running(self, mode: str, weights: list[torch.Tensor]) -> Iterator[None]:
@@ -298,14 +279,157 @@ def config_for_global_balance(model: torch.nn.Module, config):
     return config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"schedule": "gpipe"})})
 
 
-def stage_routers(model: torch.nn.Module, section, strategy) -> StageRouters | None:
-    """The routers of this rank's pipeline stages under the config's ``moe`` ``section``: under ``global``
-    balance, for a model whose ``.loss`` adds a term (``engine.experts.hf.router_term_of``) and whose stages
-    are cut by its own plan; else None (a term is then the stage's own, or refused)."""
+class StageBalance:
+    """The window hooks of a routed model under a pipeline (``engine.window.executor`` asks them): the
+    window's schedule (counted first, or its forwards held), the term its last stage's losses are recorded
+    with, and what its counting run, its exchange and its stages' training and evaluating forwards do."""
+
+    def __init__(self, routers: StageRouters, balance, holds_forwards: bool, schedules):
+        """``balance``: the model's ``engine.experts.window.ExpertBalance``, which keeps the window's load for
+        the monitor; ``holds_forwards``: the stages' order runs every forward first (GPipe), which counts;
+        ``schedules``: the stages' (``engine.strategies.stage_schedules``)."""
+        self.routers, self.balance, self.holds_forwards, self.schedules = routers, balance, holds_forwards, schedules
+        self.term: WindowTerm | None = None
+        self._weights: list[torch.Tensor] = []
+        self._coefficients: torch.Tensor | None = None
+        self._term_weight = None
+
+    def schedule(self, micro_batches: int) -> list:
+        """The window's actions (``engine.schedule``): through the stages, counted first unless held."""
+        return (through_stages if self.holds_forwards else counted_through_stages)(micro_batches)
+
+    @contextlib.contextmanager
+    def window(self, window, term_weight) -> Iterator[None]:
+        """Around one window's actions (``window``: its micro-batches as the stages take them,
+        ``engine.window.stages.StageWindow``): a new term, each micro-batch's router weights;
+        ``term_weight(items)``: what the term's gradient beside the loss is multiplied by."""
+        self.term, self._term_weight = WindowTerm(len(window.pieces)), term_weight
+        self._weights = row_weights(window.pieces, window.sizes, window.rows, window.device)
+        try:
+            yield
+        finally:
+            self._weights, self._coefficients = [], None
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """The counting run: every stage's router counts, no gradients, the random generators restored after
+        (the training forwards draw the same numbers)."""
+        saved = rng_state()
+        try:
+            with torch.no_grad(), self.routers.counting(self._weights):
+                yield
+        finally:
+            restore_rng_state(saved)
+
+    def counted(self, k: int, output, samples: int) -> None:
+        """Micro-batch ``k``'s loss in the counting run: the items it stands for, whether it is the own loss."""
+        _, units, item_weighted = loss_and_units(output, samples)
+        self.term.units[k] = (units, not item_weighted or mean_items(loss_tensor(output)) is None)
+
+    def exchange(self, failed: bool = False) -> bool:
+        """The window's counts, items and failures summed over the world (once): its term's value and the
+        coefficients its backwards read. Returns whether a rank failed (``failed``: this one). A loss that is
+        not the model's own is refused (counted first), or abandons the window after its backwards (held)."""
+        term = self.term
+        if term.exchanged:
+            return False
+        term.exchanged = True
+        counts, items, term.not_own_loss, failed = self.routers.window_sums(term.units, failed, self.schedules)
+        if failed:
+            return True
+        if term.not_own_loss:
+            if self.holds_forwards:
+                return False
+            raise self.routers.not_own_loss()
+        term.value, coefficients = self.routers.term_and_coefficients(counts, items, self._term_weight, self.balance)
+        if self.holds_forwards:
+            self.routers.fill(coefficients)
+        else:
+            self._coefficients = coefficients
+        return False
+
+    def training(self):
+        """The training run: each stage's output carries the term's gradient into its routers (held: with
+        coefficients filled in at the exchange)."""
+        if self.holds_forwards:
+            return self.routers.holding(self._weights)
+        return self.routers.training(self._weights, self._coefficients)
+
+    def record(self, k: int, output, count) -> None:
+        """Micro-batch ``k``'s loss on the last stage as ``loss_fn`` returned it, and the items it stands for."""
+        self.term.record(k, output, count)
+
+    def last_stage_read(self, k: int) -> None:
+        """The last stage is done with micro-batch ``k``'s loss (read, or not called: a zero-weight step, a
+        failure); held: after the window's last, the counts' exchange (its backwards follow)."""
+        if self.holds_forwards and not self.routers.learning_shapes():
+            self.term.seen.add(k)
+            if len(self.term.seen) == len(self.term.units):
+                self.exchange()
+
+    def before_gradients(self) -> None:
+        """Before a stage receives its first gradient: held, every forward has run; the counts' exchange."""
+        if self.holds_forwards:
+            self.exchange()
+
+    def recorded(self, outputs: list) -> list:
+        """The last stage's losses with λ · aux of the window added (weighted as each loss is)."""
+        term = self.term
+        return losses_with_window_term(outputs, term.value, term.multipliers)
+
+    def failure(self) -> Exception | None:
+        """The window's refusal, known on every rank at the held exchange (a loss not the model's own)."""
+        return self.routers.not_own_loss() if self.term.not_own_loss else None
+
+    def closed(self, applied: bool) -> None:
+        """The boundary, told to the model's balance."""
+        self.balance.closed(applied)
+
+    def manual_forward(self):
+        """A forward of the manual loop (which a pipeline refuses): as the model's balance says."""
+        return self.balance.manual_forward()
+
+    # -- an evaluation -------------------------------------------------------------------------------
+    def evaluating(self, window):
+        """An evaluation run: every stage's router counts over ``window``'s rows."""
+        return self.routers.counting(row_weights(window.pieces, window.sizes, window.rows, window.device))
+
+    @staticmethod
+    def evaluated_own_loss(output) -> bool:
+        """Whether an evaluated micro-batch's loss is the model's own (carrying its items)."""
+        return mean_items(loss_tensor(output)) is not None
+
+    def evaluation_counts(self) -> torch.Tensor:
+        """This rank's part of the evaluated batch's router counts, for the evaluation's one sum."""
+        return self.routers.window_counts()
+
+    def evaluation_term(self, counts: torch.Tensor) -> float:
+        """λ · aux of the evaluated batch's summed ``counts``."""
+        return float(self.routers.weighted_term(counts))
+
+    def not_own_loss(self) -> EngineUsageError:
+        return self.routers.not_own_loss()
+
+
+def stage_balance(model: torch.nn.Module, section, strategy, balance) -> StageBalance | None:
+    """The window hooks of a routed model's pipeline stages under the config's ``moe`` ``section``: under
+    ``global`` balance, for a model whose ``.loss`` adds a term (``engine.experts.hf.router_term_of``) and whose
+    stages are cut by its own plan; else None (a term is then the stage's own, or refused). ``balance``: the
+    model's ``ExpertBalance``, whose choice of held forwards the window follows."""
     if section.load_balance != "global":
         return None
-    return StageRouters.of(strategy.schedules.stages, router_term_of(model),
-                           counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
+    schedules = strategy.schedules
+    routers = StageRouters.of(schedules.stages, router_term_of(model),
+                              counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
+    if routers is None:
+        return None
+    holds = balance is not None and balance.holds_forwards
+    if not holds and strategy.rank == 0:
+        log.info("moe.load_balance: global under a pipeline: each window first runs a counting schedule (every "
+                 "micro-batch forward without gradients, the bubble once more%s)",
+                 "; pipeline.schedule: gpipe learns the counts in its own forwards instead, at no extra forward"
+                 if not strategy.capabilities().can_hold_forwards else "")
+    return StageBalance(routers, balance, holds, schedules)
 
 
 def row_weights(pieces: Sequence, sizes: Sequence[int], rows: int, device) -> list[torch.Tensor]:

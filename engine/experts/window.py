@@ -19,11 +19,11 @@ backward (``moe.global_counts``):
   is then told, ``hold_forwards``): one process; ZeRO 0 / 1, which reduce the window after its last
   backward (DDP pairs each forward with its backward); ZeRO 2 / 3, whose backwards each gather again
   and reduce into shards, as every micro-step does; a pipeline's GPipe schedule (the counts exchanged
-  between its forwards and its backwards: ``engine.window.pipeline``). Not DeepSpeed's engine on
+  between its forwards and its backwards: ``engine.window.stages``). Not DeepSpeed's engine on
   several ranks, nor 1F1B or the interleaved schedules.
 * ``auto``: ``hold_forwards`` under activation checkpointing where the strategy allows it (the
   memory it holds is the checkpoints'), and under a GPipe schedule (which holds every forward
-  anyway: ``engine.window.pipeline``); ``count_forward`` otherwise.
+  anyway: ``engine.window.stages``); ``count_forward`` otherwise.
 
 The micro-batch's term then carries the gradient of the global term through its own router
 probabilities (``engine.experts.balance``), divided by the weight the engine gives the loss it

@@ -1,7 +1,7 @@
 """A pipeline window's micro-batches as its schedules take them: one shape for every micro-batch (equal
 chunks, padded with copies of a micro-batch's own rows), a context rank's part of each sequence with its
 positions, the outputs' real rows cut back for the loss, and which batches can run at all.
-``engine.window.pipeline`` runs the windows."""
+``engine.window.stages`` puts a window in that form."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ each rank sends its stage's outputs to the rank of the same tensor index in the 
 
 Gradient convention (as every strategy): after ``reduce_gradients`` each stage holds the
 mean over data-parallel ranks of its accumulated gradients. The schedule's own averaging
-over micro-batches (``scale_grads``) is off: the window runner (``engine.window.pipeline``)
+over micro-batches (``scale_grads``) is off: the window executor (``engine.window.stages``)
 weights each micro-batch loss by its real share of the global batch, as the engine does, and
 this strategy adds the fp16 loss scale. What spans every stage is computed over the pipeline
 group: the clipping norm (each stage's squares summed), an fp16 overflow (any stage's

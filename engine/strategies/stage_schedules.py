@@ -1,7 +1,7 @@
 """A pipeline's windows on this rank's stages: the schedules, built per shape and mode, that run them.
 
 The pipeline holder (``engine.strategies.pipeline``) holds the stages; once they exist it builds one
-:class:`StageSchedules`, through which the window runner (``engine.window.pipeline``) runs every window:
+:class:`StageSchedules`, through which the window executor (``engine.window.stages``) runs every window:
 
 * :class:`ScheduleRules`: the schedule's order (``engine.schedule``) for a number of micro-batches, which
   numbers it runs (1F1B at least one per pipeline rank, interleaved a multiple of its rounds), and

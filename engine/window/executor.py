@@ -7,9 +7,15 @@ reads, weighs and counts each loss), and — for a model with routers — counti
 window's exchange. The schedule and what those actions do come from the window's hooks: a model with
 routers has them (``engine.experts.window``), a dense model has none, and its window is each forward
 then its backward with no hook asked. Evaluation runs the same executor with a schedule of forwards
-only, its totals weighed by ``engine.accounting``. A pipeline's stages run their micro-batches through
-their own schedule (``engine.window.pipeline``), whose last stage has each loss weighed by the same
-window machine.
+only, its totals weighed by ``engine.accounting``.
+
+Under a pipeline (``stages``, ``engine.window.stages``; None for a model held whole on this rank) a
+window is ``STAGES``: its micro-batches through the stages' order (GPipe, 1F1B, interleaved, zero-bubble:
+``engine.schedule``), run by torch's runtime, whose last stage hands the executor each micro-batch's
+loss to read and weigh; every stage counts every micro-step after it, and a failure is the window's on
+every rank. A routed model's hooks there (``engine.experts.stages.StageBalance``) add the counting run
+(``COUNT`` of the window) and the exchange, or hold the order's forwards; an evaluation is the order's
+forwards (``EVALUATE`` of the window).
 
 Every forward of a window the executor cut itself is its own (no manual-loop bookkeeping); a forward
 of the manual loop (``eng(x)``) comes here too, through :meth:`forward`.
@@ -22,15 +28,21 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from engine.accounting import evaluation_mean, evaluation_terms
+from engine.accounting import evaluation_mean, evaluation_terms, loss_and_units
 from engine.batching.micro_batches import MicroBatches
-from engine.schedule import BACKWARD, COUNT, EXCHANGE, FORWARD, forwards_only, one_after_another
+from engine.schedule import (BACKWARD, COUNT, EXCHANGE, FORWARD, STAGES, WINDOW,
+                             evaluated_through_stages, forwards_only, one_after_another, through_stages)
+from engine.window.loss_checks import check_scalar_loss, failed_on_another_rank, written_for_model
+from engine.window.stages import StageWindow, StageWindows
 
 LossFn = Callable[[Any, Any], Any]
 
 
 class WindowHooks(Protocol):
-    """What a window's hooks (a model's routers: ``engine.experts.window.ExpertBalance``) answer."""
+    """What a window's hooks (a model's routers: ``engine.experts.window.ExpertBalance``) answer. Under a
+    pipeline the hooks are the stages' (``engine.experts.stages.StageBalance``): ``schedule``, ``window``,
+    ``counting`` / ``counted``, ``exchange``, ``training`` / ``record`` / ``last_stage_read`` /
+    ``before_gradients``, ``recorded`` / ``failure``, and an evaluation's."""
 
     def schedule(self, micro_batches: int) -> list: ...
     def window(self, micro_batches: int) -> contextlib.AbstractContextManager: ...
@@ -43,15 +55,22 @@ class WindowHooks(Protocol):
 
 class WindowExecutor:
     """Runs one engine's windows. ``model``: what ``loss_fn(model, micro_batch)`` is handed (the engine's
-    front); ``hooks``: the windows' hooks, None for a dense model; ``guard``: runs a window's micro-steps
-    (the window runner's: the automatic micro size's catches an out-of-memory on any rank)."""
+    front); ``hooks``: the windows' hooks, None for a dense model; ``stages``: a pipeline's windows, None
+    for a model held whole; ``guard``: runs a window's micro-steps (the window runner's: the automatic micro
+    size's catches an out-of-memory on any rank); ``accounting``: the window's weights."""
 
-    def __init__(self, *, model, strategy, windows, window_split, context, losses,
-                 hooks: WindowHooks | None, guard: Callable[[Callable[[], None]], None]):
+    def __init__(self, *, model, strategy, windows, window_split, context, losses, accounting,
+                 hooks: WindowHooks | None, stages: StageWindows | None,
+                 guard: Callable[[Callable[[], None]], None]):
         self.model, self.strategy, self.windows = model, strategy, windows
         self.window_split, self.context, self.losses = window_split, context, losses
-        self.hooks, self.guard = hooks, guard
+        self.accounting, self.hooks, self.stages, self.guard = accounting, hooks, stages, guard
         self._own = False  # inside a window the executor cut: its forwards are no manual loop's
+
+    @property
+    def calls_loss_on_outputs(self) -> bool:
+        """Whether ``loss_fn`` is called on outputs (a pipeline's last stage: ``loss_fn(outputs, labels)``)."""
+        return self.stages is not None
 
     # -- forwards -----------------------------------------------------------------------------
     def forward(self, args: tuple, kwargs: dict, plan):
@@ -88,17 +107,29 @@ class WindowExecutor:
     def run_window(self, batch, loss_fn: LossFn, plan) -> None:
         """Forward and backward of every micro-batch of one window (no step), as its schedule says.
         ``batch``: this rank's per-device batch, or ``engine.MicroBatches`` (run as collated)."""
+        stages, hooks = self.stages, self._hooks_for(loss_fn)
+        if stages is not None:
+            batch, loss_fn = stages.schedule_form(batch, loss_fn, "train_batch", routers_counted=hooks is not None)
         split = batch.split(plan) if isinstance(batch, MicroBatches) else self.window_split.split(batch, plan)
         self.windows.planned(split)
         pieces = list(split.pieces)
-        planned = plan.gradient_accumulation_steps
-        hooks = self.hooks
-        actions = one_after_another(len(pieces)) if hooks is None else hooks.schedule(len(pieces))
+        if stages is not None:
+            window = stages.window(batch[0], pieces, loss_fn, self.context, self.window_split.schedule_rows())
+            pieces = window.pieces
+        n = len(pieces)
+        actions = hooks.schedule(n) if hooks is not None else (one_after_another if stages is None else through_stages)(n)
         with self._own_micro_batches():
-            self.guard(lambda: self._run(actions, pieces, loss_fn, planned))
+            if stages is None:
+                self.guard(lambda: self._run(actions, pieces, loss_fn, plan.gradient_accumulation_steps, hooks))
+            else:
+                self.guard(lambda: self._run_through_stages(actions, window, hooks))
 
-    def _run(self, actions: list, pieces: list, loss_fn: LossFn, planned: int) -> None:
-        hooks, windows = self.hooks, self.windows
+    def _hooks_for(self, loss_fn: LossFn):
+        """The window's hooks: a pipeline's routers count only for the model's own loss, which adds their term."""
+        return self.hooks if self.stages is None or written_for_model(loss_fn) else None
+
+    def _run(self, actions: list, pieces: list, loss_fn: LossFn, planned: int, hooks) -> None:
+        windows = self.windows
 
         def run(micro_batch):  # loss_fn on this rank's part of the micro-batch's sequences
             return loss_fn(self.model, self.context.shard(micro_batch))
@@ -120,6 +151,83 @@ class WindowExecutor:
                 else:
                     raise ValueError(f"a training window's schedule holds {kind!r}")
 
+    def _run_through_stages(self, actions: list, window: StageWindow, hooks) -> None:
+        """A pipeline window's actions. The ranks' position check is waited for before this rank's first
+        message, not before the window: the first stage's first forward hides its wait."""
+        window.confirm_start = self.windows.start_check_posted()
+        try:
+            with hooks.window(window, self._term_weight) if hooks is not None else contextlib.nullcontext():
+                for kind, _ in actions:
+                    if kind == COUNT:
+                        self._count_through_stages(window, hooks)
+                    elif kind == EXCHANGE:
+                        if hooks.exchange(failed=window.failure is not None or self.stages.stage_failed):
+                            self.stages.raise_stage_failure()
+                            raise window.failure or failed_on_another_rank("window")
+                    elif kind == STAGES:
+                        self._train_through_stages(window, hooks)
+                    else:
+                        raise ValueError(f"a pipeline window's schedule holds {kind!r}")
+        finally:  # (a window that failed before its first message)
+            window.confirm_start()
+
+    def _count_through_stages(self, window: StageWindow, hooks) -> None:
+        """The counting run: the order's forwards without gradients, the last stage's items read."""
+        losses = self.stages.losses(window)
+
+        def counted(k, output):
+            check_scalar_loss(loss_and_units(output, window.sizes[k])[0])
+            hooks.counted(k, output, window.sizes[k])
+
+        with hooks.counting(), self.context.running():
+            self.stages.run(window, lambda outputs, index: losses.read(outputs, index, counted), train=False)
+        window.confirm_start()  # the ranks' position check, before the window's first collective
+        window.failure = losses.failure
+
+    def _train_through_stages(self, window: StageWindow, hooks) -> None:
+        """The order: the last stage's losses read and weighed as a backward weighs one, then every stage
+        counts every micro-step (a stage before the last with no loss: the window's statistics bring it)."""
+        windows, sizes = self.windows, window.sizes
+        outputs: list = [None] * len(sizes)  # the last stage's losses, as loss_fn returned them (detached)
+        losses = self.stages.losses(window)
+
+        def weighed(k, output):
+            weighted, outputs[k], count = windows.weighed_loss(output, sizes[k])
+            if hooks is not None:
+                hooks.record(k, output, count)
+            return weighted
+
+        def last_stage_loss(outputs_of_stage, index):
+            loss = losses.read(outputs_of_stage, index, weighed)
+            if hooks is not None:
+                hooks.last_stage_read(int(index[0]))
+            return loss
+
+        def before_gradients():  # where this rank waits for the next stage's first gradient anyway
+            windows.fingerprint_batch()
+            if hooks is not None:
+                hooks.before_gradients()
+
+        # a recorded window: every micro-batch's saved activations count
+        with windows.measured_forwards(), hooks.training() if hooks is not None else contextlib.nullcontext(), \
+                self.context.running():
+            self.stages.run(window, last_stage_loss, train=True, before_first_gradient_wait=before_gradients)
+        failure = losses.failure
+        if hooks is not None:
+            failure = failure or hooks.failure()
+            outputs = hooks.recorded(outputs)
+        self.stages.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
+        for output, samples in zip(outputs, sizes):
+            windows.record(output, samples)
+        if failure is not None:
+            windows.fail(failure)
+
+    def _term_weight(self, items):
+        """What a routed pipeline's term gradient beside the loss is multiplied by: U · W / G
+        (``Accounting.outside_loss_weight``) in the loss scale."""
+        one = torch.ones((), dtype=torch.float64, device=self.strategy.device)
+        return self.accounting.outside_loss_weight(items) * self.strategy.precision.scale_loss(one, 1.0)
+
     def close_window(self, plan) -> None:
         """Reduce, weigh and apply the window's gradient; the hooks learn whether it was applied."""
         self.windows.close(plan)
@@ -131,13 +239,28 @@ class WindowExecutor:
         """The mean loss over every rank's ``batch`` (per sample or per item), in the window split's
         micro-batches of at most ``size`` samples or padded tokens (default: the plan's): a schedule of
         forwards only, in eval mode without gradients, guarded; one all-reduce of the totals."""
+        stages, hooks = self.stages, self._hooks_for(loss_fn)
+        if stages is not None:
+            batch, loss_fn = stages.schedule_form(batch, loss_fn, "eval_batch", routers_counted=hooks is not None)
         pieces = list(self.window_split.eval_pieces(batch, plan, size))
-        total = torch.zeros(2, dtype=torch.float64, device=self.strategy.device)  # Σ loss × share, Σ units
-        actions = forwards_only(len(pieces))
+        # Σ loss × share, Σ units; under a pipeline also: a loss_fn failed, a loss not the model's own
+        total = torch.zeros(2 if stages is None else 4, dtype=torch.float64, device=self.strategy.device)
+        if stages is None:
+            actions = forwards_only(len(pieces))
+        else:
+            window = stages.evaluation_window(pieces, loss_fn, self.context, self.window_split.schedule_rows())
+            actions = evaluated_through_stages(len(window.pieces))
+
+        means: list[float] = []
 
         def forwards():
             total.zero_()
             for _, k in actions:
+                if k == WINDOW:
+                    self._evaluate_through_stages(window, hooks, total)
+                    # a pipeline's sum carries its failures: inside the guard, which votes on a stage's
+                    means.append(self._evaluation_through_stages(total, window, hooks))
+                    continue
                 micro_batch, n = pieces[k]
                 # this rank's part of each sequence, weighed by its tokens
                 output = self.context.item_weighted(loss_fn(self.model, self.context.shard(micro_batch)))
@@ -152,7 +275,37 @@ class WindowExecutor:
         finally:
             module.train(was_training)
             self.strategy.release_gathered_parameters()
-        return evaluation_mean(self.strategy.all_reduce_sum(total))
+        return means[0] if means else evaluation_mean(self.strategy.all_reduce_sum(total))
+
+    def _evaluate_through_stages(self, window: StageWindow, hooks, total: torch.Tensor) -> None:
+        """The order's forwards, the last stage's losses added to ``total``; a routed model's own loss without
+        its term (the evaluated batch's, added once after the sum)."""
+        losses = self.stages.losses(window)
+
+        def add(k, output):
+            check_scalar_loss(loss_and_units(output, window.sizes[k])[0])
+            total[:2] += torch.stack(evaluation_terms(output, window.sizes[k]))
+            if hooks is not None and not hooks.evaluated_own_loss(output):
+                total[3] = 1.0
+
+        with hooks.evaluating(window) if hooks is not None else contextlib.nullcontext(), self.context.running():
+            self.stages.run(window, lambda outputs, index: losses.read(outputs, index, add), train=False)
+        window.failure = losses.failure
+
+    def _evaluation_through_stages(self, total: torch.Tensor, window: StageWindow, hooks) -> float:
+        """A pipeline evaluation's mean: its totals (and a routed model's counts) summed over every rank in one
+        reduction, a failure raised on every rank after it."""
+        total[2] = float(window.failure is not None)
+        if hooks is not None:  # every stage's router counts ride the same reduction
+            total = torch.cat([total, hooks.evaluation_counts().to(total.device)])
+        total = self.stages.evaluation_sum(total).cpu()
+        if total[2] > 0:
+            raise window.failure or failed_on_another_rank("evaluation")
+        self.stages.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
+        if total[3] > 0:
+            raise hooks.not_own_loss()
+        mean = evaluation_mean(total)
+        return mean + hooks.evaluation_term(total[4:]) if hooks is not None else mean
 
     @contextlib.contextmanager
     def _own_micro_batches(self):

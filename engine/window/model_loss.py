@@ -211,7 +211,7 @@ class ModelLoss:
         type's head runs on the last stage alone). A routed model's, only where the stages count their
         routers (``routers_counted``), is without its load-balancing term: the term is the window's (or
         evaluated batch's), its gradient reaches every stage's routers beside the loss, and the pipeline's
-        runner adds its value to the recorded losses (``engine.window.pipeline``)."""
+        window executor adds its value to the recorded losses (``engine.window.executor``)."""
         if self.reading.items is not _causal_targets:
             raise EngineUsageError(
                 f"under a pipeline the last stage applies the model's own loss for causal language models; "

@@ -308,7 +308,7 @@ def moe_term_per_stage(eng):
     """Global balance under a pipeline without the stages' exchange of router counts: each stage's routers
     get the gradient of a term over their own counts (C and R of its layers on this rank), the last stage's
     loss the value of its own."""
-    routers = eng.window_runner.routers
+    routers = eng.executor.hooks.routers
     window_term = routers.window_term
     routers.window_term = lambda counts, weight: window_term(routers.window_counts().to(counts.device), weight)
     return eng

@@ -114,7 +114,7 @@ def unread(eng):
 
 def unread_on_pipeline(eng):
     """The broken variant under a pipeline: the last stage's own loss taken as a mean over rows."""
-    eng.window_runner.model_loss.observe = lambda kwargs, output: None
+    eng.executor.stages.model_loss.observe = lambda kwargs, output: None
     return eng
 
 
