@@ -117,8 +117,8 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                  window_runner=tuner, stages=stages,  # None: the engine runs its windows itself once
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
-                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=window_hooks, experts=experts,
-                 context=context, losses=LossReading(own_loss, strict=config.strict))
+                 loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=window_hooks,
+                 experts=experts, context=context, losses=LossReading(own_loss, strict=config.strict))
     if dist_info.rank == 0:  # what is on, once
         logging.getLogger(STARTUP_LOGGER).info("start-up:\n  %s", "\n  ".join(startup_lines(config, setup, plan, own_loss_type=own_loss.loss_type,
                                                                  routes=experts is not None)))

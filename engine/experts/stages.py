@@ -292,7 +292,7 @@ class StageBalance:
         self.term: WindowTerm | None = None
         self._weights: list[torch.Tensor] = []
         self._coefficients: torch.Tensor | None = None
-        self._term_weight = None
+        self._term_weight = self._window = None
 
     def schedule(self, micro_batches: int) -> list:
         """The window's actions (``engine.schedule``): through the stages, counted first unless held."""
@@ -303,12 +303,12 @@ class StageBalance:
         """Around one window's actions (``window``: its micro-batches as the stages take them,
         ``engine.window.stages.StageWindow``): a new term, each micro-batch's router weights;
         ``term_weight(items)``: what the term's gradient beside the loss is multiplied by."""
-        self.term, self._term_weight = WindowTerm(len(window.pieces)), term_weight
+        self.term, self._term_weight, self._window = WindowTerm(len(window.pieces)), term_weight, window
         self._weights = row_weights(window.pieces, window.sizes, window.rows, window.device)
         try:
             yield
         finally:
-            self._weights, self._coefficients = [], None
+            self._weights, self._coefficients, self._window = [], None, None
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -326,14 +326,15 @@ class StageBalance:
         _, units, item_weighted = loss_and_units(output, samples)
         self.term.units[k] = (units, not item_weighted or mean_items(loss_tensor(output)) is None)
 
-    def exchange(self, failed: bool = False) -> bool:
+    def exchange(self) -> bool:
         """The window's counts, items and failures summed over the world (once): its term's value and the
-        coefficients its backwards read. Returns whether a rank failed (``failed``: this one). A loss that is
-        not the model's own is refused (counted first), or abandons the window after its backwards (held)."""
+        coefficients its backwards read. Returns whether a rank's counting run failed. A loss that is not the
+        model's own is refused (counted first), or abandons the window after its backwards (held)."""
         term = self.term
         if term.exchanged:
             return False
         term.exchanged = True
+        failed = self._window.failure is not None or self.schedules.stage_failed
         counts, items, term.not_own_loss, failed = self.routers.window_sums(term.units, failed, self.schedules)
         if failed:
             return True

@@ -112,64 +112,61 @@ class WindowExecutor:
             batch, loss_fn = stages.schedule_form(batch, loss_fn, "train_batch", routers_counted=hooks is not None)
         split = batch.split(plan) if isinstance(batch, MicroBatches) else self.window_split.split(batch, plan)
         self.windows.planned(split)
-        pieces = list(split.pieces)
+        pieces, window = list(split.pieces), None
         if stages is not None:
             window = stages.window(batch[0], pieces, loss_fn, self.context, self.window_split.schedule_rows())
             pieces = window.pieces
-        n = len(pieces)
-        actions = hooks.schedule(n) if hooks is not None else (one_after_another if stages is None else through_stages)(n)
+        plain = one_after_another if stages is None else through_stages
+        actions = hooks.schedule(len(pieces)) if hooks is not None else plain(len(pieces))
         with self._own_micro_batches():
-            if stages is None:
-                self.guard(lambda: self._run(actions, pieces, loss_fn, plan.gradient_accumulation_steps, hooks))
-            else:
-                self.guard(lambda: self._run_through_stages(actions, window, hooks))
+            self.guard(lambda: self._run(actions, pieces, loss_fn, plan.gradient_accumulation_steps, hooks, window))
 
     def _hooks_for(self, loss_fn: LossFn):
         """The window's hooks: a pipeline's routers count only for the model's own loss, which adds their term."""
         return self.hooks if self.stages is None or written_for_model(loss_fn) else None
 
-    def _run(self, actions: list, pieces: list, loss_fn: LossFn, planned: int, hooks) -> None:
+    def _run(self, actions: list, pieces: list, loss_fn: LossFn, planned: int, hooks,
+             window: StageWindow | None) -> None:
+        """A window's actions; ``window``: a pipeline's, as its stages take it (None for a model held whole)."""
         windows = self.windows
 
         def run(micro_batch):  # loss_fn on this rank's part of the micro-batch's sequences
             return loss_fn(self.model, self.context.shard(micro_batch))
 
         held: dict[int, Any] = {}  # forwards' outputs until their backwards
-        with hooks.window(len(pieces)) if hooks is not None else contextlib.nullcontext():
-            for kind, k in actions:
-                micro_batch, samples = pieces[k] if k >= 0 else (None, 0)
-                if kind == FORWARD:
-                    held[k] = run(micro_batch) if hooks is None else hooks.forward(k, micro_batch, samples, run)
-                elif kind == BACKWARD:
-                    windows.backward(held.pop(k), samples, planned, exact_counts=True)
-                elif kind == COUNT:
-                    if k == 0:  # a counting forward's collectives come before the window's first training one
-                        windows.agree_before_counting()
-                    hooks.count(k, micro_batch, samples, run)
-                elif kind == EXCHANGE:
-                    hooks.exchange()
-                else:
-                    raise ValueError(f"a training window's schedule holds {kind!r}")
-
-    def _run_through_stages(self, actions: list, window: StageWindow, hooks) -> None:
-        """A pipeline window's actions. The ranks' position check is waited for before this rank's first
-        message, not before the window: the first stage's first forward hides its wait."""
-        window.confirm_start = self.windows.start_check_posted()
+        if window is not None:  # waited for before this rank's first message: the first forward hides the wait
+            window.confirm_start = windows.start_check_posted()
         try:
-            with hooks.window(window, self._term_weight) if hooks is not None else contextlib.nullcontext():
-                for kind, _ in actions:
-                    if kind == COUNT:
-                        self._count_through_stages(window, hooks)
-                    elif kind == EXCHANGE:
-                        if hooks.exchange(failed=window.failure is not None or self.stages.stage_failed):
-                            self.stages.raise_stage_failure()
-                            raise window.failure or failed_on_another_rank("window")
+            with self._hooks_window(hooks, pieces, window):
+                for kind, k in actions:
+                    micro_batch, samples = pieces[k] if k >= 0 else (None, 0)
+                    if kind == FORWARD:
+                        held[k] = run(micro_batch) if hooks is None else hooks.forward(k, micro_batch, samples, run)
+                    elif kind == BACKWARD:
+                        windows.backward(held.pop(k), samples, planned, exact_counts=True)
                     elif kind == STAGES:
                         self._train_through_stages(window, hooks)
+                    elif kind == COUNT and k == WINDOW:
+                        self._count_through_stages(window, hooks)
+                    elif kind == COUNT:
+                        if k == 0:  # a counting forward's collectives come before the window's first training one
+                            windows.agree_before_counting()
+                        hooks.count(k, micro_batch, samples, run)
+                    elif kind == EXCHANGE:
+                        if hooks.exchange():  # a pipeline's counting run failed on a rank
+                            self.stages.raise_stage_failure()
+                            raise window.failure or failed_on_another_rank("window")
                     else:
-                        raise ValueError(f"a pipeline window's schedule holds {kind!r}")
-        finally:  # (a window that failed before its first message)
-            window.confirm_start()
+                        raise ValueError(f"a training window's schedule holds {kind!r}")
+        finally:  # (a pipeline window that failed before its first message)
+            if window is not None:
+                window.confirm_start()
+
+    def _hooks_window(self, hooks, pieces: list, window: StageWindow | None):
+        """Around a window's actions: its hooks' (a pipeline's: with its stages' form and the term's weight)."""
+        if hooks is None:
+            return contextlib.nullcontext()
+        return hooks.window(len(pieces)) if window is None else hooks.window(window, self._term_weight)
 
     def _count_through_stages(self, window: StageWindow, hooks) -> None:
         """The counting run: the order's forwards without gradients, the last stage's items read."""
