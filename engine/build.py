@@ -102,7 +102,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
     experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
-                             runner_runs_micro_steps=setup.mesh.pipeline > 1)
+                             stages_run_micro_steps=setup.mesh.pipeline > 1)
     stages = stage_windows(strategy, plan, own_loss)  # None without a pipeline
     schedule_steps = stages.fitting_micro_batches if stages is not None else None
     # under a pipeline the window's hooks are its stages' routers (None: none counted there)

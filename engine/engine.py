@@ -97,9 +97,8 @@ class Engine:
         # Null objects where a dimension is absent: whole sequences without context_parallel
         # (engine.context.parallel), a model whose loss is not read as (sum, count) (engine.window.model_loss);
         # a window without hooks (a dense model: engine.window.executor) asks none. ``experts``: a model's
-        # routers as eng.experts reads them (engine.experts.window; by default the window's hooks).
-        self.window_hooks = window_hooks
-        self._experts = experts if experts is not None else window_hooks
+        # routers as eng.experts reads them (engine.experts.window), None without any.
+        self.window_hooks, self._experts = window_hooks, experts
         self.context = context if context is not None else WholeSequences()
         self.losses = losses or LossReading(NoModelLoss(), strict=False)
         # every weight, count and divisor of a window (engine.accounting); G is the window split's

@@ -231,8 +231,9 @@ class StageRouters:
 class WindowTerm:
     """A routed window's term in the last stage's recorded losses: the losses are computed without it
     (it may be known only after them: held forwards), and λ · aux of the window is added to each after
-    the schedule, as the model's own loss would add it (``engine.accounting.losses_with_window_term``). Held
-    forwards also keep here what the exchange between their forwards and backwards needs."""
+    the schedule, as the model's own loss would add it (``engine.accounting.losses_with_window_term``). It also
+    keeps what the window's exchange sums of the last stage's losses (their items, whether each is the own
+    loss), from the counting run or from held forwards."""
 
     def __init__(self, micro_batches: int):
         self.units: list = [(0, False)] * micro_batches  # per micro-batch: (items, not the own loss)
@@ -328,8 +329,10 @@ class StageBalance:
 
     def exchange(self) -> bool:
         """The window's counts, items and failures summed over the world (once): its term's value and the
-        coefficients its backwards read. Returns whether a rank's counting run failed. A loss that is not the
-        model's own is refused (counted first), or abandons the window after its backwards (held)."""
+        coefficients its backwards read. Returns whether a rank failed (its counting run, or a stage standing
+        in for the rest of the window; then no term is set, and the failure is raised after the window's
+        collectives). A loss that is not the model's own is refused (counted first), or abandons the window
+        after its backwards (held)."""
         term = self.term
         if term.exchanged:
             return False
@@ -417,14 +420,14 @@ def stage_balance(model: torch.nn.Module, section, strategy, balance) -> StageBa
     ``global`` balance, for a model whose ``.loss`` adds a term (``engine.experts.hf.router_term_of``) and whose
     stages are cut by its own plan; else None (a term is then the stage's own, or refused). ``balance``: the
     model's ``ExpertBalance``, whose choice of held forwards the window follows."""
-    if section.load_balance != "global":
+    if section.load_balance != "global" or balance is None:
         return None
     schedules = strategy.schedules
     routers = StageRouters.of(schedules.stages, router_term_of(model),
                               counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
     if routers is None:
         return None
-    holds = balance is not None and balance.holds_forwards
+    holds = balance.holds_forwards
     if not holds and strategy.rank == 0:
         log.info("moe.load_balance: global under a pipeline: each window first runs a counting schedule (every "
                  "micro-batch forward without gradients, the bubble once more%s)",

@@ -362,22 +362,22 @@ _MANUAL_LOOP = (
 
 
 def expert_balance(model: torch.nn.Module, section, *, strategy, checkpointing: bool,
-                   runner_runs_micro_steps: bool) -> ExpertBalance | None:
+                   stages_run_micro_steps: bool) -> ExpertBalance | None:
     """A window's hooks for ``model``'s routers under the config's ``moe`` ``section``; None for a model
     without a load-balancing term or a bias to move (its windows run as any other's, with no hook).
-    ``runner_runs_micro_steps``: a window runner (a pipeline's schedule) runs the micro-steps, not the
-    engine: it counts a Hugging Face model's routers over its stages itself
+    ``stages_run_micro_steps``: a pipeline's stages run the micro-steps in their order, not the
+    executor's per-micro-batch actions: a Hugging Face model's routers are counted over its stages
     (``engine.experts.stages``); a term of the user's own or a bias to move is refused there."""
     experts = ExpertBalance(model, load_balance=section.load_balance, global_counts=section.global_counts,
                             can_hold_forwards=strategy.capabilities().can_hold_forwards,
                             # GPipe holds every micro-batch's activations until its backwards anyway
-                            holding_is_cheap=checkpointing or runner_runs_micro_steps,
+                            holding_is_cheap=checkpointing or stages_run_micro_steps,
                             all_reduce_sum=strategy.all_reduce_sum,
                             bias_update_speed=section.bias_update_speed)
     if not experts.routes:
         return None
     own_term_globally = experts.balances_globally and experts.own_terms
-    if runner_runs_micro_steps and (own_term_globally or experts.bias_routers.updating):
+    if stages_run_micro_steps and (own_term_globally or experts.bias_routers.updating):
         raise EngineUsageError(
             "moe.load_balance: global with an engine.LoadBalancingLoss of the model's own (or moe.bias_update_speed) "
             "under a pipeline: the stages run parts of the model, not its forward where the term is added to the "

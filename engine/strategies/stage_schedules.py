@@ -115,7 +115,7 @@ class StageSchedules:
     # -- surviving a failed stage (automatic micro size) -----------------------------------------
     def guard_failures(self) -> None:
         """A stage that fails in a window keeps its error and stands in for the rest of the schedule
-        (``engine.strategies.stage_failures``): no peer is left in a send or receive. The window runner
+        (``engine.strategies.stage_failures``): no peer is left in a send or receive. The window executor
         raises it with ``raise_stage_failure`` once the schedule and its collectives are through; the
         tuner's vote follows."""
         self._failures = StageFailures(self.device)

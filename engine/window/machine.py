@@ -126,7 +126,7 @@ class WindowMachine:
 
     def start_check_posted(self) -> Callable[[], None]:
         """``start`` with the ranks' position check posted, not waited for; returns the call that waits for
-        it and raises as the check does. For a runner whose micro-steps exchange nothing that could pair
+        it and raises as the check does. For a window whose micro-steps exchange nothing that could pair
         another window's collectives and be applied before that call (a pipeline schedule's point-to-point
         messages: a window whose check fails is thrown away): the check's wait then leaves the window's
         critical path. Call it before the micro-steps' first exchange, and again after them whatever they
@@ -161,8 +161,8 @@ class WindowMachine:
         window.training_forwards += 1
 
     def planned(self, split) -> None:
-        """The window's micro-steps and token cost as the window split cut its batch (a window runner
-        that splits the batch itself tells them here, for the window's report)."""
+        """The window's micro-steps and token cost as the window split cut its batch (the executor tells
+        them here, for the window's report)."""
         self.current.planned_steps, self.current.tokens = split.micro_steps, split.tokens
 
     def measured_forwards(self):
@@ -186,7 +186,7 @@ class WindowMachine:
 
     def fingerprint_batch(self) -> None:
         """Fingerprint this ``train_batch``'s batch for the check that the ranks of a replica saw the same
-        one, once; a runner calls it where this rank would wait anyway (a pipeline stage before its first
+        one, once; the executor calls it where this rank would wait anyway (a pipeline stage before its first
         gradient from the next stage), the window's end otherwise."""
         if self.batch_to_fingerprint is not None:
             self.batch_fingerprint = batch_fingerprint(self.batch_to_fingerprint, self.strategy.device)

@@ -259,7 +259,7 @@ class LastStageModel:
     the whole model: called with the micro-batch (``m(**micro_batch)``), it returns the last stage's
     outputs, with the model's own ``.loss`` of their logits and the labels given (marked with its
     items, as a whole model's forward through the engine would be). ``routers_counted``: the stages
-    count a routed model's routers (``engine.experts.stages``), whose term the runner adds."""
+    count a routed model's routers (``engine.experts.stages``), whose term the window executor adds."""
 
     def __init__(self, outputs, model: ModelLoss | NoModelLoss, routers_counted: bool = False):
         self._outputs, self._model, self._routers_counted = outputs, model, routers_counted

@@ -2,8 +2,7 @@
 
 Every window runs on the engine's window executor (``engine.window.executor``), a pipeline's too. The plain
 runner below runs it once; the automatic micro-batch size (``engine.autotune.tuner``) re-runs a window
-smaller after an out-of-memory every rank agreed on, and guards its micro-steps. A runner drives the
-engine through the calls of :class:`Engine` only.
+smaller after an out-of-memory every rank agreed on, and guards its micro-steps.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ LossFn = Callable[[Any, Any], Any]
 
 
 class Engine(Protocol):
-    """What a runner may use of the engine it runs windows for (``engine.engine.Engine``)."""
+    """What the plain runner uses of the engine it runs windows for (``engine.engine.Engine``)."""
 
     plan: Any  # the batch plan (``engine.batching.plan.BatchPlan``)
     executor: Any  # the window executor (``engine.window.executor.WindowExecutor``)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.batching.micro_batches import MicroBatches
 from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
@@ -95,6 +96,11 @@ class StageWindows:
         stage hands ``loss_fn`` the micro-batch and a stand-in model whose call returns the last stage's
         outputs with the model's own loss (``LastStageModel``; ``routers_counted``: a routed model's term is
         the window's, ``engine.experts.stages``)."""
+        if isinstance(batch, MicroBatches):
+            raise EngineUsageError(
+                f"{method}(engine.MicroBatches(...)) under a pipeline: its schedule runs micro-batches of one shape "
+                "cut by the window split; give the per-device batch ((inputs, labels), or the mapping for "
+                "loss_fn(model, micro_batch)) and let the engine cut it")
         if not written_for_model(loss_fn):
             inputs_and_labels(batch, method)
             if self.strategy.mesh.context > 1:
@@ -147,11 +153,6 @@ class StageWindows:
     def losses(self, window: StageWindow) -> LastStageLosses:
         """The last stage's ``loss_fn`` for ``window``'s micro-batches (one run's)."""
         return LastStageLosses(self.schedules, window.pieces, window.loss_fn)
-
-    @property
-    def stage_failed(self) -> bool:
-        """Whether a stage of this rank failed in the last run and stood in for the rest of it."""
-        return self.schedules.stage_failed
 
     def raise_stage_failure(self) -> None:
         """A stage's failure the guard kept, raised after the window's collectives (the tuner's vote follows)."""

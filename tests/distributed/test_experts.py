@@ -202,27 +202,27 @@ def test_a_pipeline_refuses_a_term_of_ones_own_and_a_holder_that_cannot_refuses_
     from engine.experts.window import expert_balance
     # a Hugging Face model's term is counted over the stages by the pipeline's runner
     assert expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
-                          runner_runs_micro_steps=True).routes
+                          stages_run_micro_steps=True).routes
     with pytest.raises(engine.EngineUsageError, match="LoadBalancingLoss of the model's own .*under a pipeline"):
-        expert_balance(OwnMoE(), MoeConfig(), strategy=_Holder(True), checkpointing=False, runner_runs_micro_steps=True)
+        expert_balance(OwnMoE(), MoeConfig(), strategy=_Holder(True), checkpointing=False, stages_run_micro_steps=True)
     with pytest.raises(engine.EngineUsageError, match="bias_update_speed.*under a pipeline"):
         expert_balance(deepseek_v3(), MoeConfig(bias_update_speed=0.01), strategy=_Holder(True), checkpointing=False,
-                       runner_runs_micro_steps=True)
+                       stages_run_micro_steps=True)
     assert expert_balance(hf_moe(), MoeConfig(load_balance="micro_batch"), strategy=_Holder(True),
-                          checkpointing=False, runner_runs_micro_steps=True).routes
+                          checkpointing=False, stages_run_micro_steps=True).routes
     with pytest.raises(engine.EngineUsageError, match="hold_forwards .* DeepSpeed's engine on several ranks"):
         expert_balance(hf_moe(), MoeConfig(global_counts="hold_forwards"), strategy=_Holder(False),
-                       checkpointing=False, runner_runs_micro_steps=False)
+                       checkpointing=False, stages_run_micro_steps=False)
     # under a pipeline that can hold (GPipe), auto holds without checkpointing: GPipe keeps every forward anyway
     assert expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
-                          runner_runs_micro_steps=True).holds_forwards
+                          stages_run_micro_steps=True).holds_forwards
     assert not expert_balance(hf_moe(), MoeConfig(), strategy=_Holder(True), checkpointing=False,
-                              runner_runs_micro_steps=False).holds_forwards
+                              stages_run_micro_steps=False).holds_forwards
     # auto under checkpointing: held where the holder can hold, which it is then told
     for can, counts in ((True, "hold_forwards"), (False, "count_forward")):
         holder = _Holder(can)
         assert expert_balance(hf_moe(), MoeConfig(), strategy=holder, checkpointing=True,
-                              runner_runs_micro_steps=False).global_counts == counts
+                              stages_run_micro_steps=False).global_counts == counts
         assert holder.holding == can
 
 

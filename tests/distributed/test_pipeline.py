@@ -186,7 +186,9 @@ def misuse(rank, world):
                        "batch": lambda: eng.train_batch(x, mse_outputs),
                        "bad loss": lambda: eng.train_batch((x, y), unreduced),
                        "bad evaluation loss": lambda: eng.eval_batch((x, y), unreduced),
-                       "loss on the model": lambda: eng.train_batch((x, y), reference_mse)}.items():
+                       "loss on the model": lambda: eng.train_batch((x, y), reference_mse),
+                       "micro-batches": lambda: eng.train_batch(engine.MicroBatches([(x[:2], y[:2]), (x[2:], y[2:])]),
+                                                                mse_outputs)}.items():
         try:
             call()
         except EngineUsageError as error:
@@ -212,6 +214,7 @@ def test_fp16_overflow_on_one_stage_discards_the_window_everywhere_and_misuse_is
         assert "the loss must be a scalar" in found["bad evaluation loss"] or (
             "failed on another rank, which raises its error itself; this evaluation is abandoned" in found["bad evaluation loss"])
         assert found["eval"] < TOL
+        assert "train_batch(engine.MicroBatches(...)) under a pipeline" in found["micro-batches"]
         assert found["loss on the model"] == found_on_rank_0["loss on the model"]
         assert ("under a pipeline the last stage calls loss_fn(outputs, labels), with the model's outputs (the model is "
                 "spread over the stages: none can call it); yours takes (model, batch). Give a mapping batch with "
