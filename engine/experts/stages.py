@@ -42,7 +42,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Mapping
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -71,11 +71,12 @@ class StageRouters:
     """The routers of this rank's pipeline stages (Hugging Face stages: ``base_model()`` returns
     their copy of the base model, whose output holds the stage's ``router_logits``)."""
 
-    def __init__(self, stages: Sequence, term: RouterTerm, counts_here: bool):
+    def __init__(self, stages: Sequence, term: RouterTerm, counts_here: bool, stood_in: Callable[[], bool]):
         """``counts_here``: whether this rank adds its counts to the window's sum (one rank of each
-        tensor group: its ranks see the same rows and routers)."""
+        tensor group: its ranks see the same rows and routers); ``stood_in``: whether a stage of this rank
+        failed in the run and stands in for the rest of it (its forwards then stop: not counted)."""
         self.term = term
-        self.counts_here = counts_here
+        self.counts_here, self._stood_in = counts_here, stood_in
         self._mode: str | None = None
         self._weights: list[torch.Tensor] = []
         self._forwards = [0] * len(stages)
@@ -88,11 +89,12 @@ class StageRouters:
             stage.base_model().register_forward_hook(functools.partial(self._forward_seen, index))
 
     @staticmethod
-    def of(stages: Sequence, term: RouterTerm | None, counts_here: bool) -> "StageRouters | None":
+    def of(stages: Sequence, term: RouterTerm | None, counts_here: bool,
+           stood_in: Callable[[], bool]) -> "StageRouters | None":
         """The stages' routers when the model adds a term and its stages are cut by its own plan."""
         if term is None or not all(hasattr(stage, "base_model") for stage in stages):
             return None
-        return StageRouters(stages, term, counts_here)
+        return StageRouters(stages, term, counts_here, stood_in)
 
     @contextlib.contextmanager
     def counting(self, weights: list[torch.Tensor]) -> Iterator[None]:
@@ -156,7 +158,7 @@ class StageRouters:
         finally:
             self._coefficients = None
         counted, trained = self._sum, self._trained
-        if counted is not None and trained is not None:  # one host read, after the schedule
+        if counted is not None and trained is not None and not self._stood_in():  # one host read, after the run
             self._check_routing(float((counted.assignments - trained).abs().sum()))
 
     @staticmethod
@@ -191,7 +193,8 @@ class StageRouters:
             yield
         finally:
             self._mode, self._weights = None, []
-        if any(count != len(weights) for count in self._forwards):  # not after a failure: raised above
+        # not after a failure: raised above, or kept by a stage standing in (raised after the window's collectives)
+        if any(count != len(weights) for count in self._forwards) and not self._stood_in():
             raise EngineUsageError(
                 f"moe.load_balance: global under a pipeline: the stages ran {self._forwards} forwards with router "
                 f"logits in a schedule of {len(weights)} micro-batches: every forward of a stage must record its "
@@ -424,7 +427,8 @@ def stage_balance(model: torch.nn.Module, section, strategy, balance) -> StageBa
         return None
     schedules = strategy.schedules
     routers = StageRouters.of(schedules.stages, router_term_of(model),
-                              counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0)
+                              counts_here=strategy.mesh.coordinates(strategy.rank).tensor == 0,
+                              stood_in=lambda: schedules.stage_failed)
     if routers is None:
         return None
     holds = balance.holds_forwards

@@ -132,6 +132,12 @@ class StageSchedules:
         return True
 
     @property
+    def failures_voted(self) -> bool:
+        """Whether a failure in a window is voted on by every rank after it (the failure guard is on): a rank
+        that only learns of another's failure then leaves the window to the vote."""
+        return self._failures is not None
+
+    @property
     def stage_failed(self) -> bool:
         """Whether this rank's stages failed in the schedule now running (they stand in)."""
         return self._failures is not None and self._failures.error is not None

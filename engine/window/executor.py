@@ -174,13 +174,23 @@ class WindowExecutor:
                         hooks.count(k, micro_batch, samples, run)
                     elif kind == EXCHANGE:
                         if hooks.exchange():  # a pipeline's counting run failed on a rank
-                            self.stages.raise_stage_failure()
-                            raise window.failure or failed_on_another_rank("window")
+                            self._counting_failed(window)
+                            return
                     else:
                         raise ValueError(f"a training window's schedule holds {kind!r}")
         finally:  # (a pipeline window that failed before its first message)
             if window is not None:
                 window.confirm_start()
+
+    def _counting_failed(self, window: StageWindow) -> None:
+        """A pipeline's counting run failed on some rank: this rank raises its own failure, or, where it has
+        none, learns of another's; under a vote on failures (the automatic micro size) it leaves the window
+        to the vote instead, which then abandons it on every rank (an out-of-memory: retried smaller)."""
+        self.stages.raise_stage_failure()
+        if window.failure is not None:
+            raise window.failure
+        if not self.stages.failures_voted:
+            raise failed_on_another_rank("window")
 
     def _hooks_window(self, hooks, pieces: list, window: StageWindow | None):
         """Around a window's actions: its hooks' (a pipeline's: with its stages' form and the term's weight)."""

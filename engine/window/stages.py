@@ -154,6 +154,11 @@ class StageWindows:
         """The last stage's ``loss_fn`` for ``window``'s micro-batches (one run's)."""
         return LastStageLosses(self.schedules, window.pieces, window.loss_fn)
 
+    @property
+    def failures_voted(self) -> bool:
+        """Whether every rank votes on a window's failures after it (``StageSchedules.failures_voted``)."""
+        return self.schedules.failures_voted
+
     def raise_stage_failure(self) -> None:
         """A stage's failure the guard kept, raised after the window's collectives (the tuner's vote follows)."""
         self.schedules.raise_stage_failure()
