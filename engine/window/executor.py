@@ -286,7 +286,7 @@ class WindowExecutor:
                 if k == WINDOW:
                     self._evaluate_through_stages(window, hooks, total)
                     # a pipeline's sum carries its failures: inside the guard, which votes on a stage's
-                    means.append(self._evaluation_through_stages(total, window, hooks))
+                    means.append(self._stage_evaluation_mean(total, window, hooks))
                     continue
                 micro_batch, n = pieces[k]
                 # this rank's part of each sequence, weighed by its tokens
@@ -319,7 +319,7 @@ class WindowExecutor:
             self.stages.run(window, lambda outputs, index: losses.read(outputs, index, add), train=False)
         window.failure = losses.failure
 
-    def _evaluation_through_stages(self, total: torch.Tensor, window: StageWindow, hooks) -> float:
+    def _stage_evaluation_mean(self, total: torch.Tensor, window: StageWindow, hooks) -> float:
         """A pipeline evaluation's mean: its totals (and a routed model's counts) summed over every rank in one
         reduction, a failure raised on every rank after it."""
         total[2] = float(window.failure is not None)
