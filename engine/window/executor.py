@@ -76,8 +76,8 @@ class StageHooks(Protocol):
 class WindowExecutor:
     """Runs one engine's windows. ``model``: what ``loss_fn(model, micro_batch)`` is handed (the engine's
     front); ``hooks``: the windows' hooks, None for a dense model (a pipeline's: its stages' hooks);
-    ``stages``: a pipeline's windows, None for a model held whole; ``guard``: runs a window's micro-steps (the window runner's: the automatic micro
-    size's catches an out-of-memory on any rank); ``accounting``: the window's weights."""
+    ``stages``: a pipeline's windows, None for a model held whole; ``guard``: runs a window's micro-steps (the
+    runner's: the automatic micro size's catches an out-of-memory on any rank); ``accounting``: its weights."""
 
     def __init__(self, *, model, strategy, windows, window_split, context, losses, accounting,
                  hooks: WindowHooks | StageHooks | None, stages: StageWindows | None,
@@ -183,9 +183,8 @@ class WindowExecutor:
                 window.confirm_start()
 
     def _counting_failed(self, window: StageWindow) -> None:
-        """A pipeline's counting run failed on some rank: this rank raises its own failure, or, where it has
-        none, learns of another's; under a vote on failures (the automatic micro size) it leaves the window
-        to the vote instead, which then abandons it on every rank (an out-of-memory: retried smaller)."""
+        """A pipeline's counting run failed on some rank: raise this rank's failure, else another's; under a
+        vote on failures (the automatic micro size) leave the window to the vote, which abandons it everywhere."""
         self.stages.raise_stage_failure()
         if window.failure is not None:
             raise window.failure
