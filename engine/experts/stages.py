@@ -205,7 +205,8 @@ class StageRouters:
         logits = getattr(output, "router_logits", None)
         if self._mode is None or not isinstance(logits, tuple) or not logits:
             return None
-        if getattr(self._stages[index], "learning_shapes", False):  # the schedule's shape inference
+        # the schedule's shape inference, or a failed stage learning its stand-in's shapes from one row
+        if getattr(self._stages[index], "learning_shapes", False) or self._stood_in():
             return None
         k = self._forwards[index]
         self._forwards[index] += 1

@@ -515,23 +515,25 @@ def pipeline_scenario(rank, world, schedule="1f1b", **extra):
     return results
 
 
-def pipeline_shrinking_scenario(rank, world):
-    """Pipeline 2 under global balance, 1F1B (a counting run first), the automatic micro size: from the second
-    window on the first stage runs out of memory above 2 rows, in the counting run (its stage stands in with
-    the shapes of the first window's forwards); every rank leaves the window to the vote, which shrinks the
+def pipeline_shrinking_scenario(rank, world, from_window: int):
+    """Pipeline 2 under global balance, 1F1B (a counting run first), the automatic micro size: from window
+    ``from_window`` on, the first stage runs out of memory above 2 rows, in the counting run. Its stage stands
+    in (window 0: with the shapes of one row's forward, its routers not counting that row; later: with the
+    shapes of the earlier windows' forwards); every rank leaves the window to the vote, which shrinks the
     micro size on both, and the window runs again, exact."""
     model, batches = hf_moe(), lm_batches(2, 8)
     expected = reference(model, batches, hf_loss)
-    tripped, armed = copy.deepcopy(model), []
+    tripped, windows = copy.deepcopy(model), []
     trip = out_of_memory_above(2)
-    tripped.model.embed_tokens.register_forward_pre_hook(lambda module, args: trip(module, args) if armed else None)
+    tripped.model.embed_tokens.register_forward_pre_hook(
+        lambda module, args: trip(module, args) if len(windows) >= from_window else None)
     eng = engine.initialize(tripped, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
                                       "pipeline": {"stages": 2, "schedule": "1f1b"},
                                       "distributed": {"agreement_timeout_seconds": 60, "timeout_seconds": 60}},
                             optimizer=sgd)
     for batch in batches:
         eng.train_batch(batch, hf_loss)
-        armed.append(True)
+        windows.append(batch)
     result = {"exact": max_param_diff(eng.full_state_dict(), expected), "counts": eng.experts.global_counts,
               "sizes": eng.plan.micro_batch_sizes_for_rank(0),
               "changes": [(change["old"], change["new"]) for change in eng.micro_batch_tuner.changes]}
@@ -557,7 +559,8 @@ def two_ranks():
     scenarios["pipeline chosen"] = functools.partial(
         pipeline_scenario, schedule=None, activation_checkpointing={"enabled": True, "blocks": "auto"})
     scenarios["short data"] = short_data_scenario
-    scenarios["pipeline shrinking"] = pipeline_shrinking_scenario
+    scenarios |= {("pipeline shrinking", window): functools.partial(pipeline_shrinking_scenario, from_window=window)
+                  for window in (0, 1)}
     return run_scenarios(scenarios, world_size=2, timeout=400)
 
 
@@ -601,10 +604,11 @@ def test_pipeline_2_counts_every_stage_before_the_first_backward(two_ranks, scen
 
 @pytest.mark.distributed
 @pytest.mark.timeout(500)
-def test_an_out_of_memory_in_a_pipelines_counting_run_shrinks_every_rank(two_ranks):
-    for rank, result in enumerate(two_ranks["pipeline shrinking"]):
+@pytest.mark.parametrize("window", [0, 1], ids=["first window", "a later window"])
+def test_an_out_of_memory_in_a_pipelines_counting_run_shrinks_every_rank(two_ranks, window):
+    for rank, result in enumerate(two_ranks[("pipeline shrinking", window)]):
         assert result["counts"] == "count_forward" and result["exact"] < HF_TOL, (rank, result)
-        assert result["sizes"] == (2, 2, 2, 2) and result["changes"][-1] == (4, 2), (rank, result)
+        assert result["sizes"] == (2, 2, 2, 2) and result["changes"] == [(8, 4), (4, 2)], (rank, result)
 
 
 @pytest.mark.distributed
