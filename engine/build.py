@@ -15,7 +15,7 @@ from engine.config.schema import ConfigError, load_config
 from engine.config.checks import check_without_model
 from engine.distributed.process_group import init_distributed
 from engine.engine import Engine
-from engine.window.runner import LossFn
+from engine.window.executor import LossFn
 from engine.experts.stages import config_for_global_balance, stage_balance
 from engine.experts.window import expert_balance
 from engine.monitor.startup import STARTUP_LOGGER, startup_lines
@@ -101,9 +101,9 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
     monitor = Monitor(config.monitor, rank=dist_info.rank) if config.monitor.enabled else None
     autosave = automatic_checkpoints(config.checkpoint, dist_info.rank)
     own_loss = model_loss(model)  # the model's own loss, read as (sum, count) (engine.window.model_loss)
-    experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
-                             stages_run_micro_steps=setup.mesh.pipeline > 1)
     stages = stage_windows(strategy, plan, own_loss)  # None without a pipeline
+    experts = expert_balance(model, config.moe, strategy=strategy, checkpointing=setup.checkpointing is not None,
+                             stages_run_micro_steps=stages is not None)
     schedule_steps = stages.fitting_micro_batches if stages is not None else None
     # under a pipeline the window's hooks are its stages' routers (None: none counted there)
     window_hooks = experts if stages is None else stage_balance(model, config.moe, strategy, experts)
@@ -114,7 +114,7 @@ def initialize(model: torch.nn.Module, config, *, optimizer: OptimizerArg = None
                                     length_multiple=context.shards.chunks if context is not None else 1,
                                     packing=packing_seams(model, own_loss) if config.packing else None)
     eng = Engine(config=config, plan=plan, strategy=strategy, window_split=window_split,
-                 window_runner=tuner, stages=stages,  # None: the engine runs its windows itself once
+                 tuner=tuner, stages=stages,  # None: each window runs once
                  monitor=monitor, autosave=autosave, checkpoint_states={"micro_batch_tuner": tuner},
                  lr_scheduler=_materialise_scheduler(lr_scheduler, strategy.optimizer, config),
                  loss_fn=loss_fn, grad_norm_every_step=grad_norm_every_step, window_hooks=window_hooks,

@@ -20,9 +20,9 @@ totals, multiply, clip, step) and discard — is ``engine.window.machine``; the 
 (``engine.schedule``), evaluation's too; this class is the public front over both.
 
 Collaborators are handed in by ``engine.initialize``, never attached afterwards: the strategy
-(how the model is held), the window runner (``engine.window.runner``: the plain one runs the window
-on the executor once, the automatic micro-batch size of ``engine.autotune.tuner`` retries it and guards
-its micro-steps), a pipeline's windows (``engine.window.stages``: what the executor's stage actions run;
+(how the model is held), the automatic micro-batch size when the plan has one (``engine.autotune.tuner``:
+it retries a window on the executor smaller after an out-of-memory and guards its micro-steps; without
+it each window runs once), a pipeline's windows (``engine.window.stages``: what the executor's stage actions run;
 None for a model held whole), the window's hooks (a model with routers: ``engine.experts.window``, under a
 pipeline ``engine.experts.stages``; None for a dense model) and the model's routers as ``eng.experts``
 reads them, the engine's hooks (``engine.window.hooks``: the monitor and automatic checkpoints, told
@@ -35,6 +35,7 @@ scaler, tuner), which the engine hands with itself and its strategy to one
 from __future__ import annotations
 
 import logging
+from typing import Callable, Protocol
 
 import torch
 
@@ -49,15 +50,27 @@ from engine.experts.window import NO_ROUTERS
 from engine.state.checkpoint import CheckpointManager, CheckpointPosition
 from engine.state.engine_state import EngineState
 from engine.strategies.base import Strategy
-from engine.window.executor import WindowExecutor, WindowHooks
+from engine.window.executor import LossFn, WindowExecutor, WindowHooks
 from engine.window.hooks import EngineHook, Hooks
 from engine.window.loss_checks import check_loss, check_loss_signature
 from engine.window.machine import WindowMachine
 from engine.window.model_loss import LossReading, NoModelLoss
-from engine.window.runner import LossFn, WindowRunner
 from engine.window.stages import StageWindows
 
 log = logging.getLogger("engine")
+
+
+class MicroSizeTuner(Protocol):
+    """What the engine asks of its automatic micro-batch size (``engine.autotune.tuner.MicroBatchTuner``)."""
+
+    def retry_window(self, engine: "Engine", batch, loss_fn: LossFn) -> None: ...
+    def retry_eval(self, engine: "Engine", batch, loss_fn: LossFn) -> float: ...
+    def guard(self, work: Callable[[], None]) -> None: ...
+
+
+def _run(work: Callable[[], None]) -> None:
+    """A window's micro-steps without the automatic micro size: run once."""
+    work()
 
 
 class _Counter:
@@ -79,7 +92,7 @@ class Engine:
     micro_steps, global_steps, global_samples, skipped_steps = _Counter(), _Counter(), _Counter(), _Counter()
 
     def __init__(self, *, config, plan: BatchPlan, strategy: Strategy, window_split: PlannedSplit,
-                 window_runner: WindowRunner | None = None, monitor: EngineHook | None = None,
+                 tuner: MicroSizeTuner | None = None, monitor: EngineHook | None = None,
                  autosave: EngineHook | None = None, hooks: tuple[EngineHook, ...] = (),
                  checkpoint_states: dict | None = None, lr_scheduler=None, loss_fn: LossFn | None = None,
                  grad_norm_every_step: bool = False, window_hooks: WindowHooks | None = None, experts=None,
@@ -87,7 +100,7 @@ class Engine:
                  losses: LossReading | None = None):
         self.config, self.plan, self.strategy = config, plan, strategy
         # how windows are cut and what a micro-batch counts for (engine.batching.window_split)
-        self.window_split, self.window_runner = window_split, window_runner or WindowRunner()
+        self.window_split, self._tuner = window_split, tuner
         # Hooks, told in this order at every point; the monitor and the automatic checkpoints are kept
         # by name too (scripts read eng.monitor, eng.autosave); the checkpoints go last: a stop signal ends
         # the run there.
@@ -107,11 +120,12 @@ class Engine:
         self.windows = WindowMachine(
             strategy=strategy, accounting=self.accounting, window_split=window_split, context=self.context,
             losses=self.losses, hooks=self._hooks, lr_scheduler=lr_scheduler,
-            chooses_micro_size=self.window_runner.chooses_micro_size, clipping=config.gradient_clipping,
+            chooses_micro_size=tuner is not None, clipping=config.gradient_clipping,
             non_finite_policy=config.faults.non_finite_gradient, grad_norm_every_step=grad_norm_every_step)
         self.executor = WindowExecutor(model=self, strategy=strategy, windows=self.windows, window_split=window_split,
                                        context=self.context, losses=self.losses, accounting=self.accounting,
-                                       hooks=window_hooks, stages=stages, guard=self.window_runner.guard)
+                                       hooks=window_hooks, stages=stages,
+                                       guard=tuner.guard if tuner is not None else _run)
         # A checkpoint holds the strategy's model and optimizer, the parts handed in, and this engine's
         # counters and plan, loaded last so that its hooks see the whole restored state.
         self.checkpoints = CheckpointManager(
@@ -172,7 +186,7 @@ class Engine:
     @property
     def micro_batch_tuner(self):
         """The automatic micro-batch size (``engine.autotune.tuner``) when the plan has one, else None."""
-        return self.window_runner if self.window_runner.chooses_micro_size else None
+        return self._tuner
 
     @property
     def monitor(self):
@@ -274,7 +288,10 @@ class Engine:
         batch = self._on_device(batch)
         self.windows.check_batch(batch)  # in the window statistics' reduction
         try:
-            self.window_runner.run_window(self, batch, loss_fn)
+            if self._tuner is None:
+                self.executor.run_window(batch, loss_fn, self.plan)
+            else:  # attempts, smaller after an out-of-memory every rank agreed on
+                self._tuner.retry_window(self, batch, loss_fn)
         except BaseException:
             self.discard_window()  # a failed batch leaves no half window behind
             self.windows.check_batch(None)
@@ -285,7 +302,10 @@ class Engine:
     def eval_batch(self, batch, loss_fn: LossFn | None = None) -> float:
         """Micro-batched evaluation (module in eval mode, no gradients); returns the mean loss
         over every rank's batch, per sample or per item like ``train_batch``."""
-        return self.window_runner.run_eval(self, self._on_device(batch), self._loss_fn(loss_fn))
+        batch, loss_fn = self._on_device(batch), self._loss_fn(loss_fn)
+        if self._tuner is None:
+            return self.executor.evaluate(batch, loss_fn, self.plan)
+        return self._tuner.retry_eval(self, batch, loss_fn)
 
     def _on_device(self, batch):
         """A host batch copied to where this rank computes: the loss meets outputs and labels on one device."""
@@ -303,7 +323,7 @@ class Engine:
             self._hooks.tell("on_batches", data)
         return data
 
-    # -- for window runners (engine.window.runner) ------------------------------------------
+    # -- for the automatic micro size (engine.autotune.tuner) ----------------------------------
     def discard_window(self) -> None:
         """Abandon the window in progress: its gradients, counters and partial reductions."""
         self.windows.discard()

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed.collectives import MEMORY_LIMIT, OTHER_ERROR, OUT_OF_MEMORY, max_over_ranks
-from engine.window.runner import WindowRunner
 from engine.errors import ConfigError, OutOfMemoryAtMicroBatchOne, PeerError
 from engine.memory import PeakMeter, memory_limit_bytes
 from engine.batching.token_budget import budget_candidates
@@ -163,11 +162,11 @@ class TokenBudget:
         return "micro-steps follow from the lengths, "
 
 
-class MicroBatchTuner(WindowRunner):
-    """The ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``): the window
-    runner ``engine.initialize`` builds the engine with when the plan's micro size is automatic."""
+class MicroBatchTuner:
+    """The ``auto`` / ``explore`` behaviour of one engine (``eng.micro_batch_tuner``), which
+    ``engine.initialize`` builds the engine with when the plan's micro size is automatic: it retries the
+    executor's windows (``engine.engine.MicroSizeTuner``)."""
 
-    chooses_micro_size = True
     clock = staticmethod(time.perf_counter)  # what explore times candidate sizes with (seconds); set per instance
 
     def __init__(self, strategy, plan, *, memory_limit: float | None = None, warmup: int = 1, repeats: int = 2,
@@ -213,7 +212,7 @@ class MicroBatchTuner(WindowRunner):
             self.switch.on = bool(state.get("checkpointing"))
 
     # -- training -----------------------------------------------------------------------
-    def run_window(self, eng, batch, loss_fn) -> None:
+    def retry_window(self, eng, batch, loss_fn) -> None:
         """Forward and backward of a whole window, shrinking the micro size until it fits."""
         if self.pending_explore:
             self.explore(eng, batch, loss_fn)
@@ -227,7 +226,7 @@ class MicroBatchTuner(WindowRunner):
                 eng.discard_window()
                 self._next_lever(eng, failure)
 
-    def run_eval(self, eng, batch, loss_fn) -> float:
+    def retry_eval(self, eng, batch, loss_fn) -> float:
         knob = self.knob
         value = getattr(self, knob.eval_attribute) or knob.value(eng.plan)
         while True:

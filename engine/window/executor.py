@@ -77,7 +77,7 @@ class WindowExecutor:
     """Runs one engine's windows. ``model``: what ``loss_fn(model, micro_batch)`` is handed (the engine's
     front); ``hooks``: the windows' hooks, None for a dense model (a pipeline's: its stages' hooks);
     ``stages``: a pipeline's windows, None for a model held whole; ``guard``: runs a window's micro-steps (the
-    runner's: the automatic micro size's catches an out-of-memory on any rank); ``accounting``: its weights."""
+    automatic micro size's catches an out-of-memory on any rank); ``accounting``: its weights."""
 
     def __init__(self, *, model, strategy, windows, window_split, context, losses, accounting,
                  hooks: WindowHooks | StageHooks | None, stages: StageWindows | None,
