@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from engine.accounting import loss_and_units, loss_tensor, losses_with_window_term, mean_items
+from engine.accounting import loss_tensor, losses_with_window_term, mean_items
 from engine.config.schema import torch_sections
 from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
@@ -289,6 +289,8 @@ class StageBalance:
     window's schedule (counted first, or its forwards held), the term its last stage's losses are recorded
     with, and what its counting run, its exchange and its stages' training and evaluating forwards do."""
 
+    counts_routers = True  # the model's own loss is read without its term: the window's is added
+
     def __init__(self, routers: StageRouters, balance, holds_forwards: bool, schedules):
         """``balance``: the model's ``engine.experts.window.ExpertBalance``, which keeps the window's load for
         the monitor; ``holds_forwards``: the stages' order runs every forward first (GPipe), which counts;
@@ -326,9 +328,9 @@ class StageBalance:
         finally:
             restore_rng_state(saved)
 
-    def counted(self, k: int, output, samples: int) -> None:
-        """Micro-batch ``k``'s loss in the counting run: the items it stands for, whether it is the own loss."""
-        _, units, item_weighted = loss_and_units(output, samples)
+    def counted(self, k: int, output, units, item_weighted: bool) -> None:
+        """Micro-batch ``k``'s loss in the counting run (as ``loss_fn`` returned it, read as ``units`` of a mean or
+        item-weighted loss): the items it stands for, whether it is the own loss."""
         self.term.units[k] = (units, not item_weighted or mean_items(loss_tensor(output)) is None)
 
     def exchange(self) -> bool:

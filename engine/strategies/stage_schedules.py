@@ -179,7 +179,8 @@ class StageSchedules:
         self._loss = loss_fn
         if self._failures is not None:
             self._failures.clear()
-        target = torch.arange(micro_batches, device=self.device)
+        # each micro-batch's index, read on the host by the last stage's loss: kept there (no device sync)
+        target = torch.arange(micro_batches)
         args = _as_tuple(inputs) if self.holds_first_stage else ()
         try:
             if train:

@@ -31,9 +31,9 @@ import torch
 from engine.accounting import evaluation_mean, evaluation_terms, loss_and_units
 from engine.batching.micro_batches import MicroBatches
 from engine.schedule import (BACKWARD, COUNT, EXCHANGE, FORWARD, STAGES, WINDOW,
-                             evaluated_through_stages, forwards_only, one_after_another, through_stages)
+                             evaluated_through_stages, forwards_only, one_after_another)
 from engine.window.loss_checks import check_scalar_loss, failed_on_another_rank, written_for_model
-from engine.window.stages import StageWindow, StageWindows
+from engine.window.stages import NO_STAGE_HOOKS, StageWindow, StageWindows
 
 LossFn = Callable[[Any, Any], Any]
 
@@ -51,12 +51,15 @@ class WindowHooks(Protocol):
 
 
 class StageHooks(Protocol):
-    """What a pipeline window's hooks (a routed model's stages: ``engine.experts.stages.StageBalance``) answer."""
+    """What a pipeline window's hooks (a routed model's stages: ``engine.experts.stages.StageBalance``; without
+    routers to count, ``engine.window.stages.NO_STAGE_HOOKS``) answer."""
+
+    counts_routers: bool  # the model's own loss is read without its term (the window's is added)
 
     def schedule(self, micro_batches: int) -> list: ...
     def window(self, window: StageWindow, term_weight: Callable) -> contextlib.AbstractContextManager: ...
     def counting(self) -> contextlib.AbstractContextManager: ...
-    def counted(self, k: int, output, samples: int) -> None: ...
+    def counted(self, k: int, output, units, item_weighted: bool) -> None: ...
     def exchange(self) -> bool: ...  # whether a rank failed
     def training(self) -> contextlib.AbstractContextManager: ...
     def record(self, k: int, output, count) -> None: ...
@@ -129,21 +132,23 @@ class WindowExecutor:
         ``batch``: this rank's per-device batch, or ``engine.MicroBatches`` (run as collated)."""
         stages, hooks = self.stages, self._hooks_for(loss_fn)
         if stages is not None:
-            batch, loss_fn = stages.schedule_form(batch, loss_fn, "train_batch", routers_counted=hooks is not None)
+            batch, loss_fn = stages.schedule_form(batch, loss_fn, "train_batch", hooks.counts_routers)
         split = batch.split(plan) if isinstance(batch, MicroBatches) else self.window_split.split(batch, plan)
         self.windows.planned(split)
         pieces, window = list(split.pieces), None
         if stages is not None:
             window = stages.window(batch[0], pieces, loss_fn, self.context, self.window_split.schedule_rows())
             pieces = window.pieces
-        plain = one_after_another if stages is None else through_stages
-        actions = hooks.schedule(len(pieces)) if hooks is not None else plain(len(pieces))
+        actions = hooks.schedule(len(pieces)) if hooks is not None else one_after_another(len(pieces))
         with self._own_micro_batches():
             self.guard(lambda: self._run(actions, pieces, loss_fn, plan.gradient_accumulation_steps, hooks, window))
 
     def _hooks_for(self, loss_fn: LossFn):
-        """The window's hooks: a pipeline's routers count only for the model's own loss, which adds their term."""
-        return self.hooks if self.stages is None or written_for_model(loss_fn) else None
+        """The window's hooks: a pipeline's routers count only for the model's own loss, which adds their term
+        (without them, the null ``NO_STAGE_HOOKS``)."""
+        if self.stages is None:
+            return self.hooks
+        return self.hooks if self.hooks is not None and written_for_model(loss_fn) else NO_STAGE_HOOKS
 
     def _run(self, actions: list, pieces: list, loss_fn: LossFn, planned: int, hooks,
              window: StageWindow | None) -> None:
@@ -193,21 +198,26 @@ class WindowExecutor:
 
     def _hooks_window(self, hooks, pieces: list, window: StageWindow | None):
         """Around a window's actions: its hooks' (a pipeline's: with its stages' form and the term's weight)."""
-        if hooks is None:
-            return contextlib.nullcontext()
-        return hooks.window(len(pieces)) if window is None else hooks.window(window, self._term_weight)
+        if window is not None:
+            return hooks.window(window, self._term_weight)
+        return hooks.window(len(pieces)) if hooks is not None else contextlib.nullcontext()
 
     def _count_through_stages(self, window: StageWindow, hooks) -> None:
         """The counting run: the order's forwards without gradients, the last stage's items read."""
-        losses = self.stages.losses(window)
-
         def counted(k, output):
-            check_scalar_loss(loss_and_units(output, window.sizes[k])[0])
-            hooks.counted(k, output, window.sizes[k])
+            loss, units, item_weighted = loss_and_units(output, window.sizes[k])
+            check_scalar_loss(loss)
+            hooks.counted(k, output, units, item_weighted)
 
-        with hooks.counting(), self.context.running():
-            self.stages.run(window, lambda outputs, index: losses.read(outputs, index, counted), train=False)
+        self._forwards_through_stages(window, counted, hooks.counting())
         window.confirm_start()  # the ranks' position check, before the window's first collective
+
+    def _forwards_through_stages(self, window: StageWindow, use: Callable, around) -> None:
+        """The order's forwards alone (inside ``around``), ``use(k, loss_fn's output)`` on the last stage; its
+        first error kept in ``window.failure``."""
+        losses = self.stages.losses(window)
+        with around, self.context.running():
+            self.stages.run(window, lambda outputs, index: losses.read(outputs, index, use), train=False)
         window.failure = losses.failure
 
     def _train_through_stages(self, window: StageWindow, hooks) -> None:
@@ -219,29 +229,23 @@ class WindowExecutor:
 
         def weighed(k, output):
             weighted, outputs[k], count = windows.weighed_loss(output, sizes[k])
-            if hooks is not None:
-                hooks.record(k, output, count)
+            hooks.record(k, output, count)
             return weighted
 
         def last_stage_loss(outputs_of_stage, index):
             loss = losses.read(outputs_of_stage, index, weighed)
-            if hooks is not None:
-                hooks.last_stage_read(int(index[0]))
+            hooks.last_stage_read(int(index[0]))
             return loss
 
         def before_gradients():  # where this rank waits for the next stage's first gradient anyway
             windows.fingerprint_batch()
-            if hooks is not None:
-                hooks.before_gradients()
+            hooks.before_gradients()
 
         # a recorded window: every micro-batch's saved activations count
-        with windows.measured_forwards(), hooks.training() if hooks is not None else contextlib.nullcontext(), \
-                self.context.running():
+        with windows.measured_forwards(), hooks.training(), self.context.running():
             self.stages.run(window, last_stage_loss, train=True, before_first_gradient_wait=before_gradients)
-        failure = losses.failure
-        if hooks is not None:
-            failure = failure or hooks.failure()
-            outputs = hooks.recorded(outputs)
+        failure = losses.failure or hooks.failure()
+        outputs = hooks.recorded(outputs)
         self.stages.raise_stage_failure()  # kept by the failure guard: the tuner's vote follows
         for output, samples in zip(outputs, sizes):
             windows.record(output, samples)
@@ -267,7 +271,7 @@ class WindowExecutor:
         forwards only, in eval mode without gradients, guarded; one all-reduce of the totals."""
         stages, hooks = self.stages, self._hooks_for(loss_fn)
         if stages is not None:
-            batch, loss_fn = stages.schedule_form(batch, loss_fn, "eval_batch", routers_counted=hooks is not None)
+            batch, loss_fn = stages.schedule_form(batch, loss_fn, "eval_batch", hooks.counts_routers)
         pieces = list(self.window_split.eval_pieces(batch, plan, size))
         # Σ loss × share, Σ units; under a pipeline also: a loss_fn failed, a loss not the model's own
         total = torch.zeros(2 if stages is None else 4, dtype=torch.float64, device=self.strategy.device)
@@ -306,32 +310,26 @@ class WindowExecutor:
     def _evaluate_through_stages(self, window: StageWindow, hooks, total: torch.Tensor) -> None:
         """The order's forwards, the last stage's losses added to ``total``; a routed model's own loss without
         its term (the evaluated batch's, added once after the sum)."""
-        losses = self.stages.losses(window)
-
         def add(k, output):
             check_scalar_loss(loss_and_units(output, window.sizes[k])[0])
             total[:2] += torch.stack(evaluation_terms(output, window.sizes[k]))
-            if hooks is not None and not hooks.evaluated_own_loss(output):
+            if not hooks.evaluated_own_loss(output):
                 total[3] = 1.0
 
-        with hooks.evaluating(window) if hooks is not None else contextlib.nullcontext(), self.context.running():
-            self.stages.run(window, lambda outputs, index: losses.read(outputs, index, add), train=False)
-        window.failure = losses.failure
+        self._forwards_through_stages(window, add, hooks.evaluating(window))
 
     def _stage_evaluation_mean(self, total: torch.Tensor, window: StageWindow, hooks) -> float:
         """A pipeline evaluation's mean: its totals (and a routed model's counts) summed over every rank in one
         reduction, a failure raised on every rank after it."""
         total[2] = float(window.failure is not None)
-        if hooks is not None:  # every stage's router counts ride the same reduction
-            total = torch.cat([total, hooks.evaluation_counts().to(total.device)])
-        total = self.stages.evaluation_sum(total).cpu()
+        # every stage's router counts ride the same reduction
+        total = self.stages.evaluation_sum(torch.cat([total, hooks.evaluation_counts().to(total.device)])).cpu()
         if total[2] > 0:
             raise window.failure or failed_on_another_rank("evaluation")
         self.stages.raise_stage_failure()  # after the evaluation's collectives: the tuner's vote follows
         if total[3] > 0:
             raise hooks.not_own_loss()
-        mean = evaluation_mean(total)
-        return mean + hooks.evaluation_term(total[4:]) if hooks is not None else mean
+        return evaluation_mean(total) + hooks.evaluation_term(total[4:])
 
     @contextlib.contextmanager
     def _own_micro_batches(self):

@@ -30,6 +30,7 @@ micro-batch weighted by its real tokens; a zero-weight step runs without calling
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -40,6 +41,7 @@ from engine.batching.micro_batches import MicroBatches
 from engine.distributed.collectives import small_sum
 from engine.errors import EngineUsageError
 from engine.losses import outputs_loss_of
+from engine.schedule import through_stages
 from engine.pipeline.schedule_inputs import (check_model_batch, equal_chunks, inputs_and_labels, packed_positions,
                                              real_rows, rows_of, sequence_parts, zero_from)
 from engine.window.loss_checks import model_call_refused, written_for_model
@@ -168,6 +170,40 @@ class StageWindows:
         """An evaluation's totals over every rank: the last stages' (the other stages add zeros; a last
         stage's tensor ranks each add the same, which the quotient cancels)."""
         return small_sum(total)
+
+
+class NoStageHooks:
+    """The hooks of a pipeline window without routers to count (a dense model, or a loss other than the model's
+    own): nothing is counted, held or added."""
+
+    counts_routers = False
+
+    def schedule(self, micro_batches: int) -> list:
+        return through_stages(micro_batches)
+
+    def _no_context(self, *args) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def _nothing(self, *args) -> None:
+        return None
+
+    window = training = evaluating = _no_context
+    record = last_stage_read = before_gradients = failure = _nothing
+
+    def recorded(self, outputs: list) -> list:
+        return outputs
+
+    def evaluated_own_loss(self, output) -> bool:
+        return True
+
+    def evaluation_counts(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64)
+
+    def evaluation_term(self, counts: torch.Tensor) -> float:
+        return 0.0
+
+
+NO_STAGE_HOOKS = NoStageHooks()
 
 
 def stage_windows(strategy, plan, model_loss: ModelLoss | NoModelLoss) -> StageWindows | None:
