@@ -9,8 +9,8 @@ An action is ``(kind, k)``, micro-batch ``k`` (``-1`` where an action is the win
   routers' counts over every micro-batch and data rank);
 * ``EVALUATE k``: a forward whose loss is added to an evaluation's totals (no backward);
 * ``STAGES``: under a pipeline, every micro-batch of the window through this rank's stages in their
-  order (one of the stage orders below), the last stage's losses weighed as ``BACKWARD``'s are; a
-  ``COUNT`` or ``EVALUATE`` of the window runs the same order's forwards alone.
+  order (one of the stage orders below), the last stage's losses weighed as ``BACKWARD``'s are;
+  ``COUNT_STAGES`` and ``EVALUATE_STAGES`` run the same order's forwards alone, to count or evaluate.
 
 A schedule is made by a generator below; the window executor (``engine.window.executor``) runs any of
 them, and a window's hooks (a mixture of experts' routers, ``engine.experts.window``) choose one.
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 FORWARD, BACKWARD, COUNT, EXCHANGE, EVALUATE = "forward", "backward", "count", "exchange", "evaluate"
-STAGES = "stages"
+STAGES, COUNT_STAGES, EVALUATE_STAGES = "stages", "count_stages", "evaluate_stages"
 WINDOW = -1  # the micro-batch index of an action that is the window's
 
 Action = tuple[str, int]
@@ -64,12 +64,12 @@ def through_stages(micro_batches: int) -> list[Action]:
 def counted_through_stages(micro_batches: int) -> list[Action]:
     """A pipeline window whose routers are counted first: the order's forwards without gradients, the
     counts exchanged, then the order."""
-    return [(COUNT, WINDOW), (EXCHANGE, WINDOW), (STAGES, WINDOW)]
+    return [(COUNT_STAGES, WINDOW), (EXCHANGE, WINDOW), (STAGES, WINDOW)]
 
 
 def evaluated_through_stages(micro_batches: int) -> list[Action]:
     """A pipeline's evaluation: the stages' order's forwards alone, the last stage's losses added up."""
-    return [(EVALUATE, WINDOW)]
+    return [(EVALUATE_STAGES, WINDOW)]
 
 
 # -- a pipeline's stages ------------------------------------------------------------------------------

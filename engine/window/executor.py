@@ -14,8 +14,8 @@ window is ``STAGES``: its micro-batches through the stages' order (GPipe, 1F1B, 
 ``engine.schedule``), run by torch's runtime, whose last stage hands the executor each micro-batch's
 loss to read and weigh; every stage counts every micro-step after it, and a failure is the window's on
 every rank. A routed model's hooks there (``engine.experts.stages.StageBalance``) add the counting run
-(``COUNT`` of the window) and the exchange, or hold the order's forwards; an evaluation is the order's
-forwards (``EVALUATE`` of the window).
+(``COUNT_STAGES``) and the exchange, or hold the order's forwards; an evaluation is the order's
+forwards (``EVALUATE_STAGES``).
 
 Every forward of a window the executor cut itself is its own (no manual-loop bookkeeping); a forward
 of the manual loop (``eng(x)``) comes here too, through :meth:`forward`.
@@ -30,7 +30,7 @@ import torch
 
 from engine.accounting import evaluation_mean, evaluation_terms, loss_and_units
 from engine.batching.micro_batches import MicroBatches
-from engine.schedule import (BACKWARD, COUNT, EXCHANGE, FORWARD, STAGES, WINDOW,
+from engine.schedule import (BACKWARD, COUNT, COUNT_STAGES, EVALUATE_STAGES, EXCHANGE, FORWARD, STAGES,
                              evaluated_through_stages, forwards_only, one_after_another)
 from engine.window.loss_checks import check_scalar_loss, failed_on_another_rank, written_for_model
 from engine.window.stages import NO_STAGE_HOOKS, StageWindow, StageWindows
@@ -171,7 +171,7 @@ class WindowExecutor:
                         windows.backward(held.pop(k), samples, planned, exact_counts=True)
                     elif kind == STAGES:
                         self._train_through_stages(window, hooks)
-                    elif kind == COUNT and k == WINDOW:
+                    elif kind == COUNT_STAGES:
                         self._count_through_stages(window, hooks)
                     elif kind == COUNT:
                         if k == 0:  # a counting forward's collectives come before the window's first training one
@@ -285,8 +285,8 @@ class WindowExecutor:
 
         def forwards():
             total.zero_()
-            for _, k in actions:
-                if k == WINDOW:
+            for kind, k in actions:
+                if kind == EVALUATE_STAGES:
                     self._evaluate_through_stages(window, hooks, total)
                     # a pipeline's sum carries its failures: inside the guard, which votes on a stage's
                     means.append(self._stage_evaluation_mean(total, window, hooks))
